@@ -1,0 +1,399 @@
+"""Messages between the node agent and the control plane.
+
+All bodies are JSON objects validated with ``agents.protocol.parse`` on both ends. Every node
+endpoint authenticates with ``Authorization: Bearer <node token>`` (the token returned by
+registration); registration itself carries the one-time bootstrap token in its body.
+
+=====  ==================================================  =================  =========================
+verb   path                                                body               answer
+=====  ==================================================  =================  =========================
+POST   /api/v1/agents/register                             Register           201 RegisterResponse
+POST   /api/v1/nodes/{node_id}/heartbeat                   Heartbeat          200 HeartbeatResponse
+POST   /api/v1/nodes/{node_id}/telemetry                   TelemetryBatch     202
+POST   /api/v1/nodes/{node_id}/events                      EventBatch         202
+POST   /api/v1/nodes/{node_id}/commands/{command_id}/ack   CommandAck         200; 409 stale generation
+=====  ==================================================  =================  =========================
+
+Delivery is at-least-once in both directions, so both sides deduplicate:
+
+- the agent replays spooled telemetry and events after an outage, in order; every ``AgentEvent``
+  carries a unique ``key`` and the server ignores a key it has already stored (and still answers
+  202). Samples are keyed by ``(node, gpu, time)``.
+- the server re-sends a command in every heartbeat answer until it is acknowledged; the agent
+  executes an ``idempotency_key`` once and acknowledges it again on every re-delivery.
+- a command or ack for a generation older than the job's current one is answered 409; the agent
+  then stops whatever it still runs of that generation (the generation is the fencing token).
+
+``AgentEvent.detail`` and ``Command.payload`` depend on ``kind``; ``parse_event_details`` and
+``parse_command_payload`` validate them with the classes in ``EVENT_DETAILS`` and
+``COMMAND_PAYLOADS``. Times are Unix epoch seconds (UTC), memory is in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agents.protocol.base import ProtocolError, field, parse
+
+REGISTER_PATH = "/api/v1/agents/register"
+HEARTBEAT_PATH = "/api/v1/nodes/{node_id}/heartbeat"
+TELEMETRY_PATH = "/api/v1/nodes/{node_id}/telemetry"
+EVENTS_PATH = "/api/v1/nodes/{node_id}/events"
+ACK_PATH = "/api/v1/nodes/{node_id}/commands/{command_id}/ack"
+
+#: Identifiers that end up in URL paths and file names: no slashes, no spaces, no dot-dot.
+ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}"
+MAX_GPUS = 64
+MAX_SAMPLES_PER_BATCH = 1024
+MAX_EVENTS_PER_BATCH = 256
+MAX_COMMANDS_PER_HEARTBEAT = 64
+MAX_LOG_TAIL_LINES = 80
+MAX_LOG_LINE = 500
+MAX_TIME = 2**32  # far future, but keeps obviously broken clocks out
+
+COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
+ACK_STATUSES = ("done", "refused", "failed")
+EVENT_KINDS = ("agent_started", "launched", "launch_refused", "exited", "stopped", "health_check",
+               "drain_ack", "telemetry_dropped", "xid")
+#: Why a generation ended, as read from exit codes and the log (``None``: clean exit).
+EXIT_SIGNATURES = ("oom", "nccl_timeout", "nccl_watchdog", "cuda_error", "xid", "paused",
+                   "stale_generation", "traceback", "signal", "unknown")
+HEALTH_CHECKS = ("gpu_reachable", "temperature", "ecc", "xid", "nvlink", "memory_free", "row_remap")
+
+
+# --- registration -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int = field(min=0, max=MAX_GPUS - 1)
+    uuid: str = field(max_len=96)
+    name: str = field(max_len=128)
+    memory_total: int = field(min=0)
+
+
+@dataclass(frozen=True)
+class Register:
+    bootstrap_token: str = field(max_len=256)
+    hostname: str = field(max_len=253)
+    #: Where peers reach this node (bandwidth probe, rendezvous): a host name or an IP address.
+    address: str = field(max_len=253)
+    agent_version: str = field(max_len=32)
+    labels: dict[str, str] = field(default_factory=dict, max_len=32)
+    gpus: list[GpuInfo] = field(default_factory=list, max_len=MAX_GPUS)
+    gpu_telemetry: bool = True
+    #: Set when ``gpu_telemetry`` is false: the reason, shown to operators as is.
+    gpu_telemetry_reason: str | None = field(default=None, max_len=500)
+    probe_port: int | None = field(default=None, min=1, max=65535)
+
+
+@dataclass(frozen=True)
+class RegisterResponse:
+    node_id: str = field(pattern=ID_PATTERN)
+    node_token: str = field(max_len=256)
+    heartbeat_interval_s: float = field(min=0.05, max=3600)
+
+
+# --- heartbeat and commands -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunningGeneration:
+    job: str = field(pattern=ID_PATTERN)
+    generation: int = field(min=0)
+    #: torchrun and every process below it, so the server can show what "running" means.
+    pids: list[int] = field(default_factory=list, max_len=4096)
+    started_at: float = field(default=0.0, min=0, max=MAX_TIME)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node_id: str = field(pattern=ID_PATTERN)
+    seq: int = field(min=0)
+    time: float = field(min=0, max=MAX_TIME)
+    running: list[RunningGeneration] = field(default_factory=list, max_len=64)
+    gpu_telemetry: bool = True
+    gpu_telemetry_reason: str | None = field(default=None, max_len=500)
+    draining: bool = False
+    #: Records waiting in the agent's disk spool (non-zero after an outage, while replaying).
+    spooled: int = field(default=0, min=0)
+    telemetry_dropped: int = field(default=0, min=0)
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str = field(pattern=ID_PATTERN)
+    kind: str = field(choices=COMMAND_KINDS)
+    idempotency_key: str = field(max_len=128)
+    job: str | None = field(default=None, pattern=ID_PATTERN)
+    generation: int | None = field(default=None, min=0)
+    payload: dict[str, Any] = field(default_factory=dict, max_len=64)
+
+
+@dataclass(frozen=True)
+class HeartbeatResponse:
+    commands: list[Command] = field(default_factory=list, max_len=MAX_COMMANDS_PER_HEARTBEAT)
+
+
+@dataclass(frozen=True)
+class CommandAck:
+    command_id: str = field(pattern=ID_PATTERN)
+    idempotency_key: str = field(max_len=128)
+    status: str = field(choices=ACK_STATUSES)
+    time: float = field(min=0, max=MAX_TIME)
+    job: str | None = field(default=None, pattern=ID_PATTERN)
+    generation: int | None = field(default=None, min=0)
+    detail: str = field(default="", max_len=2000)
+
+
+@dataclass(frozen=True)
+class LaunchPayload:
+    """What torchrun needs for one node of one generation; the hooks' settings ride along."""
+
+    script: str = field(max_len=1024)
+    nnodes: int = field(min=1, max=4096)
+    nproc_per_node: int = field(min=1, max=64)
+    node_rank: int = field(min=0, max=4095)
+    rdzv_endpoint: str = field(pattern=r"[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}")
+    rdzv_id: str = field(pattern=ID_PATTERN)
+    args: list[str] = field(default_factory=list, max_len=256)
+    #: Validated by ``agents.supervisor.validate_nccl_profile`` (names and values).
+    nccl_env: dict[str, str] = field(default_factory=dict, max_len=64)
+    #: ``--rdzv-conf=is_host=1``: needed on the node hosting the store when its name resolves
+    #: to loopback, as in single-machine demos.
+    rdzv_is_host: bool = False
+    hooks_url: str | None = field(default=None, max_len=1024)
+    hooks_token: str | None = field(default=None, max_len=256)
+    ckpt_dir: str | None = field(default=None, max_len=1024)
+    resume_from: str | None = field(default=None, max_len=1024)
+    workdir: str | None = field(default=None, max_len=1024)
+    #: A CPU-only job (gloo) may launch on a node without GPU telemetry; a GPU job may not.
+    require_gpu: bool = True
+
+
+@dataclass(frozen=True)
+class StopPayload:
+    grace_s: float = field(default=30.0, min=0, max=600)
+    reason: str = field(default="", max_len=500)
+
+
+@dataclass(frozen=True)
+class DrainPayload:
+    reason: str = field(default="", max_len=500)
+
+
+@dataclass(frozen=True)
+class ProbePeer:
+    node: str = field(pattern=ID_PATTERN)
+    address: str = field(max_len=253)
+    port: int = field(min=1, max=65535)
+    expected_mbps: float = field(min=0.001)
+
+
+@dataclass(frozen=True)
+class HealthCheckPayload:
+    peers: list[ProbePeer] = field(default_factory=list, max_len=64)
+    probe_bytes: int = field(default=64 * 2**20, min=2**16, max=2**32)
+    probe_seconds: float = field(default=5.0, min=0.1, max=60)
+
+
+COMMAND_PAYLOADS: dict[str, type] = {
+    "launch": LaunchPayload,
+    "stop": StopPayload,
+    "drain": DrainPayload,
+    "health_check": HealthCheckPayload,
+}
+
+
+def parse_command_payload(command: Command) -> Any:
+    """The validated payload object of ``command`` (its class depends on ``kind``)."""
+    if command.kind in ("launch", "stop") and (command.job is None or command.generation is None):
+        raise ProtocolError("generation", f"a {command.kind} command needs a job and a generation")
+    return parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
+
+
+# --- telemetry --------------------------------------------------------------------------------
+
+def _count(default: int | None = None) -> Any:
+    return field(default=default, min=0)
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU at one moment. ``None`` means the counter is not supported on this GPU/driver.
+
+    ``*_recent`` fields are the increase within the last ``window_s`` seconds: health rules use
+    them rather than the lifetime totals, so that one error long ago does not condemn a node.
+    """
+
+    node: str = field(pattern=ID_PATTERN)
+    gpu: int = field(min=0, max=MAX_GPUS - 1)
+    time: float = field(min=0, max=MAX_TIME)
+    reachable: bool = True
+    temperature_c: float | None = field(default=None, min=-50, max=200)
+    memory_used: int | None = _count()
+    memory_free: int | None = _count()
+    utilization_pct: float | None = field(default=None, min=0, max=100)
+    power_w: float | None = field(default=None, min=0, max=10_000)
+    sm_clock_mhz: int | None = _count()
+    #: NVML clocks-event (throttle) reasons bitmask, e.g. 0x40 hardware thermal slowdown.
+    throttle_reasons: int | None = _count()
+    ecc_corrected_volatile: int | None = _count()
+    ecc_uncorrected_volatile: int | None = _count()
+    ecc_corrected_aggregate: int | None = _count()
+    ecc_uncorrected_aggregate: int | None = _count()
+    ecc_corrected_recent: int | None = _count()
+    ecc_uncorrected_recent: int | None = _count()
+    retired_pages: int | None = _count()
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: int | None = _count()
+    remapped_rows_uncorrectable: int | None = _count()
+    remap_pending: bool | None = None
+    remap_failed: bool | None = None
+    xid_total: int = _count(0)
+    xid_recent: int = _count(0)
+    #: Distinct Xid codes seen within the window, most recent last.
+    recent_xid_codes: list[int] = field(default_factory=list, max_len=16)
+    nvlink_replay_errors: int | None = _count()
+    nvlink_recovery_errors: int | None = _count()
+    nvlink_crc_flit_errors: int | None = _count()
+    nvlink_crc_data_errors: int | None = _count()
+    nvlink_errors_recent: int | None = _count()
+    pcie_replays: int | None = _count()
+    window_s: float = field(default=600.0, min=1, max=7 * 86400)
+
+
+@dataclass(frozen=True)
+class TelemetryBatch:
+    samples: list[GpuSample] = field(max_len=MAX_SAMPLES_PER_BATCH)
+
+
+# --- events -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AgentEvent:
+    #: Unique per event, fixed when the event is created: the server's deduplication key.
+    key: str = field(max_len=128)
+    kind: str = field(choices=EVENT_KINDS)
+    time: float = field(min=0, max=MAX_TIME)
+    job: str | None = field(default=None, pattern=ID_PATTERN)
+    generation: int | None = field(default=None, min=0)
+    detail: dict[str, Any] = field(default_factory=dict, max_len=32)
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    events: list[AgentEvent] = field(max_len=MAX_EVENTS_PER_BATCH)
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int = field(min=0)
+    local_rank: int = field(min=0)
+    exit_code: int | None = None
+    #: The signal that ended the rank (9 for SIGKILL), when it did not exit on its own.
+    signal: int | None = field(default=None, min=1, max=64)
+    pid: int | None = field(default=None, min=1)
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """Detail of ``exited``: how a generation ended on this node, with the evidence."""
+
+    #: torchrun's own exit status (negative: killed by that signal); ``None`` if unknown.
+    exit_code: int | None
+    #: Ranks that torchrun reported as failed; ranks not listed exited 0.
+    ranks: list[RankExit] = field(default_factory=list, max_len=1024)
+    #: The first rank to fail, as torchrun saw it.
+    root_cause_rank: int | None = field(default=None, min=0)
+    signature: str | None = field(default=None, choices=EXIT_SIGNATURES)
+    #: The last line of the last traceback (``RuntimeError: ...``), when there is one.
+    error_line: str | None = field(default=None, max_len=MAX_LOG_LINE)
+    log_tail: list[str] = field(default_factory=list, max_len=MAX_LOG_TAIL_LINES)
+    log_path: str = field(default="", max_len=1024)
+    #: True when the agent stopped the generation on command (not a failure).
+    requested_stop: bool = False
+    runtime_s: float = field(default=0.0, min=0)
+    #: Xid codes seen on this node while the generation ran.
+    xids: list[int] = field(default_factory=list, max_len=64)
+
+
+@dataclass(frozen=True)
+class LaunchedDetail:
+    pid: int = field(min=1)
+    log_path: str = field(max_len=1024)
+    command: list[str] = field(default_factory=list, max_len=512)
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    name: str = field(choices=HEALTH_CHECKS)
+    ok: bool
+    detail: str = field(max_len=500)
+    gpu: int | None = field(default=None, min=0, max=MAX_GPUS - 1)
+    value: float | None = None
+    limit: float | None = None
+
+
+@dataclass(frozen=True)
+class BandwidthResult:
+    peer: str = field(pattern=ID_PATTERN)
+    address: str = field(max_len=253)
+    expected_mbps: float = field(min=0)
+    ok: bool
+    mbps: float | None = field(default=None, min=0)
+    error: str | None = field(default=None, max_len=500)
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Detail of ``health_check`` and ``launch_refused``: every check, passed or failed."""
+
+    ok: bool
+    reason: str = field(default="", max_len=2000)
+    checks: list[HealthCheck] = field(default_factory=list, max_len=1024)
+    bandwidth: list[BandwidthResult] = field(default_factory=list, max_len=64)
+
+
+@dataclass(frozen=True)
+class DrainAck:
+    reason: str = field(default="", max_len=500)
+    running: list[RunningGeneration] = field(default_factory=list, max_len=64)
+
+
+@dataclass(frozen=True)
+class TelemetryDropped:
+    #: Samples dropped since the previous ``telemetry_dropped`` event, and since agent start.
+    count: int = field(min=1)
+    total: int = field(min=1)
+
+
+@dataclass(frozen=True)
+class XidDetail:
+    gpu: int = field(min=0, max=MAX_GPUS - 1)
+    code: int = field(min=0)
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    agent_version: str = field(max_len=32)
+    gpu_telemetry: bool
+    gpu_telemetry_reason: str | None = field(default=None, max_len=500)
+
+
+EVENT_DETAILS: dict[str, type] = {
+    "agent_started": AgentStarted,
+    "launched": LaunchedDetail,
+    "launch_refused": HealthReport,
+    "exited": ExitReport,
+    "stopped": ExitReport,
+    "health_check": HealthReport,
+    "drain_ack": DrainAck,
+    "telemetry_dropped": TelemetryDropped,
+    "xid": XidDetail,
+}
+
+
+def parse_event_details(batch: EventBatch) -> list[tuple[AgentEvent, Any]]:
+    """Each event of a parsed batch with its validated detail object (class by ``kind``)."""
+    return [(event, parse(EVENT_DETAILS[event.kind], event.detail, path=f"events.{i}.detail"))
+            for i, event in enumerate(batch.events)]

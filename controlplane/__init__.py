@@ -1,0 +1,5 @@
+"""Nightwatch's project package: settings, URLs, ASGI/WSGI, the Celery app and auth."""
+
+from controlplane.celery import app as celery_app
+
+__all__ = ["celery_app"]

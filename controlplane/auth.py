@@ -1,0 +1,106 @@
+"""Who is calling, and what they may do.
+
+A caller is a person (session or a token owned by a user) or a machine (an agent token bound to
+one node, or a one-time bootstrap token). What they may do is a set of *capabilities*
+(``controlplane.roles``): for a person, those their role grants; for a token, those its scope
+grants, never more than its owner's role. Views declare the capability each method requires.
+"""
+
+from __future__ import annotations
+
+from django.utils import timezone
+from rest_framework import authentication, exceptions, permissions
+
+from controlplane import roles
+from controlplane.models import ApiToken, hash_token
+
+
+class TokenAuthentication(authentication.BaseAuthentication):
+    """``Authorization: Bearer nw_…``. Sets ``request.auth`` to the ApiToken."""
+
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).split()
+        if not header or header[0].lower() != self.keyword.lower().encode():
+            return None
+        if len(header) != 2:
+            raise exceptions.AuthenticationFailed("Malformed Authorization header: expected 'Bearer <token>'.")
+        try:
+            raw = header[1].decode()
+        except UnicodeError:
+            raise exceptions.AuthenticationFailed("The token contains invalid characters.") from None
+        token = ApiToken.objects.usable().select_related("user", "node").filter(digest=hash_token(raw)).first()
+        if token is None:
+            raise exceptions.AuthenticationFailed("Unknown, revoked or expired token.")
+        if token.user is not None and not token.user.is_active:
+            raise exceptions.AuthenticationFailed("The token's user is inactive.")
+        now = timezone.now()
+        # Avoid a write per request: refresh the last-use stamp at most once a minute.
+        if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
+            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        from django.contrib.auth.models import AnonymousUser
+
+        return (token.user or AnonymousUser(), token)
+
+    def authenticate_header(self, request):
+        return self.keyword
+
+
+def capabilities(request) -> set[str]:
+    """Every capability the caller of ``request`` holds."""
+    token = request.auth if isinstance(getattr(request, "auth", None), ApiToken) else None
+    user = request.user
+    if token is not None:
+        granted = set(roles.SCOPE_CAPABILITIES.get(token.scope, ()))
+        if token.user is None:
+            return granted
+        return {cap for cap in granted if _person_may(token.user, cap)}
+    if user is None or not user.is_authenticated:
+        return set()
+    return {cap for cap in roles.CAPABILITY_PERMISSIONS if _person_may(user, cap)}
+
+
+def _person_may(user, capability: str) -> bool:
+    perm = roles.CAPABILITY_PERMISSIONS.get(capability)
+    return perm is not None and user.has_perm(perm)
+
+
+def calling_node(request):
+    """The node an agent token acts for, or None."""
+    token = getattr(request, "auth", None)
+    if isinstance(token, ApiToken) and token.scope == "agent":
+        return token.node
+    return None
+
+
+class Requires(permissions.BasePermission):
+    """Checks ``view.required`` — a capability, or a dict method -> capability (default: view).
+
+    Anonymous callers get 401, authenticated callers lacking the capability get 403.
+    """
+
+    def has_permission(self, request, view):
+        required = getattr(view, "required", roles.VIEW)
+        if isinstance(required, dict):
+            required = required.get(request.method, required.get("*", roles.VIEW))
+        held = capabilities(request)
+        if required in held:
+            return True
+        if not held and not (request.user and request.user.is_authenticated) and request.auth is None:
+            raise exceptions.NotAuthenticated()
+        self.message = f"This action needs the '{required}' capability, which your credentials do not grant."
+        return False
+
+
+def actor_label(request) -> str:
+    """How the audit log names the caller: ``user:alice``, ``token:ci-main`` or ``node:gpu-01``."""
+    token = getattr(request, "auth", None)
+    if isinstance(token, ApiToken):
+        if token.node_id:
+            return f"node:{token.node.hostname}"
+        who = token.user.get_username() if token.user else "-"
+        return f"token:{token.name}({who})"
+    if request.user and request.user.is_authenticated:
+        return f"user:{request.user.get_username()}"
+    return "anonymous"

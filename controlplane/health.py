@@ -1,0 +1,59 @@
+"""Liveness and readiness probes: unauthenticated, cheap, no secrets in the answer."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from django.http import JsonResponse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+
+
+@require_GET
+@never_cache
+def healthz(request):
+    """The process answers."""
+    return JsonResponse({"status": "ok"})
+
+
+@require_GET
+@never_cache
+def readyz(request):
+    """Database reachable and migrated, broker reachable. 503 with the failing checks otherwise."""
+    checks = {"database": _database(), "migrations": _migrations(), "broker": _broker()}
+    ready = all(result == "ok" for result in checks.values())
+    return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503)
+
+
+def _database() -> str:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not raise
+        return f"error: {type(exc).__name__}"
+
+
+def _migrations() -> str:
+    try:
+        executor = MigrationExecutor(connection)
+        pending = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        return "ok" if not pending else f"error: {len(pending)} unapplied"
+    except Exception as exc:  # noqa: BLE001
+        return f"error: {type(exc).__name__}"
+
+
+def _broker() -> str:
+    if settings.REDIS_URL:
+        import redis
+
+        try:
+            redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1, socket_connect_timeout=1).ping()
+            return "ok"
+        except Exception as exc:  # noqa: BLE001
+            return f"error: {type(exc).__name__}"
+    folder = settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]
+    import os
+
+    return "ok" if os.access(folder, os.W_OK) else "error: broker folder not writable"

@@ -1,0 +1,3 @@
+"""WebSocket routes; each app contributes its consumers here."""
+
+websocket_urlpatterns: list = []

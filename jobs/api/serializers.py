@@ -1,0 +1,112 @@
+"""Job representations and the launch spec, validated field by field."""
+
+from __future__ import annotations
+
+import re
+
+from rest_framework import serializers
+
+from jobs.models import Event, Generation, Job
+
+ENV_NAME = re.compile(r"^(NCCL|TORCH_NCCL|GLOO|TORCH_DISTRIBUTED)_[A-Z0-9_]{1,64}$")
+
+
+class CheckpointPolicySerializer(serializers.Serializer):
+    interval = serializers.ChoiceField(choices=["fixed", "auto"], default="fixed",
+                                       help_text="auto: follow the Young/Daly recommendation.")
+    interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=100)
+    keep_last = serializers.IntegerField(min_value=1, max_value=1000, default=3)
+    permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30, default=12,
+                                                     help_text="0 disables permanent checkpoints.")
+
+
+class RecoveryPolicySerializer(serializers.Serializer):
+    max_restarts = serializers.IntegerField(min_value=0, max_value=1000, default=5,
+                                            help_text="Automatic restarts allowed per window.")
+    window_minutes = serializers.IntegerField(min_value=1, max_value=7 * 24 * 60, default=60)
+    backoff_seconds = serializers.IntegerField(min_value=0, max_value=3600, default=5)
+    allow_shrink = serializers.BooleanField(default=False,
+                                            help_text="Restart on fewer nodes when no spare is free.")
+    progress_timeout_s = serializers.IntegerField(min_value=5, max_value=24 * 3600, allow_null=True, default=None,
+                                                  help_text="No step within this long = hang. Null: derive "
+                                                            "from recent step times.")
+    loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000, default=3,
+                                                help_text="Consecutive loss-spike steps before pausing.")
+
+
+class JobSpecSerializer(serializers.ModelSerializer):
+    """What a launch request may contain. Policies are stored with their defaults filled in."""
+
+    args = serializers.ListField(child=serializers.CharField(max_length=1000, allow_blank=True), max_length=200,
+                                 default=list)
+    nnodes = serializers.IntegerField(min_value=1, max_value=4096, default=1)
+    nproc_per_node = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    nccl_profile = serializers.DictField(child=serializers.CharField(max_length=256), default=dict)
+    checkpoint_policy = CheckpointPolicySerializer(default=dict)
+    recovery_policy = RecoveryPolicySerializer(default=dict)
+
+    class Meta:
+        model = Job
+        fields = ["name", "entrypoint", "args", "nnodes", "nproc_per_node", "nccl_profile",
+                  "checkpoint_policy", "recovery_policy"]
+
+    def validate_name(self, value):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
+            raise serializers.ValidationError("Use letters, digits, '.', '_' and '-', starting with a letter or digit.")
+        return value
+
+    def validate_entrypoint(self, value):
+        if value.startswith("/") or ".." in value.split("/"):
+            raise serializers.ValidationError("Must be a relative path inside the job's work directory.")
+        return value
+
+    def validate_nccl_profile(self, value):
+        for name in value:
+            if not ENV_NAME.fullmatch(name):
+                raise serializers.ValidationError(
+                    f"{name!r} is not an NCCL/Gloo setting (expected NCCL_*, TORCH_NCCL_*, GLOO_* or "
+                    "TORCH_DISTRIBUTED_* in upper case)."
+                )
+        return value
+
+    def to_internal_value(self, data):
+        values = super().to_internal_value(data)
+        # Nested serializers with default=dict skip validation; run them so defaults are filled.
+        for name, nested in (("checkpoint_policy", CheckpointPolicySerializer),
+                             ("recovery_policy", RecoveryPolicySerializer)):
+            serializer = nested(data=values.get(name) or {})
+            if not serializer.is_valid():
+                raise serializers.ValidationError({name: serializer.errors})
+            values[name] = dict(serializer.validated_data)
+        return values
+
+
+class GenerationSerializer(serializers.ModelSerializer):
+    nodes = serializers.SlugRelatedField(many=True, read_only=True, slug_field="hostname")
+
+    class Meta:
+        model = Generation
+        fields = ["number", "state", "nodes", "world_size", "resumed_from", "started_at", "first_step",
+                  "first_step_at", "ended_at", "exit_reason", "exit_codes"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    world_size = serializers.IntegerField(read_only=True)
+
+    class Meta:
+        model = Job
+        fields = ["id", "name", "entrypoint", "args", "nnodes", "nproc_per_node", "world_size", "nccl_profile",
+                  "checkpoint_policy", "recovery_policy", "state", "generation", "restart_count",
+                  "state_changed_at", "pause_reason", "last_step", "last_step_at", "created_by", "created_at"]
+        read_only_fields = fields
+
+
+class EventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Event
+        fields = ["id", "created_at", "kind", "actor", "generation", "old_state", "new_state", "reason", "evidence"]
+        read_only_fields = fields
+
+
+class ReasonSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the audit log.")

@@ -1,0 +1,10 @@
+from django.urls import path
+
+from jobs.api import views
+
+urlpatterns = [
+    path("jobs", views.JobListCreate.as_view(), name="job-list"),
+    path("jobs/<int:pk>", views.JobDetail.as_view(), name="job-detail"),
+    path("jobs/<int:pk>/events", views.JobEvents.as_view(), name="job-events"),
+    path("jobs/<int:pk>/cancel", views.JobCancel.as_view(), name="job-cancel"),
+]

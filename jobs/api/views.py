@@ -1,0 +1,80 @@
+"""Job endpoints: parse → authorise → call a service → render."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import generics, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane import roles
+from controlplane.api import IDEMPOTENCY_HEADER, idempotent
+from controlplane.auth import actor_label
+from controlplane.problems import Conflict
+from jobs import services
+from jobs.api.serializers import EventSerializer, JobSerializer, JobSpecSerializer, ReasonSerializer
+from jobs.models import Event, Job
+from jobs.state import TransitionError
+
+
+class JobListCreate(generics.ListCreateAPIView):
+    """List jobs (filter with ``?state=``), or launch one."""
+
+    required = {"GET": roles.VIEW, "POST": roles.LAUNCH}
+    serializer_class = JobSerializer
+
+    def get_queryset(self):
+        jobs = Job.objects.all()
+        if state := self.request.query_params.get("state"):
+            jobs = jobs.filter(state__in=state.split(","))
+        if name := self.request.query_params.get("name"):
+            jobs = jobs.filter(name=name)
+        return jobs
+
+    @extend_schema(
+        request=JobSpecSerializer,
+        responses={201: JobSerializer},
+        parameters=[OpenApiParameter(IDEMPOTENCY_HEADER, str, OpenApiParameter.HEADER,
+                                     description="Retries with the same key return the first response.")],
+    )
+    def post(self, request, *args, **kwargs):
+        def perform():
+            spec = JobSpecSerializer(data=request.data)
+            spec.is_valid(raise_exception=True)
+            job = services.launch_job(spec.validated_data, actor=actor_label(request))
+            return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+        return idempotent(request, perform)
+
+
+class JobDetail(generics.RetrieveAPIView):
+    required = roles.VIEW
+    serializer_class = JobSerializer
+    queryset = Job.objects.all()
+
+
+class JobEvents(generics.ListAPIView):
+    """The job's audit trail, oldest first."""
+
+    required = roles.VIEW
+    serializer_class = EventSerializer
+
+    def get_queryset(self):
+        job = get_object_or_404(Job, pk=self.kwargs["pk"])
+        return Event.objects.filter(job=job)
+
+
+class JobCancel(APIView):
+    required = roles.OPERATE
+
+    @extend_schema(request=ReasonSerializer, responses={200: JobSerializer})
+    def post(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        body = ReasonSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            job = services.cancel_job(job, actor=actor_label(request), reason=body.validated_data["reason"])
+        except TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(JobSerializer(job).data)

@@ -1,0 +1,154 @@
+"""Jobs, their generations, incidents, and the append-only event log."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import models
+from django.utils import timezone
+
+from jobs.choices import Decision, GenerationState, IncidentKind, IncidentState, JobState
+
+
+class Job(models.Model):
+    """A training job: its launch spec, its policies, and where it stands.
+
+    ``state``, ``generation`` and ``restart_count`` are only ever changed by ``jobs.state``;
+    ``generation`` is the fencing token every report, checkpoint and agent command must carry.
+    """
+
+    name = models.CharField(max_length=100)
+    # --- spec: what to run --------------------------------------------------------------
+    entrypoint = models.CharField(max_length=500, help_text="Training script, relative to the work dir.")
+    args = models.JSONField(default=list, blank=True)
+    nnodes = models.PositiveSmallIntegerField(default=1)
+    nproc_per_node = models.PositiveSmallIntegerField(default=1)
+    nccl_profile = models.JSONField(default=dict, blank=True, help_text="NCCL/Gloo environment variables.")
+    checkpoint_policy = models.JSONField(default=dict, blank=True)
+    recovery_policy = models.JSONField(default=dict, blank=True)
+    # --- where it stands ----------------------------------------------------------------
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING, db_index=True)
+    generation = models.PositiveIntegerField(default=0)
+    restart_count = models.PositiveIntegerField(default=0)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    pause_reason = models.TextField(blank=True)
+    last_step = models.BigIntegerField(null=True, blank=True)
+    last_step_at = models.DateTimeField(null=True, blank=True)
+    # No step by then while running means a hang; the sweeper's index.
+    progress_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at"]
+        permissions = [
+            ("operate_job", "Can cancel, pause and roll back jobs"),
+            ("approve_resume", "Can approve resuming a paused job"),
+        ]
+
+    def __str__(self):
+        return f"{self.name} (#{self.pk}, {self.state}, gen {self.generation})"
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in JobState.TERMINAL
+
+
+class Generation(models.Model):
+    """One launch of a job: which nodes ran it, from which checkpoint, and how it ended."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="generations")
+    number = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=GenerationState.choices, default=GenerationState.STARTING)
+    nodes = models.ManyToManyField("nodes.Node", blank=True, related_name="generations")
+    world_size = models.PositiveIntegerField()
+    resumed_from = models.ForeignKey(
+        "checkpoints.Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="resumed_generations"
+    )
+    started_at = models.DateTimeField(default=timezone.now)
+    first_step = models.BigIntegerField(null=True, blank=True)
+    first_step_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    exit_reason = models.CharField(max_length=200, blank=True)
+    exit_codes = models.JSONField(default=dict, blank=True, help_text="rank -> exit code")
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="generation_job_number")]
+
+    def __str__(self):
+        return f"{self.job.name} gen {self.number}"
+
+
+class Incident(models.Model):
+    """A fault and what Nightwatch did about it, with the times goodput accounting needs."""
+
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="incidents")
+    generation = models.ForeignKey(Generation, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="incidents")
+    kind = models.CharField(max_length=16, choices=IncidentKind.choices)
+    classification = models.CharField(max_length=200, blank=True, help_text="The rule that matched, in words.")
+    state = models.CharField(max_length=16, choices=IncidentState.choices, default=IncidentState.OPEN,
+                             db_index=True)
+    decision = models.CharField(max_length=24, choices=Decision.choices, blank=True)
+    evidence = models.JSONField(default=dict, blank=True)
+    nodes = models.ManyToManyField("nodes.Node", blank=True, related_name="incidents")
+    fault_at = models.DateTimeField(null=True, blank=True)
+    detected_at = models.DateTimeField(default=timezone.now)
+    quiesced_at = models.DateTimeField(null=True, blank=True)
+    relaunched_at = models.DateTimeField(null=True, blank=True)
+    first_step_at = models.DateTimeField(null=True, blank=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    lost_steps = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-detected_at"]
+
+    def __str__(self):
+        return f"{self.get_kind_display()} on {self.job or 'cluster'} at {self.detected_at:%Y-%m-%d %H:%M:%S}"
+
+
+class AppendOnlyQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise ValidationError("Events are append-only.")
+
+    def delete(self):
+        raise ValidationError("Events are append-only.")
+
+
+class Event(models.Model):
+    """Append-only record of every state change and operator action: who, what, why, evidence.
+
+    Timelines, alerts, goodput and the audit trail all read from these rows.
+    """
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    kind = models.CharField(max_length=48, db_index=True, help_text="e.g. job.state, node.drain, job.launch")
+    actor = models.CharField(max_length=200, help_text="user:…, token:…, node:… or system:…")
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    old_state = models.CharField(max_length=24, blank=True)
+    new_state = models.CharField(max_length=24, blank=True)
+    reason = models.TextField(blank=True)
+    evidence = models.JSONField(default=dict, blank=True)
+
+    objects = AppendOnlyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["created_at", "pk"]
+        indexes = [models.Index(fields=["job", "created_at"], name="event_job_time")]
+
+    def __str__(self):
+        return f"{self.created_at:%H:%M:%S} {self.kind} {self.old_state}→{self.new_state} by {self.actor}"
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None:
+            raise ValidationError("Events are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise ValidationError("Events are append-only.")

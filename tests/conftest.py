@@ -1,0 +1,78 @@
+"""The cast every control-plane test shares: people in each role, tokens of each scope, two nodes
+and a job — built inline, small and named (like healthchecks' ``hc/test.py``).
+
+Tests of ``agents/`` (hooks, agent) keep their fixtures in their own folders and never touch Django's
+database fixtures.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cast:
+    viewer: object
+    operator: object
+    oncall: object
+    ci_user: object
+    tokens: dict  # name -> raw token
+    node1: object
+    node2: object
+    job: object
+
+
+@pytest.fixture
+def cast(db):
+    from django.contrib.auth.models import Group, User
+
+    from controlplane.models import ApiToken
+    from jobs.models import Job
+    from nodes.models import Node
+
+    def person(name, role):
+        user = User.objects.create_user(name, password=f"{name}-password-1")
+        user.groups.add(Group.objects.get(name=role))
+        return user
+
+    viewer, operator, oncall = person("vera", "viewer"), person("otto", "operator"), person("olga", "oncall")
+    ci_user = person("ci-bot", "operator")
+    node1 = Node.objects.create(hostname="gpu-01", address="10.0.0.1", health="healthy")
+    node2 = Node.objects.create(hostname="gpu-02", address="10.0.0.2", health="healthy", is_spare=True)
+    tokens = {}
+    for name, scope, kwargs in [
+        ("viewer", "viewer", {"user": viewer}),
+        ("operator", "operator", {"user": operator}),
+        ("oncall", "oncall", {"user": oncall}),
+        ("ci", "ci", {"user": ci_user}),
+        ("agent", "agent", {"node": node1}),
+        ("agent2", "agent", {"node": node2}),
+        ("bootstrap", "bootstrap", {"single_use": True}),
+    ]:
+        _, tokens[name] = ApiToken.issue(name=name, scope=scope, **kwargs)
+    job = Job.objects.create(name="llama-tiny", entrypoint="examples/train.py", nnodes=1, nproc_per_node=2,
+                             created_by="test")
+    return Cast(viewer, operator, oncall, ci_user, tokens, node1, node2, job)
+
+
+@pytest.fixture
+def api():
+    """``api(token=None)`` -> a DRF client, authenticated with that raw token when given."""
+    from rest_framework.test import APIClient
+
+    def make(token: str | None = None):
+        client = APIClient()
+        if token:
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        return client
+
+    return make

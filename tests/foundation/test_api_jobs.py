@@ -1,0 +1,155 @@
+"""Launching jobs: validation with precise problem details, and idempotent retries."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from jobs.models import Event, Job
+
+PROBLEM = "application/problem+json"
+
+
+def launch(api, token, body, key=None, **extra):
+    headers = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+    return api(token).post("/api/v1/jobs", body, format="json", **headers, **extra)
+
+
+@pytest.mark.django_db
+def test_launch_fills_policy_defaults_and_audits(cast, api):
+    response = launch(api, cast.tokens["ci"], {"name": "gpt-small", "entrypoint": "examples/train.py",
+                                                "nproc_per_node": 2, "nccl_profile": {"NCCL_DEBUG": "WARN"},
+                                                "recovery_policy": {"max_restarts": 2}})
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert body["state"] == "pending" and body["generation"] == 0 and body["world_size"] == 2
+    assert body["recovery_policy"]["max_restarts"] == 2
+    assert body["recovery_policy"]["window_minutes"] == 60
+    assert body["checkpoint_policy"] == {"interval": "fixed", "interval_steps": 100, "keep_last": 3,
+                                         "permanent_every_hours": 12}
+    event = Event.objects.get(job_id=body["id"], kind="job.launch")
+    assert event.actor == "token:ci(ci-bot)"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("body", "field", "reason"),
+    [
+        ({"entrypoint": "t.py"}, "name", "required"),
+        ({"name": "x", "entrypoint": "t.py", "nnodes": "two"}, "nnodes", "valid integer"),
+        ({"name": "x", "entrypoint": "t.py", "nnodes": 0}, "nnodes", "greater than or equal to 1"),
+        ({"name": "x", "entrypoint": "/etc/passwd"}, "entrypoint", "relative path"),
+        ({"name": "x", "entrypoint": "../../t.py"}, "entrypoint", "relative path"),
+        ({"name": "x y", "entrypoint": "t.py"}, "name", "letters, digits"),
+        ({"name": "x", "entrypoint": "t.py", "args": "--lr 1"}, "args", "list"),
+        ({"name": "x", "entrypoint": "t.py", "nccl_profile": {"LD_PRELOAD": "/x.so"}}, "nccl_profile",
+         "not an NCCL/Gloo setting"),
+        ({"name": "x", "entrypoint": "t.py", "recovery_policy": {"max_restarts": -1}},
+         "recovery_policy.max_restarts", "greater than or equal to 0"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"interval": "sometimes"}},
+         "checkpoint_policy.interval", "not a valid choice"),
+    ],
+)
+def test_bad_launch_names_the_field_and_writes_nothing(cast, api, body, field, reason):
+    before = Job.objects.count()
+    response = launch(api, cast.tokens["ci"], body)
+    assert response.status_code == 400
+    assert response["Content-Type"] == PROBLEM
+    problem = response.json()
+    assert problem["status"] == 400 and problem["title"] == "Invalid request"
+    assert any(e["field"] == field and reason in e["reason"] for e in problem["errors"]), problem
+    assert Job.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_malformed_json_gets_problem_details(cast, api):
+    response = api(cast.tokens["ci"]).post("/api/v1/jobs", data='{"name": "x",', content_type="application/json")
+    assert response.status_code == 400
+    assert response["Content-Type"] == PROBLEM
+    assert "JSON parse error" in response.json()["detail"]
+
+
+@pytest.mark.django_db
+def test_wrong_top_level_type_gets_problem_details(cast, api):
+    response = api(cast.tokens["ci"]).post("/api/v1/jobs", data="[1, 2]", content_type="application/json")
+    assert response.status_code == 400
+    assert response["Content-Type"] == PROBLEM
+
+
+@pytest.mark.django_db
+def test_unknown_api_route_and_missing_job_are_problem_details(cast, api):
+    for path in ("/api/v1/nope", "/api/v1/jobs/999999"):
+        response = api(cast.tokens["viewer"]).get(path)
+        assert response.status_code == 404
+        assert response["Content-Type"] == PROBLEM
+        assert response.json()["status"] == 404
+
+
+@pytest.mark.django_db
+def test_retry_with_the_same_idempotency_key_launches_once(cast, api):
+    body = {"name": "nightly", "entrypoint": "train.py"}
+    first = launch(api, cast.tokens["ci"], body, key="ci-run-1234")
+    again = launch(api, cast.tokens["ci"], body, key="ci-run-1234")
+    assert first.status_code == again.status_code == 201
+    assert first.json() == again.json()
+    assert again["Idempotent-Replayed"] == "true"
+    assert Job.objects.filter(name="nightly").count() == 1
+    # Another credential's identical key is its own.
+    other = launch(api, cast.tokens["operator"], body, key="ci-run-1234")
+    assert other.json()["id"] != first.json()["id"]
+
+
+@pytest.mark.django_db
+def test_reusing_a_key_with_another_body_is_refused(cast, api):
+    launch(api, cast.tokens["ci"], {"name": "a", "entrypoint": "t.py"}, key="k1")
+    response = launch(api, cast.tokens["ci"], {"name": "b", "entrypoint": "t.py"}, key="k1")
+    assert response.status_code == 422
+    assert "different request body" in response.json()["detail"]
+    assert not Job.objects.filter(name="b").exists()
+
+
+@pytest.mark.django_db
+def test_a_failed_launch_does_not_consume_the_key(cast, api):
+    assert launch(api, cast.tokens["ci"], {"name": "bad name!", "entrypoint": "t.py"}, key="k2").status_code == 400
+    assert launch(api, cast.tokens["ci"], {"name": "good", "entrypoint": "t.py"}, key="k2").status_code == 201
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_retries_with_one_key_launch_once(cast, api):
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.fail("this test needs PostgreSQL: run it through `make test` (DATABASE_URL)")
+    barrier = threading.Barrier(3)
+    statuses = []
+
+    def retry():
+        from django.db import connection as thread_connection
+
+        try:
+            barrier.wait(timeout=10)
+            statuses.append(launch(api, cast.tokens["ci"], {"name": "race", "entrypoint": "t.py"}, key="race").status_code)
+        finally:
+            thread_connection.close()
+
+    threads = [threading.Thread(target=retry) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert statuses == [201, 201, 201]
+    assert Job.objects.filter(name="race").count() == 1
+
+
+@pytest.mark.django_db
+def test_cancel_is_audited_and_a_second_cancel_conflicts(cast, api):
+    client = api(cast.tokens["operator"])
+    response = client.post(f"/api/v1/jobs/{cast.job.pk}/cancel", {"reason": "wrong dataset"}, format="json")
+    assert response.status_code == 200 and response.json()["state"] == "cancelled"
+    event = Event.objects.get(job=cast.job, kind="job.state")
+    assert (event.actor, event.reason) == ("token:operator(otto)", "wrong dataset")
+    again = client.post(f"/api/v1/jobs/{cast.job.pk}/cancel", {"reason": "again"}, format="json")
+    assert again.status_code == 409
+    assert "cannot go from cancelled to cancelled" in again.json()["detail"]
