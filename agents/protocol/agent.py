@@ -58,7 +58,7 @@ EVENT_KINDS = ("agent_started", "launched", "launch_refused", "exited", "stopped
                "drain_ack", "telemetry_dropped", "xid")
 #: Why a generation ended, as read from exit codes and the log (``None``: clean exit).
 EXIT_SIGNATURES = ("oom", "nccl_timeout", "nccl_watchdog", "cuda_error", "xid", "paused",
-                   "stale_generation", "traceback", "signal", "unknown")
+                   "stale_generation", "resume_refused", "traceback", "signal", "unknown")
 HEALTH_CHECKS = ("gpu_reachable", "temperature", "ecc", "xid", "nvlink", "memory_free", "row_remap")
 
 

@@ -1,0 +1,27 @@
+# The control-plane image: web (ASGI), worker and beat run from it with different commands.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+    DJANGO_SETTINGS_MODULE=controlplane.settings NIGHTWATCH_ENV=production
+WORKDIR /app
+
+RUN apt-get update && apt-get install -y --no-install-recommends curl openssh-client \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 nightwatch
+
+COPY pyproject.toml README.md ./
+COPY agents agents
+COPY controlplane controlplane
+COPY jobs jobs
+COPY nodes nodes
+COPY checkpoints checkpoints
+COPY templates templates
+COPY manage.py ./
+# The CPU build of torch is enough for the control plane (it only loads checkpoints to test them).
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
+    && SECRET_KEY=build-only-not-used ALLOWED_HOSTS=build python manage.py collectstatic --noinput
+
+USER nightwatch
+EXPOSE 8000
+# Refuses to start when production settings are unsafe (nightwatch.E001-E003).
+CMD ["sh", "-c", "python manage.py check --deploy --fail-level ERROR && python manage.py migrate --noinput && exec daphne -b 0.0.0.0 -p 8000 controlplane.asgi:application"]

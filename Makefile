@@ -1,0 +1,40 @@
+# The two commands of the README:
+#   make demo   set everything up and run the embedded demo (SQLite, embedded broker, no server)
+#   make test   set everything up and run the tests on PostgreSQL + Redis
+# Both bootstrap a virtual environment in .venv from pyproject.toml.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nightwatch
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint system-deps services clean
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[server,train,dev]'
+	touch $@
+
+demo: $(INSTALLED)
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py demo
+
+system-deps:
+	bash scripts/install-system-deps.sh
+
+services:
+	bash scripts/ensure-services.sh
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	env -u DATABASE_URL -u REDIS_URL NIGHTWATCH_VAR_DIR=$$(mktemp -d) $(BIN)/python manage.py makemigrations --check --dry-run
+
+test: $(INSTALLED) system-deps services lint
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache

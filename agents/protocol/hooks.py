@@ -1,0 +1,147 @@
+"""Messages between the training hooks (inside ``train.py``) and the control plane.
+
+Endpoints (``{job}`` is NIGHTWATCH_JOB, ``G`` the generation, ``R`` the rank):
+
+- ``POST /api/v1/jobs/{job}/reports`` with a ``ReportBatch``; answers 202 with ``ReportsAccepted``,
+  or 409 when the batch's generation is stale.
+- ``POST /api/v1/jobs/{job}/checkpoints`` with a ``CheckpointCommit``; answers 201, or 200 when
+  that checkpoint was already recorded (a replay after an outage).
+- ``GET /api/v1/jobs/{job}/control?generation=G&rank=R`` answers a ``Control``.
+
+Every record carries its job and generation (the fencing token) so a record stands on its own in
+the hooks' spool and on the server; the server deduplicates step reports on
+(job, generation, rank, step) and events on (job, generation, key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agents.protocol.base import ProtocolError, field
+
+REPORTS_PATH = "/api/v1/jobs/{job}/reports"
+CHECKPOINTS_PATH = "/api/v1/jobs/{job}/checkpoints"
+CONTROL_PATH = "/api/v1/jobs/{job}/control"
+
+#: Exit codes of a training process stopped by the hooks. The node agent reads them to tell a
+#: requested stop from a crash, so it does not restart what was meant to stay stopped.
+EXIT_PAUSED = 85  # "pause" was requested: a checkpoint was committed, then the process exited.
+EXIT_STALE_GENERATION = 86  # the control plane fenced this generation off: nothing more was written.
+EXIT_RESUME_REFUSED = 87  # the checkpoint named by NIGHTWATCH_RESUME_FROM failed verification.
+
+#: Per-step timing phases, in seconds. ``optimizer`` is the hooks' collectives (consistency
+#: all-gather) plus the optimizer and scheduler step; DDP's gradient all-reduce overlaps the
+#: backward pass and is counted in ``compute``.
+PHASES = ("input", "compute", "optimizer", "checkpoint")
+
+EVENT_KINDS = (
+    "resumed",              # detail: step, checkpoint, world_size, previous_world_size
+    "checkpoint_rejected",  # detail: path, reason (why resume skipped it)
+    "world_size_change",    # detail: previous, current, data_cursor
+    "guard_skip",           # detail: grad_norm, median, reason
+    "nan",                  # detail: loss, grad_norm
+    "spike",                # detail: loss, score, consecutive
+    "inconsistency",        # detail: losses, grad_norms, loss_spread, grad_norm_spread, suspect_rank
+    "checkpoint_saved",     # detail: path, blocking_s, total_s
+    "checkpoint_failed",    # detail: path, error
+    "pause_ack",            # detail: checkpoint
+)
+
+_JOB = {"max_len": 128}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """What one rank did in one optimizer step (sent for every step)."""
+
+    job: str = field(**_JOB)
+    generation: int = field(min=0)
+    rank: int = field(min=0, max=1_000_000)
+    step: int = field(min=1)  # steps completed, counting this one
+    loss: float = field()  # this rank's loss; NaN/Inf allowed (sent as "nan"/"inf")
+    grad_norm: float | None = field()  # global gradient norm before clipping; None if not computed
+    world_size: int = field(min=1)
+    data_cursor: int = field(min=0)  # global samples consumed by all ranks after this step
+    samples: int = field(min=0)  # samples this rank trained on in this step
+    tokens: int = field(min=0, default=0)
+    phases: dict[str, float] = field(default_factory=dict, choices=PHASES)
+    skipped: bool = field(default=False)  # the optimizer step was not applied (guard or AMP overflow)
+    spike: bool = field(default=False)
+    nan: bool = field(default=False)
+    inconsistent: bool = field(default=False)  # the last consistency check flagged the ranks
+    time: float = field(min=0)  # unix time at the end of the step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Something worth a line in the job's timeline; ``key`` makes a replay idempotent."""
+
+    job: str = field(**_JOB)
+    generation: int = field(min=0)
+    rank: int = field(min=0, max=1_000_000)
+    step: int = field(min=0)
+    kind: str = field(choices=EVENT_KINDS)
+    key: str = field(max_len=200)
+    message: str = field(max_len=2000)
+    detail: dict[str, Any] = field(default_factory=dict, max_len=32)
+    time: float = field(min=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportBatch:
+    """Step reports and events of one rank, oldest first; all of the batch's job and generation."""
+
+    job: str = field(**_JOB)
+    generation: int = field(min=0)
+    reports: list[StepReport] = field(default_factory=list, max_len=1000)
+    events: list[Event] = field(default_factory=list, max_len=1000)
+
+    def __post_init__(self) -> None:
+        for name in ("reports", "events"):
+            for i, record in enumerate(getattr(self, name)):
+                if (record.job, record.generation) != (self.job, self.generation):
+                    raise ProtocolError(f"{name}.{i}", "job or generation differs from the batch's")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCommit:
+    """Rank 0 committed a checkpoint (manifest and commit marker are on disk)."""
+
+    job: str = field(**_JOB)
+    generation: int = field(min=0)
+    step: int = field(min=0)
+    path: str = field(max_len=4096)
+    loss: float = field()
+    config_hash: str = field(max_len=64)
+    data_cursor: int = field(min=0)
+    world_size: int = field(min=1)
+    size_bytes: int = field(min=0)
+    blocking_s: float = field(min=0)  # how long training was stalled by the save
+    total_s: float = field(min=0)  # from the start of the save to the commit marker
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Control:
+    """What the control plane wants from a running generation.
+
+    ``checkpoint_now`` is acted on when it turns true (the server may keep it set until it sees
+    the commit); ``pause`` means checkpoint then exit with EXIT_PAUSED; ``stale`` means exit with
+    EXIT_STALE_GENERATION at once, writing nothing.
+    """
+
+    generation: int = field(min=0)
+    stale: bool = field(default=False)
+    checkpoint_now: bool = field(default=False)
+    pause: bool = field(default=False)
+    checkpoint_interval_steps: int | None = field(default=None, min=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportsAccepted:
+    """The 202 answer to a ReportBatch: how many were new, how many already known, and control."""
+
+    accepted: int = field(min=0)
+    duplicates: int = field(default=0, min=0)
+    control: Control | None = field(default=None)

@@ -1,0 +1,51 @@
+"""The README's demo command brings the control plane up on SQLite with no server installed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_demo_starts_embedded_and_stops_cleanly(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["NIGHTWATCH_VAR_DIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "manage.py", "demo", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        ready = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+                    ready = response.status
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert ready == 200, "the demo did not become ready"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            assert response.status == 200
+        # Embedded means SQLite under the var dir and the filesystem broker, nothing else.
+        assert (tmp_path / "nightwatch.sqlite3").exists()
+        assert (tmp_path / "broker" / "queue").is_dir()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+    assert proc.returncode == 0, output
+    assert "Nightwatch is up" in output
