@@ -66,3 +66,30 @@ def idempotent(request, perform: Callable[[], Response]) -> Response:
     if existing.request_digest != digest:
         raise Unprocessable(f"{IDEMPOTENCY_HEADER} {key!r} was already used with a different request body.")
     return Response(existing.response, status=existing.status_code, headers={"Idempotent-Replayed": "true"})
+
+
+def parse_wire(message_class, request):
+    """Validate a request body against a wire-protocol message (``agents.protocol``).
+
+    The agent and the hooks build their messages from the same classes, so the two ends agree
+    by construction; a mismatch is a 400 naming the field.
+    """
+    from rest_framework.exceptions import ValidationError
+
+    from agents.protocol import ProtocolError, parse
+
+    try:
+        return parse(message_class, request.data)
+    except ProtocolError as exc:
+        raise ValidationError({exc.field or "body": [exc.reason]}) from None
+
+
+def require_node_of_job(request, job) -> None:
+    """An agent token may act for a job only if its node ran one of the job's generations."""
+    from rest_framework.exceptions import PermissionDenied
+
+    from controlplane.auth import calling_node
+
+    node = calling_node(request)
+    if node is None or not job.generations.filter(nodes=node).exists():
+        raise PermissionDenied("This node runs no generation of this job.")

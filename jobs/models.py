@@ -35,6 +35,13 @@ class Job(models.Model):
     last_step_at = models.DateTimeField(null=True, blank=True)
     # No step by then while running means a hang; the sweeper's index.
     progress_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
+    # --- control the hooks poll: set by operators and policies, read by train.py ---------
+    checkpoint_requested_at = models.DateTimeField(null=True, blank=True,
+                                                   help_text="Checkpoint now; cleared by the next commit.")
+    pause_requested_at = models.DateTimeField(null=True, blank=True,
+                                              help_text="Checkpoint, then exit with EXIT_PAUSED.")
+    recommended_interval_steps = models.PositiveIntegerField(null=True, blank=True,
+                                                             help_text="Pushed when the policy is 'auto'.")
     created_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -152,3 +159,59 @@ class Event(models.Model):
 
     def delete(self, *args, **kwargs):
         raise ValidationError("Events are append-only.")
+
+
+class StepMetric(models.Model):
+    """One rank's report for one optimizer step, as sent by the training hooks.
+
+    Unique on (job, generation, rank, step): replays after an outage are recognised, not doubled.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="step_metrics")
+    generation = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    step = models.BigIntegerField()
+    loss = models.FloatField(null=True, blank=True, help_text="Null when the loss was not finite (see nan).")
+    grad_norm = models.FloatField(null=True, blank=True)
+    world_size = models.PositiveIntegerField()
+    data_cursor = models.BigIntegerField()
+    samples = models.PositiveIntegerField(default=0)
+    tokens = models.PositiveBigIntegerField(default=0)
+    phases = models.JSONField(default=dict, blank=True)
+    skipped = models.BooleanField(default=False)
+    spike = models.BooleanField(default=False)
+    nan = models.BooleanField(default=False)
+    inconsistent = models.BooleanField(default=False)
+    reported_at = models.DateTimeField(help_text="End of the step, by the rank's clock.")
+    received_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "generation", "step", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "generation", "rank", "step"], name="stepmetric_unique"),
+        ]
+
+    def __str__(self):
+        return f"job {self.job_id} gen {self.generation} rank {self.rank} step {self.step}"
+
+
+class TrainingEvent(models.Model):
+    """Something the hooks noticed inside train.py: a resume, a skipped step, a spike, a NaN…"""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="training_events")
+    generation = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    step = models.BigIntegerField()
+    kind = models.CharField(max_length=32, db_index=True)
+    key = models.CharField(max_length=200)
+    message = models.TextField(blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+    reported_at = models.DateTimeField()
+    received_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "reported_at", "pk"]
+        constraints = [models.UniqueConstraint(fields=["job", "generation", "key"], name="trainingevent_key")]
+
+    def __str__(self):
+        return f"{self.kind} at step {self.step} (rank {self.rank})"

@@ -7,4 +7,6 @@ urlpatterns = [
     path("jobs/<int:pk>", views.JobDetail.as_view(), name="job-detail"),
     path("jobs/<int:pk>/events", views.JobEvents.as_view(), name="job-events"),
     path("jobs/<int:pk>/cancel", views.JobCancel.as_view(), name="job-cancel"),
+    path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),
+    path("jobs/<int:pk>/control", views.JobControl.as_view(), name="job-control"),
 ]

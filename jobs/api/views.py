@@ -5,11 +5,14 @@ from __future__ import annotations
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, status
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents.protocol import dump
+from agents.protocol import hooks as hooks_protocol
 from controlplane import roles
-from controlplane.api import IDEMPOTENCY_HEADER, idempotent
+from controlplane.api import IDEMPOTENCY_HEADER, idempotent, parse_wire, require_node_of_job
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from jobs import services
@@ -78,3 +81,43 @@ class JobCancel(APIView):
         except TransitionError as exc:
             raise Conflict(str(exc)) from exc
         return Response(JobSerializer(job).data)
+
+
+class JobReports(APIView):
+    """Step reports and events from the training hooks (agent token of a node of the job)."""
+
+    required = roles.AGENT
+
+    @extend_schema(request=None, responses={202: None, 409: None},
+                   description="Body: agents.protocol.hooks.ReportBatch. 409 when the generation is stale.")
+    def post(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        require_node_of_job(request, job)
+        batch = parse_wire(hooks_protocol.ReportBatch, request)
+        if batch.job != str(job.pk):
+            raise ValidationError({"job": [f"the batch is for job {batch.job!r}, the URL for job {job.pk}"]})
+        try:
+            result = services.record_reports(job, batch, actor=actor_label(request))
+        except TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        job.refresh_from_db()
+        answer = hooks_protocol.ReportsAccepted(accepted=result.accepted, duplicates=result.duplicates,
+                                                control=services.control_for(job, batch.generation))
+        return Response(dump(answer), status=status.HTTP_202_ACCEPTED)
+
+
+class JobControl(APIView):
+    """What the running generation should do: checkpoint now, pause, a new interval, or stop (stale)."""
+
+    required = roles.AGENT
+
+    @extend_schema(parameters=[OpenApiParameter("generation", int, required=True),
+                               OpenApiParameter("rank", int, required=False)],
+                   responses={200: None}, description="Answers agents.protocol.hooks.Control.")
+    def get(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        require_node_of_job(request, job)
+        raw = request.query_params.get("generation", "")
+        if not raw.isdigit():
+            raise ValidationError({"generation": ["required, a non-negative integer"]})
+        return Response(dump(services.control_for(job, int(raw))))

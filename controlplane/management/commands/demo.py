@@ -7,6 +7,7 @@ demo stops rather than limping on half-alive.
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import signal
@@ -16,6 +17,7 @@ import time
 import urllib.request
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
@@ -68,9 +70,10 @@ class Command(BaseCommand):
             path.write_text(secrets.token_urlsafe(12))
             path.chmod(0o600)
         password = path.read_text().strip()
-        os.environ["NIGHTWATCH_DEMO_PASSWORD"] = password
-        call_command("nightwatch_user", "demo", role="oncall", staff=True, password_env="NIGHTWATCH_DEMO_PASSWORD",
-                     stdout=open(os.devnull, "w"))  # noqa: SIM115
+        call_command("nightwatch_user", "demo", role="oncall", staff=True, stdout=io.StringIO())
+        user = get_user_model().objects.get(username="demo")
+        user.set_password(password)
+        user.save(update_fields=["password"])
         return password
 
     def _wait_ready(self, url: str, children: dict, timeout: float) -> None:

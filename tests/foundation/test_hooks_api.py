@@ -1,0 +1,158 @@
+"""The endpoints the training hooks talk to: reports, checkpoint commits, control — with fencing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from checkpoints.models import Checkpoint
+from jobs import state
+from jobs.choices import JobState
+from jobs.models import Generation, Job, StepMetric, TrainingEvent
+
+
+@pytest.fixture
+def running(cast):
+    """cast.job in generation 1 on node1, initializing (no step reported yet)."""
+    state.transition(cast.job, JobState.INITIALIZING, actor="test")
+    generation = Generation.objects.create(job=cast.job, number=1, world_size=2)
+    generation.nodes.add(cast.node1)
+    return cast
+
+
+def report(job, generation=1, rank=0, step=1, loss=2.5, **extra):
+    return {"job": str(job.pk), "generation": generation, "rank": rank, "step": step, "loss": loss,
+            "grad_norm": 1.0, "world_size": 2, "data_cursor": step * 8, "samples": 4,
+            "phases": {"input": 0.01, "compute": 0.1, "optimizer": 0.02}, "time": time.time(), **extra}
+
+
+def batch(job, reports, generation=1, events=()):
+    return {"job": str(job.pk), "generation": generation, "reports": reports, "events": list(events)}
+
+
+def post_reports(api, cast, body, token="agent"):
+    return api(cast.tokens[token]).post(f"/api/v1/jobs/{cast.job.pk}/reports", body, format="json")
+
+
+@pytest.mark.django_db
+def test_first_step_marks_the_generation_running_and_sets_a_progress_deadline(running, api):
+    response = post_reports(api, running, batch(running.job, [report(running.job, rank=r, step=1) for r in (0, 1)]))
+    assert response.status_code == 202, response.content
+    assert response.json()["accepted"] == 2
+    assert response.json()["control"] == {"generation": 1, "stale": False, "checkpoint_now": False,
+                                          "pause": False, "checkpoint_interval_steps": None}
+    job = Job.objects.get(pk=running.job.pk)
+    assert (job.state, job.last_step) == (JobState.RUNNING, 1)
+    assert job.progress_deadline is not None
+    generation = Generation.objects.get(job=job, number=1)
+    assert generation.first_step == 1 and generation.first_step_at is not None
+
+
+@pytest.mark.django_db
+def test_replayed_reports_and_events_are_stored_once(running, api):
+    event = {"job": str(running.job.pk), "generation": 1, "rank": 0, "step": 3, "kind": "guard_skip",
+             "key": "r0-s3-guard", "message": "skipped", "detail": {"grad_norm": 1e6}, "time": time.time()}
+    body = batch(running.job, [report(running.job, step=s) for s in (1, 2, 3)], events=[event])
+    assert post_reports(api, running, body).json()["accepted"] == 3
+    again = post_reports(api, running, body).json()
+    assert (again["accepted"], again["duplicates"]) == (0, 3)
+    assert StepMetric.objects.filter(job=running.job).count() == 3
+    assert TrainingEvent.objects.filter(job=running.job).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_report_of_an_old_generation_is_refused_with_409(running, api):
+    state.transition(running.job, JobState.RUNNING, actor="t")
+    state.transition(running.job, JobState.QUIESCING, actor="t")
+    state.transition(running.job, JobState.RECOVERING, actor="t")
+    state.transition(running.job, JobState.INITIALIZING, actor="t", restart=True)  # generation 2
+    response = post_reports(api, running, batch(running.job, [report(running.job, generation=1, step=9)]))
+    assert response.status_code == 409
+    assert response["Content-Type"] == "application/problem+json"
+    assert "generation 1 is stale; the active generation is 2" in response.json()["detail"]
+    assert not StepMetric.objects.filter(job=running.job).exists()
+
+
+@pytest.mark.django_db
+def test_nonfinite_loss_is_stored_as_nan(running, api):
+    post_reports(api, running, batch(running.job, [report(running.job, loss="nan", nan=True)]))
+    metric = StepMetric.objects.get(job=running.job)
+    assert metric.loss is None and metric.nan
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b["reports"][0].update(step="x"), "reports.0.step"),
+        (lambda b: b["reports"][0].update(extra=1), "reports.0.extra"),
+        (lambda b: b["reports"][0].pop("loss"), "reports.0.loss"),
+        (lambda b: b["reports"][0].update(generation=7), "reports.0"),
+        (lambda b: (b.update(job="999"), b["reports"][0].update(job="999")), "job"),
+    ],
+)
+def test_malformed_batches_name_the_field_and_store_nothing(running, api, mutate, field):
+    body = batch(running.job, [report(running.job)])
+    mutate(body)
+    response = post_reports(api, running, body)
+    assert response.status_code == 400, response.content
+    assert response.json()["errors"][0]["field"] == field
+    assert not StepMetric.objects.exists()
+
+
+@pytest.mark.django_db
+def test_only_agents_of_the_jobs_nodes_may_report(running, api):
+    body = batch(running.job, [report(running.job)])
+    assert post_reports(api, running, body, token="agent2").status_code == 403  # node2 runs no generation
+    assert post_reports(api, running, body, token="operator").status_code == 403
+    assert api().post(f"/api/v1/jobs/{running.job.pk}/reports", body, format="json").status_code == 401
+
+
+@pytest.mark.django_db
+def test_control_tells_a_stale_generation_to_stop_and_relays_requests(running, api):
+    client = api(running.tokens["agent"])
+    url = f"/api/v1/jobs/{running.job.pk}/control"
+    assert client.get(url, {"generation": 1, "rank": 0}).json()["stale"] is False
+    assert client.get(url, {"generation": 0}).json()["stale"] is True
+    assert client.get(url, {"generation": "x"}).status_code == 400
+    from django.utils import timezone
+
+    Job.objects.filter(pk=running.job.pk).update(pause_requested_at=timezone.now(),
+                                                  checkpoint_requested_at=timezone.now(),
+                                                  recommended_interval_steps=40,
+                                                  checkpoint_policy={"interval": "auto"})
+    control = client.get(url, {"generation": 1}).json()
+    assert control == {"generation": 1, "stale": False, "checkpoint_now": True, "pause": True,
+                       "checkpoint_interval_steps": 40}
+
+
+def commit(job, step, path, generation=1):
+    return {"job": str(job.pk), "generation": generation, "step": step, "path": path, "loss": 2.0,
+            "config_hash": "abc", "data_cursor": step * 8, "world_size": 2, "size_bytes": 1000,
+            "blocking_s": 0.03, "total_s": 1.2, "manifest": {"step": step}}
+
+
+@pytest.mark.django_db
+def test_checkpoint_commits_form_a_lineage_and_replays_are_idempotent(running, api):
+    client = api(running.tokens["agent"])
+    url = f"/api/v1/jobs/{running.job.pk}/checkpoints"
+    first = client.post(url, commit(running.job, 10, "/ckpt/step-10"), format="json")
+    assert first.status_code == 201, first.content
+    second = client.post(url, commit(running.job, 20, "/ckpt/step-20"), format="json")
+    assert second.json()["parent"] == first.json()["id"]
+    replay = client.post(url, commit(running.job, 20, "/ckpt/step-20"), format="json")
+    assert replay.status_code == 200 and replay.json()["id"] == second.json()["id"]
+    assert Checkpoint.objects.filter(job=running.job).count() == 2
+    # The next generation resumes from step 10: its first checkpoint branches off there.
+    state.transition(running.job, JobState.RUNNING, actor="t")
+    state.transition(running.job, JobState.PAUSED, actor="t")
+    state.transition(running.job, JobState.RECOVERING, actor="t")
+    state.transition(running.job, JobState.INITIALIZING, actor="t", restart=True)
+    generation = Generation.objects.create(job=running.job, number=2, world_size=2,
+                                           resumed_from_id=first.json()["id"])
+    generation.nodes.add(running.node1)
+    branch = client.post(url, commit(running.job, 15, "/ckpt/b/step-15", generation=2), format="json")
+    assert branch.json()["parent"] == first.json()["id"]
+    stale = client.post(url, commit(running.job, 30, "/ckpt/step-30", generation=1), format="json")
+    assert stale.status_code == 409
