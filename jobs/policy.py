@@ -1,0 +1,166 @@
+"""The failure policy of DESIGN.md as a pure function: evidence in, decision out.
+
+No Django, no I/O: ``decide()`` reads a ``Evidence`` snapshot that the orchestrator assembles
+from the database, and returns what to do and why. Every row of the policy table is one branch
+here and one unit test in ``tests/jobs/test_policy.py``.
+
+    evidence                                   classification      action
+    one rank/node exits, node health bad       hardware            drain node, restart on a spare
+    one rank/node exits, node healthy          crash               restart
+    no step progress past the timeout          hang                kill the group, restart
+      …ranks stuck at different steps          hang (mismatch)     pause
+    same signature twice, same config          deterministic       pause
+    NaN loss / N consecutive spikes            numerical           pause, propose rollback
+    cross-rank spread above threshold          corruption          pause with per-rank values
+    many nodes lost in a short window          partition           pause and escalate
+    a node of the generation unreachable       partition           pause and escalate (split brain)
+    straggler                                  straggler           alert (replace when it pays)
+    restarts in the window over the budget     retry storm         open the breaker (pause)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Signals, as the orchestrator names the evidence it saw.
+EXIT = "exit"
+HANG = "hang"
+NODE_UNHEALTHY = "node_unhealthy"
+NODE_UNREACHABLE = "node_unreachable"
+NAN = "nan"
+SPIKE = "spike"
+INCONSISTENCY = "inconsistency"
+STRAGGLER = "straggler"
+
+#: Exit signatures that say the hardware, not the program, failed.
+HARDWARE_SIGNATURES = frozenset({"xid", "cuda_error"})
+#: Exit signatures that are requests, not failures.
+REQUESTED_SIGNATURES = frozenset({"paused", "stale_generation"})
+
+
+@dataclass(frozen=True)
+class PastFailure:
+    """A previous failure of the same job, to recognise a deterministic one."""
+
+    signature: str | None
+    error_line: str | None
+    step: int | None
+    config_hash: str
+
+
+@dataclass(frozen=True)
+class Evidence:
+    signal: str
+    config_hash: str = ""
+    #: exit: the signature and last error line the agent found, and the step reached.
+    signature: str | None = None
+    error_line: str | None = None
+    step: int | None = None
+    #: Nodes blamed by this evidence (hostnames), and whether each is healthy now.
+    nodes: tuple[str, ...] = ()
+    unhealthy_nodes: tuple[str, ...] = ()
+    #: hang: the last step each rank reported.
+    rank_steps: dict[int, int] = field(default_factory=dict)
+    #: spike: how many consecutive steps spiked; the job's limit.
+    consecutive_spikes: int = 0
+    spike_limit: int = 3
+    #: partition: how many distinct nodes became unreachable inside the window.
+    nodes_lost_in_window: int = 0
+    partition_threshold: int = 2
+    #: budget: automatic restarts already made inside the window, and the budget.
+    restarts_in_window: int = 0
+    max_restarts: int = 5
+    backoff_base_s: float = 5.0
+    #: placement: are there free healthy nodes to replace the blamed ones? May the job shrink?
+    spares_available: int = 0
+    allow_shrink: bool = False
+    history: tuple[PastFailure, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    classification: str  # an IncidentKind value
+    action: str  # a Decision value: restart, restart_on_spare, shrink, pause, escalate, alert
+    reason: str
+    drain: tuple[str, ...] = ()
+    backoff_s: float = 0.0
+    propose_rollback: bool = False
+    page: bool = False  # needs a human now
+
+    @property
+    def restarts(self) -> bool:
+        return self.action in ("restart", "restart_on_spare", "shrink")
+
+
+def decide(ev: Evidence) -> Decision:
+    """Classify the evidence and pick the action. Pure; see the module docstring for the table."""
+    judged = _classify(ev)
+    if not judged.restarts:
+        return judged
+    # Restarting is the remedy: is it still safe and within the budget?
+    if _repeats(ev):
+        return Decision("deterministic", "pause", page=True,
+                        reason=f"the same failure ({_label(ev)}) happened again with the same config: "
+                               "retrying cannot help")
+    if ev.restarts_in_window >= ev.max_restarts:
+        return Decision("retry_storm", "pause", page=True,
+                        reason=f"{ev.restarts_in_window} automatic restarts inside the window reached the budget "
+                               f"of {ev.max_restarts}: circuit breaker open")
+    backoff = ev.backoff_base_s * (2 ** ev.restarts_in_window) if ev.restarts_in_window else 0.0
+    return Decision(judged.classification, judged.action, judged.reason, drain=judged.drain, backoff_s=backoff)
+
+
+def _classify(ev: Evidence) -> Decision:
+    if ev.signal == NAN:
+        return Decision("numerical", "pause", "the loss became NaN/Inf", propose_rollback=True, page=True)
+    if ev.signal == SPIKE:
+        if ev.consecutive_spikes >= ev.spike_limit:
+            return Decision("numerical", "pause", propose_rollback=True, page=True,
+                            reason=f"{ev.consecutive_spikes} consecutive loss spikes (limit {ev.spike_limit})")
+        return Decision("numerical", "alert", f"loss spike ({ev.consecutive_spikes} in a row)")
+    if ev.signal == INCONSISTENCY:
+        return Decision("corruption", "pause", page=True,
+                        reason="ranks disagree on loss or gradient norm beyond the threshold: possible silent "
+                               "data corruption")
+    if ev.signal == STRAGGLER:
+        return Decision("straggler", "alert", f"straggler on {', '.join(ev.nodes) or 'a node'}")
+    if ev.signal == NODE_UNREACHABLE or ev.nodes_lost_in_window >= ev.partition_threshold:
+        return Decision("partition", "escalate", page=True,
+                        reason=f"{max(ev.nodes_lost_in_window, 1)} node(s) of the job lost contact: a restart could "
+                               "run beside ranks that are still alive (split brain)")
+    if ev.signal == HANG:
+        steps = set(ev.rank_steps.values())
+        if len(steps) > 1:
+            return Decision("hang", "pause", page=True,
+                            reason=f"ranks stopped at different steps {sorted(steps)}: a collective mismatch, "
+                                   "not a transient hang")
+        return Decision("hang", "restart", "no step progress past the progress timeout")
+    if ev.signal in (EXIT, NODE_UNHEALTHY):
+        bad = tuple(ev.unhealthy_nodes)
+        hardware = bool(bad) or ev.signature in HARDWARE_SIGNATURES or ev.signal == NODE_UNHEALTHY
+        if hardware:
+            blamed = bad or tuple(ev.nodes)
+            if ev.spares_available >= len(blamed):
+                return Decision("hardware", "restart_on_spare", drain=blamed,
+                                reason=f"{', '.join(blamed)} unhealthy: drain and restart on a spare")
+            if ev.allow_shrink:
+                return Decision("hardware", "shrink", drain=blamed,
+                                reason=f"{', '.join(blamed)} unhealthy and no spare: restart on the remaining nodes")
+            return Decision("hardware", "pause", drain=blamed, page=True,
+                            reason=f"{', '.join(blamed)} unhealthy, no spare, and the job may not shrink")
+        return Decision("crash", "restart", f"a rank exited ({_label(ev)})")
+    raise ValueError(f"unknown signal {ev.signal!r}")
+
+
+def _repeats(ev: Evidence) -> bool:
+    """Same signature and error (and step, when known) as the previous failure, same config."""
+    if ev.signal != EXIT or not ev.history or ev.signature in (None, "signal"):
+        return False
+    last = ev.history[-1]
+    same_failure = (last.signature, last.error_line) == (ev.signature, ev.error_line)
+    same_step = last.step is None or ev.step is None or last.step == ev.step
+    return same_failure and same_step and last.config_hash == ev.config_hash
+
+
+def _label(ev: Evidence) -> str:
+    return ev.error_line or ev.signature or "unknown cause"
