@@ -140,7 +140,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
-CELERY_BEAT_SCHEDULE: dict = {}
+# Periodic one-shots. The sweeper finds hung generations and finishes recoveries a dead worker
+# left half-done; its period bounds how late a hang is noticed after its progress deadline.
+SWEEP_INTERVAL_S = float(env_str("NIGHTWATCH_SWEEP_INTERVAL_S", "2"))
+CELERY_BEAT_SCHEDULE: dict = {
+    "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
+}
 
 # --- Auth, API ------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -230,4 +235,16 @@ NIGHTWATCH = {
     "HEARTBEAT_MISSES": env_int("NIGHTWATCH_HEARTBEAT_MISSES", 3),
     # How long an Idempotency-Key is remembered.
     "IDEMPOTENCY_TTL_S": env_int("NIGHTWATCH_IDEMPOTENCY_TTL_S", 24 * 3600),
+    # The URL nodes and train.py use to reach the control plane.
+    "PUBLIC_URL": env_str("NIGHTWATCH_PUBLIC_URL", SITE_URL),
+    # Where checkpoints go when a job's policy names no directory (must be shared with the nodes).
+    "CHECKPOINT_ROOT": env_str("NIGHTWATCH_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
+    # How long stopping a generation may take before the job is paused and escalated.
+    "QUIESCE_TIMEOUT_S": env_int("NIGHTWATCH_QUIESCE_TIMEOUT_S", 60),
+    # This many nodes of running jobs lost within the window is a suspected partition.
+    "PARTITION_NODES": env_int("NIGHTWATCH_PARTITION_NODES", 2),
+    "PARTITION_WINDOW_S": env_int("NIGHTWATCH_PARTITION_WINDOW_S", 120),
+    # Blamed this many times within the window, a node is a lemon: drained until cleared.
+    "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),
+    "LEMON_WINDOW_S": env_int("NIGHTWATCH_LEMON_WINDOW_S", 7 * 24 * 3600),
 }

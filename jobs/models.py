@@ -23,6 +23,9 @@ class Job(models.Model):
     nnodes = models.PositiveSmallIntegerField(default=1)
     nproc_per_node = models.PositiveSmallIntegerField(default=1)
     nccl_profile = models.JSONField(default=dict, blank=True, help_text="NCCL/Gloo environment variables.")
+    accelerator = models.CharField(max_length=8, choices=[("gpu", "GPU (nccl)"), ("cpu", "CPU (gloo)")],
+                                   default="gpu", help_text="A CPU job may run on nodes without GPU telemetry.")
+    rdzv_port = models.PositiveIntegerField(default=29400, help_text="c10d rendezvous port on the first node.")
     checkpoint_policy = models.JSONField(default=dict, blank=True)
     recovery_policy = models.JSONField(default=dict, blank=True)
     # --- where it stands ----------------------------------------------------------------
@@ -42,6 +45,20 @@ class Job(models.Model):
                                               help_text="Checkpoint, then exit with EXIT_PAUSED.")
     recommended_interval_steps = models.PositiveIntegerField(null=True, blank=True,
                                                              help_text="Pushed when the policy is 'auto'.")
+    # --- recovery bookkeeping (written by jobs.orchestrator) ------------------------------
+    # Stop commands were sent; by then every node must have confirmed, or we escalate.
+    quiesce_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
+    # Do not relaunch before this (exponential backoff between automatic restarts).
+    relaunch_after = models.DateTimeField(null=True, blank=True)
+    # The active lineage branch: the checkpoint a rollback started it from, and the first
+    # generation on it. Restores only consider checkpoints of the active branch.
+    branch_root = models.ForeignKey("checkpoints.Checkpoint", null=True, blank=True, on_delete=models.SET_NULL,
+                                    related_name="+")
+    branch_since_generation = models.PositiveIntegerField(default=0)
+    # Global sample ranges [start, end) a rollback chose to skip (PaLM-style, around a spike).
+    skip_data = models.JSONField(default=list, blank=True)
+    # The breaker's window starts afresh when an on-call approves a resume.
+    breaker_reset_at = models.DateTimeField(null=True, blank=True)
     created_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -81,6 +98,8 @@ class Generation(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     exit_reason = models.CharField(max_length=200, blank=True)
     exit_codes = models.JSONField(default=dict, blank=True, help_text="rank -> exit code")
+    # Hostnames whose processes of this generation are confirmed gone (exit report or stop ack).
+    stopped_nodes = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["job", "number"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Value
+from django.db.models import Max, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -24,6 +24,13 @@ def launch_job(spec: dict, *, actor: str) -> Job:
     job = Job.objects.create(created_by=actor, **spec)
     Event.objects.create(kind="job.launch", actor=actor, job=job, new_state=job.state, generation=0,
                          evidence={"spec": spec})
+
+    def enqueue():
+        from jobs.tasks import start_job_task
+
+        start_job_task.delay(job.pk, actor)
+
+    transaction.on_commit(enqueue)
     return job
 
 
@@ -121,6 +128,38 @@ def _advance_progress(job: Job, generation: int, fresh: list, now, *, actor: str
                              expect_state=JobState.INITIALIZING, reason=f"first step {first.step} reported")
         except state.TransitionConflict:
             pass  # another batch of the same generation got there first
+        from jobs.orchestrator import record_first_step
+
+        record_first_step(job, generation)
+    _raise_flags(job, generation, fresh)
+
+
+def _raise_flags(job: Job, generation: int, fresh: list) -> None:
+    """Hand NaN, spike runs and cross-rank disagreements to the orchestrator (after commit)."""
+    nan = any(r.nan or not math.isfinite(r.loss) for r in fresh)
+    inconsistent = any(r.inconsistent for r in fresh)
+    spikes = 0
+    if any(r.spike for r in fresh):
+        # The run of consecutive spiking steps (any rank) that ends at the newest step.
+        flags = (StepMetric.objects.filter(job=job, generation=generation).values("step")
+                 .annotate(spiked=Max("spike")).order_by("-step").values_list("spiked", flat=True)[:1000])
+        for spiked in flags:
+            if not spiked:
+                break
+            spikes += 1
+    limit = (job.recovery_policy or {}).get("loss_spike_limit", 3)
+    if nan or inconsistent or spikes >= limit:
+        detail = None
+        if inconsistent:
+            event = TrainingEvent.objects.filter(job=job, generation=generation, kind="inconsistency").last()
+            detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
+
+        def enqueue():
+            from jobs.tasks import handle_flags
+
+            handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail)
+
+        transaction.on_commit(enqueue)
 
 
 def _step_metric(job: Job, r: hooks_protocol.StepReport, now) -> StepMetric:
@@ -150,3 +189,96 @@ def control_for(job: Job, generation: int) -> hooks_protocol.Control:
         pause=job.pause_requested_at is not None,
         checkpoint_interval_steps=interval,
     )
+
+
+# --- operator and on-call verbs ----------------------------------------------------------------
+
+def start_job(job: Job, *, actor: str):
+    """Launch a pending job's first generation (or pause it until nodes are free)."""
+    from jobs.launching import start_generation
+
+    return start_generation(job, actor=actor, reason="first launch", restart=False)
+
+
+def pause_job(job: Job, *, actor: str, reason: str) -> Job:
+    """Ask the running generation to checkpoint and exit; the job is paused once all ranks are gone.
+
+    The hooks see ``pause`` on their next control poll, commit a checkpoint and exit with
+    EXIT_PAUSED; if they have not by the quiesce deadline, the agents stop them.
+    """
+    from django.conf import settings
+
+    with transaction.atomic():
+        state.transition(job, JobState.QUIESCING, actor=actor, reason=f"pause requested: {reason}",
+                         expect_state=JobState.ACTIVE - {JobState.QUIESCING})
+        now = timezone.now()
+        Job.objects.filter(pk=job.pk).update(
+            pause_requested_at=now, quiesce_deadline=now + timedelta(seconds=settings.NIGHTWATCH["QUIESCE_TIMEOUT_S"])
+        )
+    job.refresh_from_db()
+    return job
+
+
+def _require_quiesced(job: Job, force: bool) -> None:
+    from jobs.orchestrator import all_stopped, stop_generation
+
+    generation = Generation.objects.filter(job=job, number=job.generation).first()
+    if all_stopped(generation) or force:
+        return
+    stop_generation(job, reason="resume requested: stopping what is left of the old generation")
+    missing = sorted(set(generation.nodes.values_list("hostname", flat=True)) - set(generation.stopped_nodes))
+    raise state.TransitionConflict(
+        f"job {job.pk}: {', '.join(missing)} have not confirmed that generation {generation.number} stopped; "
+        "resuming now could run two generations at once (split brain). Stop commands were sent again; retry "
+        "once the nodes confirm, or pass force=true if those nodes are known to be dead."
+    )
+
+
+def approve_resume(job: Job, *, actor: str, reason: str, force: bool = False):
+    """On-call approves resuming a paused job from its latest verified checkpoint.
+
+    The circuit breaker's window restarts from now. Refused while any node of the old
+    generation has not confirmed its ranks stopped, unless ``force``.
+    """
+    from jobs.launching import start_generation
+
+    if job.state != JobState.PAUSED:
+        raise state.TransitionConflict(f"job {job.pk} is {job.state}; only a paused job can be resumed")
+    _require_quiesced(job, force)
+    with transaction.atomic():
+        state.transition(job, JobState.RECOVERING, actor=actor, reason=f"resume approved: {reason}",
+                         expect_state=JobState.PAUSED, evidence={"force": force})
+        Job.objects.filter(pk=job.pk).update(breaker_reset_at=timezone.now(), relaunch_after=None)
+    return start_generation(job, actor=actor, reason=f"resume approved by {actor}", restart=True)
+
+
+def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tuple[int, int] | None = None,
+                force: bool = False):
+    """Resume a paused job from an earlier verified checkpoint, starting a new lineage branch.
+
+    ``skip_data=(start, end)`` skips that global sample range on the new branch (as PaLM's team
+    skipped the batches around a loss spike); it is recorded with the branch.
+    """
+    from checkpoints.choices import CheckpointState
+    from checkpoints.services import verify
+    from jobs.launching import start_generation
+
+    if checkpoint.job_id != job.pk:
+        raise state.TransitionConflict(f"checkpoint {checkpoint.pk} belongs to another job")
+    if job.state != JobState.PAUSED:
+        raise state.TransitionConflict(f"job {job.pk} is {job.state}; pause it before rolling back")
+    if verify(checkpoint, actor=actor).state != CheckpointState.VERIFIED:
+        raise state.TransitionConflict(f"checkpoint {checkpoint.pk} failed verification: {checkpoint.state_reason}")
+    if skip_data is not None and not (0 <= skip_data[0] < skip_data[1]):
+        raise state.TransitionConflict("skip_data must be a range [start, end) with 0 <= start < end")
+    _require_quiesced(job, force)
+    with transaction.atomic():
+        state.transition(job, JobState.RECOVERING, actor=actor, expect_state=JobState.PAUSED,
+                         reason=f"rollback to step {checkpoint.step}: {reason}",
+                         evidence={"checkpoint": checkpoint.pk, "skip_data": list(skip_data) if skip_data else None})
+        ranges = list(job.skip_data) + ([list(skip_data)] if skip_data else [])
+        Job.objects.filter(pk=job.pk).update(branch_root=checkpoint, branch_since_generation=job.generation + 1,
+                                             skip_data=ranges, breaker_reset_at=timezone.now())
+    job.refresh_from_db()
+    return start_generation(job, actor=actor, reason=f"rollback to step {checkpoint.step}", restart=True,
+                            resume_from=checkpoint)

@@ -22,7 +22,7 @@ from jobs.choices import JobState as S
 from jobs.models import Event, Job
 
 ALLOWED: dict[str, frozenset[str]] = {
-    S.PENDING: frozenset({S.INITIALIZING, S.CANCELLED, S.FAILED}),
+    S.PENDING: frozenset({S.INITIALIZING, S.PAUSED, S.CANCELLED, S.FAILED}),
     S.INITIALIZING: frozenset({S.RUNNING, S.QUIESCING, S.PAUSED, S.FAILED, S.CANCELLED}),
     S.RUNNING: frozenset({S.CHECKPOINTING, S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
     S.CHECKPOINTING: frozenset({S.RUNNING, S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),

@@ -6,12 +6,14 @@ import re
 
 from rest_framework import serializers
 
-from jobs.models import Event, Generation, Job
-
-ENV_NAME = re.compile(r"^(NCCL|TORCH_NCCL|GLOO|TORCH_DISTRIBUTED)_[A-Z0-9_]{1,64}$")
+from agents.protocol.agent import NcclProfileError, validate_nccl_profile
+from jobs.models import Event, Generation, Incident, Job
 
 
 class CheckpointPolicySerializer(serializers.Serializer):
+    dir = serializers.CharField(max_length=1000, required=False,
+                                help_text="Checkpoint directory shared by the nodes and the control plane. "
+                                          "Default: <checkpoint root>/job-<id>.")
     interval = serializers.ChoiceField(choices=["fixed", "auto"], default="fixed",
                                        help_text="auto: follow the Young/Daly recommendation.")
     interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=100)
@@ -41,14 +43,15 @@ class JobSpecSerializer(serializers.ModelSerializer):
                                  default=list)
     nnodes = serializers.IntegerField(min_value=1, max_value=4096, default=1)
     nproc_per_node = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    rdzv_port = serializers.IntegerField(min_value=1024, max_value=65535, default=29400)
     nccl_profile = serializers.DictField(child=serializers.CharField(max_length=256), default=dict)
     checkpoint_policy = CheckpointPolicySerializer(default=dict)
     recovery_policy = RecoveryPolicySerializer(default=dict)
 
     class Meta:
         model = Job
-        fields = ["name", "entrypoint", "args", "nnodes", "nproc_per_node", "nccl_profile",
-                  "checkpoint_policy", "recovery_policy"]
+        fields = ["name", "entrypoint", "args", "nnodes", "nproc_per_node", "accelerator", "rdzv_port",
+                  "nccl_profile", "checkpoint_policy", "recovery_policy"]
 
     def validate_name(self, value):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
@@ -61,13 +64,11 @@ class JobSpecSerializer(serializers.ModelSerializer):
         return value
 
     def validate_nccl_profile(self, value):
-        for name in value:
-            if not ENV_NAME.fullmatch(name):
-                raise serializers.ValidationError(
-                    f"{name!r} is not an NCCL/Gloo setting (expected NCCL_*, TORCH_NCCL_*, GLOO_* or "
-                    "TORCH_DISTRIBUTED_* in upper case)."
-                )
-        return value
+        # The agent applies the same rules before it launches: one definition, both ends.
+        try:
+            return validate_nccl_profile(value)
+        except NcclProfileError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
     def to_internal_value(self, data):
         values = super().to_internal_value(data)
@@ -95,7 +96,8 @@ class JobSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Job
-        fields = ["id", "name", "entrypoint", "args", "nnodes", "nproc_per_node", "world_size", "nccl_profile",
+        fields = ["id", "name", "entrypoint", "args", "nnodes", "nproc_per_node", "world_size", "accelerator",
+                  "rdzv_port", "nccl_profile",
                   "checkpoint_policy", "recovery_policy", "state", "generation", "restart_count",
                   "state_changed_at", "pause_reason", "last_step", "last_step_at", "created_by", "created_at"]
         read_only_fields = fields
@@ -110,3 +112,31 @@ class EventSerializer(serializers.ModelSerializer):
 
 class ReasonSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the audit log.")
+
+
+class ApproveSerializer(ReasonSerializer):
+    force = serializers.BooleanField(default=False, help_text="Resume even though some node of the old generation "
+                                                              "has not confirmed its ranks stopped (it is dead).")
+
+
+class RollbackSerializer(ApproveSerializer):
+    checkpoint = serializers.IntegerField(min_value=1, help_text="Id of a verified checkpoint of this job.")
+    skip_data = serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=2, max_length=2,
+                                      required=False, help_text="Global sample range [start, end) to skip.")
+
+    def validate_skip_data(self, value):
+        if value[0] >= value[1]:
+            raise serializers.ValidationError("start must be below end")
+        return value
+
+
+class IncidentSerializer(serializers.ModelSerializer):
+    generation = serializers.IntegerField(source="generation.number", read_only=True, allow_null=True)
+    nodes = serializers.SlugRelatedField(many=True, read_only=True, slug_field="hostname")
+
+    class Meta:
+        model = Incident
+        fields = ["id", "job", "generation", "kind", "classification", "state", "decision", "evidence", "nodes",
+                  "fault_at", "detected_at", "quiesced_at", "relaunched_at", "first_step_at", "resolved_at",
+                  "lost_steps"]
+        read_only_fields = fields

@@ -7,6 +7,11 @@ urlpatterns = [
     path("jobs/<int:pk>", views.JobDetail.as_view(), name="job-detail"),
     path("jobs/<int:pk>/events", views.JobEvents.as_view(), name="job-events"),
     path("jobs/<int:pk>/cancel", views.JobCancel.as_view(), name="job-cancel"),
+    path("jobs/<int:pk>/pause", views.JobPause.as_view(), name="job-pause"),
+    path("jobs/<int:pk>/approve", views.JobApprove.as_view(), name="job-approve"),
+    path("jobs/<int:pk>/rollback", views.JobRollback.as_view(), name="job-rollback"),
+    path("jobs/<int:pk>/incidents", views.JobIncidents.as_view(), name="job-incidents"),
+    path("jobs/<int:pk>/generations", views.JobGenerations.as_view(), name="job-generations"),
     path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),
     path("jobs/<int:pk>/control", views.JobControl.as_view(), name="job-control"),
 ]

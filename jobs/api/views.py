@@ -16,8 +16,17 @@ from controlplane.api import IDEMPOTENCY_HEADER, idempotent, parse_wire, require
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from jobs import services
-from jobs.api.serializers import EventSerializer, JobSerializer, JobSpecSerializer, ReasonSerializer
-from jobs.models import Event, Job
+from jobs.api.serializers import (
+    ApproveSerializer,
+    EventSerializer,
+    GenerationSerializer,
+    IncidentSerializer,
+    JobSerializer,
+    JobSpecSerializer,
+    ReasonSerializer,
+    RollbackSerializer,
+)
+from jobs.models import Event, Generation, Incident, Job
 from jobs.state import TransitionError
 
 
@@ -121,3 +130,86 @@ class JobControl(APIView):
         if not raw.isdigit():
             raise ValidationError({"generation": ["required, a non-negative integer"]})
         return Response(dump(services.control_for(job, int(raw))))
+
+
+class _Action(APIView):
+    """parse → authorise (``required``) → call the service → the job as it is now; conflicts are 409."""
+
+    serializer_class = ReasonSerializer
+
+    def post(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        body = self.serializer_class(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            self.perform(job, body.validated_data, actor_label(request))
+        except TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        job.refresh_from_db()
+        return Response(JobSerializer(job).data)
+
+
+class JobPause(_Action):
+    """Checkpoint and stop the running generation; the job waits, paused, for a resume."""
+
+    required = roles.OPERATE
+
+    @extend_schema(request=ReasonSerializer, responses={200: JobSerializer})
+    def post(self, request, pk):
+        return super().post(request, pk)
+
+    def perform(self, job, data, actor):
+        services.pause_job(job, actor=actor, reason=data["reason"])
+
+
+class JobApprove(_Action):
+    """On-call approves resuming a paused job (after the circuit breaker or an escalation)."""
+
+    required = roles.APPROVE
+    serializer_class = ApproveSerializer
+
+    @extend_schema(request=ApproveSerializer, responses={200: JobSerializer})
+    def post(self, request, pk):
+        return super().post(request, pk)
+
+    def perform(self, job, data, actor):
+        services.approve_resume(job, actor=actor, reason=data["reason"], force=data["force"])
+
+
+class JobRollback(_Action):
+    """Resume a paused job from an earlier verified checkpoint, on a new lineage branch."""
+
+    required = roles.OPERATE
+    serializer_class = RollbackSerializer
+
+    @extend_schema(request=RollbackSerializer, responses={200: JobSerializer})
+    def post(self, request, pk):
+        return super().post(request, pk)
+
+    def perform(self, job, data, actor):
+        from checkpoints.models import Checkpoint
+
+        checkpoint = Checkpoint.objects.filter(pk=data["checkpoint"], job=job).first()
+        if checkpoint is None:
+            raise ValidationError({"checkpoint": [f"job {job.pk} has no checkpoint {data['checkpoint']}"]})
+        skip = tuple(data["skip_data"]) if data.get("skip_data") else None
+        services.rollback_to(job, checkpoint, actor=actor, reason=data["reason"], skip_data=skip,
+                             force=data["force"])
+
+
+class JobIncidents(generics.ListAPIView):
+    required = roles.VIEW
+    serializer_class = IncidentSerializer
+
+    def get_queryset(self):
+        job = get_object_or_404(Job, pk=self.kwargs["pk"])
+        return Incident.objects.filter(job=job).select_related("generation").prefetch_related("nodes")
+
+
+class JobGenerations(generics.ListAPIView):
+    required = roles.VIEW
+    serializer_class = GenerationSerializer
+
+    def get_queryset(self):
+        job = get_object_or_404(Job, pk=self.kwargs["pk"])
+        return Generation.objects.filter(job=job).prefetch_related("nodes")

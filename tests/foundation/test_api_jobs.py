@@ -44,7 +44,7 @@ def test_launch_fills_policy_defaults_and_audits(cast, api):
         ({"name": "x y", "entrypoint": "t.py"}, "name", "letters, digits"),
         ({"name": "x", "entrypoint": "t.py", "args": "--lr 1"}, "args", "list"),
         ({"name": "x", "entrypoint": "t.py", "nccl_profile": {"LD_PRELOAD": "/x.so"}}, "nccl_profile",
-         "not an NCCL/Gloo setting"),
+         "unknown variable"),
         ({"name": "x", "entrypoint": "t.py", "recovery_policy": {"max_restarts": -1}},
          "recovery_policy.max_restarts", "greater than or equal to 0"),
         ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"interval": "sometimes"}},

@@ -1,0 +1,142 @@
+"""Starting a generation: place it on healthy nodes, pick the restore point, send launch commands.
+
+``start_generation`` is the one way a job gets processes: the first launch, an automatic
+restart, an approved resume and a rollback all end here, inside one transaction that bumps the
+generation (the fencing token), records which nodes run it and from which checkpoint, and queues
+one launch command per node — so either all of that happened or none of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from checkpoints.models import Checkpoint
+from checkpoints.services import restore_point
+from jobs import state
+from jobs.choices import IncidentState, JobState
+from jobs.models import Generation, Incident, Job
+from jobs.placement import Candidate, place
+from nodes.choices import Health, Schedulability
+from nodes.models import Node
+
+log = logging.getLogger(__name__)
+
+#: A generation must report its first step within this long, or it counts as hung.
+STARTUP_TIMEOUT_S = 180
+
+
+def spec_hash(job: Job) -> str:
+    """What "the same config" means when deciding that a failure repeats deterministically."""
+    spec = {"entrypoint": job.entrypoint, "args": job.args, "nproc_per_node": job.nproc_per_node,
+            "nccl_profile": job.nccl_profile}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_dir(job: Job) -> str:
+    configured = (job.checkpoint_policy or {}).get("dir")
+    return configured or str(Path(settings.NIGHTWATCH["CHECKPOINT_ROOT"]) / f"job-{job.pk}")
+
+
+def candidates(job: Job) -> list[Node]:
+    """Nodes that may take this job now: active (not drained, not a lemon), usably healthy, and
+    not running another job's live generation."""
+    busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True).exclude(job=job)
+    return list(
+        Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE)
+        .exclude(pk__in=busy.values("nodes"))
+    )
+
+
+def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
+                     resume_from: Checkpoint | None = None) -> Generation | None:
+    """Launch the job's next generation; returns it, or None when no node can take it (paused).
+
+    1. Place: previous nodes first, spares last; shrink only when the policy allows.
+    2. Restore point: the checkpoint given (a rollback), else the newest one of the active
+       branch that re-verifies on disk now.
+    3. In one transaction: enter ``initializing`` (bumps the generation), record the generation,
+       queue one launch command per node, and stamp open incidents as relaunched.
+    """
+    from nodes import services as node_services
+
+    job.refresh_from_db()
+    policy = job.recovery_policy or {}
+    pool = candidates(job)
+    previous = set(
+        Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname", flat=True)
+    )
+    placement = place([Candidate(n.hostname, n.is_spare, n.hostname in previous) for n in pool],
+                      nnodes=job.nnodes, allow_shrink=bool(policy.get("allow_shrink")))
+    if not placement.ok:
+        _wait_for_nodes(job, actor=actor, free=len(pool))
+        return None
+    by_name = {n.hostname: n for n in pool}
+    nodes = [by_name[h] for h in placement.hostnames]
+    checkpoint = resume_from if resume_from is not None else restore_point(job)
+    now = timezone.now()
+    with transaction.atomic():
+        moved = state.transition(
+            job, JobState.INITIALIZING, actor=actor, restart=restart,
+            expect_state=frozenset({JobState.PENDING, JobState.RECOVERING}),
+            reason=reason + (f" on {len(nodes)} of {job.nnodes} nodes" if placement.shrunk else ""),
+            evidence={"nodes": list(placement.hostnames), "resume_from": checkpoint.location if checkpoint else None,
+                      "shrunk": placement.shrunk},
+        )
+        number = moved.job.generation
+        Generation.objects.filter(job=job, ended_at__isnull=True).exclude(number=number).update(ended_at=now)
+        generation = Generation.objects.create(job=job, number=number, world_size=len(nodes) * job.nproc_per_node,
+                                               resumed_from=checkpoint, started_at=now)
+        generation.nodes.set(nodes)
+        Job.objects.filter(pk=job.pk).update(
+            progress_deadline=now + timedelta(seconds=STARTUP_TIMEOUT_S), quiesce_deadline=None,
+            relaunch_after=None, pause_requested_at=None,
+        )
+        for rank, node in enumerate(nodes):
+            node_services.enqueue_command(
+                node, "launch", job=job, generation=number,
+                idempotency_key=f"launch:{job.pk}:{number}:{node.pk}",
+                payload=_launch_payload(job, number, rank, nodes, checkpoint),
+            )
+        Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=True).update(
+            relaunched_at=now
+        )
+    log.info("job %s generation %s launched on %s from %s", job.pk, number, placement.hostnames,
+             checkpoint.location if checkpoint else "scratch")
+    return generation
+
+
+def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], checkpoint: Checkpoint | None) -> dict:
+    host = nodes[0].address
+    return {
+        "script": job.entrypoint,
+        "nnodes": len(nodes),
+        "nproc_per_node": job.nproc_per_node,
+        "node_rank": node_rank,
+        "rdzv_endpoint": f"{host}:{job.rdzv_port}",
+        "rdzv_id": f"nw-{job.pk}-g{number}",
+        "rdzv_is_host": node_rank == 0,
+        "args": list(job.args),
+        "nccl_env": dict(job.nccl_profile),
+        "hooks_url": settings.NIGHTWATCH["PUBLIC_URL"],
+        "ckpt_dir": checkpoint_dir(job),
+        "resume_from": checkpoint.location if checkpoint else None,
+        "require_gpu": job.accelerator == "gpu",
+    }
+
+
+def _wait_for_nodes(job: Job, *, actor: str, free: int) -> None:
+    reason = f"waiting for nodes: {job.nnodes} needed, {free} healthy and free"
+    if job.state == JobState.PAUSED:
+        return
+    try:
+        state.transition(job, JobState.PAUSED, actor=actor, reason=reason, pause_reason=reason)
+    except state.TransitionError:
+        log.warning("job %s could not be paused while waiting for nodes", job.pk)

@@ -1,0 +1,354 @@
+"""Recovery orchestration: from a fault signal to a new generation (or a pause), safely.
+
+    signal ─▶ report_fault ─▶ decide (jobs.policy) ─▶ incident + drains ─▶ quiescing (stop all ranks)
+                                                          │
+          every node confirms its ranks are gone ◀────────┘  (exit report or stop acknowledged)
+                        │
+          advance_recovery ─▶ recovering ─▶ (backoff) ─▶ start_generation  ─▶ first step ─▶ resolved
+                        └──▶ paused (a human decides: approve_resume or rollback_to)
+
+Every step is a compare-and-set state transition recorded in the database, and ``advance_recovery``
+only looks at what is recorded, so the sweeper (``advance_one_recovery``) can finish a recovery
+that a dead worker started, and running any step twice is harmless: exactly one new generation
+results. A job is never relaunched until every node of the old generation has confirmed that its
+processes are gone — one active generation, always.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from jobs import policy, state
+from jobs.choices import Decision, IncidentState, JobState
+from jobs.launching import spec_hash, start_generation
+from jobs.models import Event, Generation, Incident, Job, StepMetric
+
+log = logging.getLogger(__name__)
+SYSTEM = "system:orchestrator"
+RESTARTING = frozenset({Decision.RESTART, Decision.RESTART_ON_SPARE, Decision.SHRINK})
+#: A job in these states has a generation whose faults we act on.
+WATCHED = JobState.ACTIVE - {JobState.QUIESCING}
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str, ...] = (), detail: dict | None = None,
+                 fault_at=None, actor: str = SYSTEM, **evidence) -> Incident | None:
+    """Turn one fault signal into an incident and a decision; None when it is not ours to act on.
+
+    A signal about an older generation, or about a job already quiescing for another fault, is
+    fenced off (recorded on the open incident as further evidence, never acted on twice).
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if generation != job.generation:
+            return None
+        if job.state not in WATCHED:
+            open_incident = _open_incident(job)
+            if open_incident is not None:
+                further = open_incident.evidence.setdefault("further", [])
+                further.append({"signal": signal, "nodes": list(nodes), "detail": detail or {}, "at": now.isoformat()})
+                open_incident.save(update_fields=["evidence"])
+            return None
+        ev = _evidence(job, signal, nodes=nodes, **evidence)
+        decision = policy.decide(ev)
+        incident = Incident.objects.create(
+            job=job, generation=Generation.objects.filter(job=job, number=generation).first(),
+            kind=decision.classification, classification=decision.reason, decision=decision.action,
+            evidence={"signal": signal, "nodes": list(nodes), "detail": detail or {}, **_jsonable(evidence),
+                      "propose_rollback": decision.propose_rollback, "page": decision.page},
+            fault_at=fault_at or now, detected_at=now,
+        )
+        blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
+        if blamed:
+            from nodes.models import Node
+
+            incident.nodes.set(Node.objects.filter(hostname__in=blamed))
+        Event.objects.create(kind="incident.open", actor=actor, job=job, generation=generation,
+                             reason=decision.reason, evidence={"incident": incident.pk, "decision": decision.action})
+        if decision.action == Decision.ALERT:
+            incident.state, incident.resolved_at = IncidentState.RESOLVED, now
+            incident.save(update_fields=["state", "resolved_at"])
+            return incident
+        _drain(decision.drain, incident, actor=actor)
+        _blame_lemons(incident, actor=actor)
+        _quiesce(job, incident, decision, actor=actor)
+    transaction.on_commit(lambda: _advance_later(job_id))
+    return incident
+
+
+def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> policy.Evidence:
+    from nodes.choices import Health
+    from nodes.models import Node
+
+    rp = job.recovery_policy or {}
+    window_start = timezone.now() - timedelta(minutes=rp.get("window_minutes", 60))
+    if job.breaker_reset_at and job.breaker_reset_at > window_start:
+        window_start = job.breaker_reset_at
+    restarts = Incident.objects.filter(job=job, detected_at__gte=window_start, decision__in=RESTARTING).count()
+    history = tuple(
+        policy.PastFailure(i.evidence.get("signature"), i.evidence.get("error_line"), i.evidence.get("step"),
+                           i.evidence.get("config_hash", ""))
+        for i in Incident.objects.filter(job=job, evidence__signal=policy.EXIT).order_by("detected_at")
+    )
+    lost_window = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["PARTITION_WINDOW_S"])
+    lost = Event.objects.filter(kind="node.health", new_state=Health.UNREACHABLE, created_at__gte=lost_window)
+    from jobs.launching import candidates
+
+    gen_nodes = set(Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname",
+                                                                                           flat=True))
+    unhealthy = tuple(sorted(Node.objects.filter(hostname__in=set(nodes) | gen_nodes, health=Health.UNHEALTHY)
+                             .values_list("hostname", flat=True)))
+    spares = [n for n in candidates(job) if n.hostname not in gen_nodes]
+    return policy.Evidence(
+        signal=signal, config_hash=spec_hash(job), nodes=tuple(nodes), unhealthy_nodes=unhealthy,
+        spike_limit=rp.get("loss_spike_limit", 3),
+        nodes_lost_in_window=lost.values("node").distinct().count(),
+        partition_threshold=settings.NIGHTWATCH["PARTITION_NODES"],
+        restarts_in_window=restarts, max_restarts=rp.get("max_restarts", 5),
+        backoff_base_s=rp.get("backoff_seconds", 5), spares_available=len(spares),
+        allow_shrink=bool(rp.get("allow_shrink")), history=history,
+        **{k: v for k, v in given.items() if k in _EVIDENCE_FIELDS},
+    )
+
+
+_EVIDENCE_FIELDS = {"signature", "error_line", "step", "rank_steps", "consecutive_spikes"}
+
+
+def _jsonable(evidence: dict) -> dict:
+    out = {k: v for k, v in evidence.items() if k in _EVIDENCE_FIELDS}
+    if "rank_steps" in out:
+        out["rank_steps"] = {str(k): v for k, v in out["rank_steps"].items()}
+    return out
+
+
+def _drain(hostnames, incident: Incident, *, actor: str) -> None:
+    from nodes import services as node_services
+    from nodes.models import Node
+
+    for node in Node.objects.filter(hostname__in=hostnames):
+        node_services.drain_node(node, actor=actor, reason=f"incident {incident.pk}: {incident.classification}")
+
+
+def _blame_lemons(incident: Incident, *, actor: str) -> None:
+    """A node blamed in repeated incidents (any job) inside the window is kept out until cleared."""
+    from nodes import services as node_services
+
+    since = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["LEMON_WINDOW_S"])
+    for node in incident.nodes.all():
+        node_services.blame_node(node, actor=actor, reason=f"incident {incident.pk}")
+        blamed = Incident.objects.filter(nodes=node, detected_at__gte=since).count()
+        if blamed >= settings.NIGHTWATCH["LEMON_INCIDENTS"]:
+            node_services.drain_node(
+                node, actor=actor, reason=f"lemon: blamed in {blamed} incidents; kept out until an operator clears it"
+            )
+
+
+def _quiesce(job: Job, incident: Incident, decision: policy.Decision, *, actor: str) -> None:
+    """Stop every rank of the generation on every node; the recovery continues once all confirm."""
+    now = timezone.now()
+    if job.state != JobState.QUIESCING:
+        state.transition(job, JobState.QUIESCING, actor=actor, reason=decision.reason,
+                         evidence={"incident": incident.pk}, generation=job.generation)
+    relaunch_after = now + timedelta(seconds=decision.backoff_s) if decision.backoff_s else None
+    Job.objects.filter(pk=job.pk).update(
+        quiesce_deadline=now + timedelta(seconds=settings.NIGHTWATCH["QUIESCE_TIMEOUT_S"]),
+        relaunch_after=relaunch_after,
+    )
+    stop_generation(job, reason=decision.reason)
+
+
+def stop_generation(job: Job, *, reason: str, grace_s: float = 10.0) -> None:
+    """Queue a stop of the current generation on each of its nodes that has not confirmed yet."""
+    from nodes import services as node_services
+
+    generation = Generation.objects.filter(job=job, number=job.generation).first()
+    if generation is None:
+        return
+    for node in generation.nodes.exclude(hostname__in=generation.stopped_nodes):
+        node_services.enqueue_command(node, "stop", job=job, generation=generation.number,
+                                      idempotency_key=f"stop:{job.pk}:{generation.number}:{node.pk}",
+                                      payload={"grace_s": grace_s, "reason": reason[:500]})
+
+
+def _open_incident(job: Job) -> Incident | None:
+    return Incident.objects.filter(job=job, state=IncidentState.OPEN).order_by("-detected_at").first()
+
+
+# --- confirmations and progress ----------------------------------------------------------------
+
+def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail: dict | None = None) -> None:
+    """A node's processes of ``generation`` are gone (its exit report, or its stop acknowledged)."""
+    with transaction.atomic():
+        row = Generation.objects.select_for_update().filter(job_id=job_id, number=generation).first()
+        if row is None or hostname in row.stopped_nodes:
+            return
+        row.stopped_nodes = [*row.stopped_nodes, hostname]
+        if exit_detail:
+            for failed in exit_detail.get("ranks", []):
+                row.exit_codes[str(failed.get("rank"))] = failed.get("exit_code", failed.get("signal"))
+        row.save(update_fields=["stopped_nodes", "exit_codes"])
+    transaction.on_commit(lambda: _advance_later(job_id))
+
+
+def all_stopped(generation: Generation | None) -> bool:
+    if generation is None:
+        return True
+    return set(generation.nodes.values_list("hostname", flat=True)) <= set(generation.stopped_nodes)
+
+
+def advance_recovery(job_id: int, *, actor: str = SYSTEM) -> bool:
+    """Move a quiescing or recovering job one step further, if what is recorded allows; returns
+    whether it did something. Safe to call any time, from anywhere, any number of times."""
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        return False
+    now = timezone.now()
+    generation = Generation.objects.filter(job=job, number=job.generation).first()
+    incident = _open_incident(job)
+    if job.state == JobState.QUIESCING:
+        if all_stopped(generation):
+            Incident.objects.filter(pk=getattr(incident, "pk", None), quiesced_at__isnull=True).update(quiesced_at=now)
+            Generation.objects.filter(pk=getattr(generation, "pk", None), ended_at__isnull=True).update(ended_at=now)
+            if incident is not None and incident.decision in RESTARTING:
+                return _move(job, JobState.RECOVERING, actor, "every rank confirmed stopped")
+            reason = incident.classification if incident else "paused by an operator"
+            return _move(job, JobState.PAUSED, actor, reason, pause_reason=reason)
+        if job.quiesce_deadline and now > job.quiesce_deadline:
+            missing = sorted(set(generation.nodes.values_list("hostname", flat=True)) - set(generation.stopped_nodes))
+            reason = f"could not confirm that ranks stopped on {', '.join(missing)}: escalating"
+            if incident is not None:
+                Incident.objects.filter(pk=incident.pk).update(decision=Decision.ESCALATE)
+            return _move(job, JobState.PAUSED, actor, reason, pause_reason=reason)
+        return False
+    if job.state == JobState.RECOVERING:
+        if job.relaunch_after and now < job.relaunch_after:
+            return False
+        reason = f"recovering from incident {incident.pk}: {incident.classification}" if incident else "resuming"
+        try:
+            return start_generation(job, actor=actor, reason=reason, restart=True) is not None
+        except state.TransitionConflict:
+            return False  # someone else relaunched it meanwhile
+    return False
+
+
+def _move(job: Job, new_state: str, actor: str, reason: str, **fields) -> bool:
+    try:
+        state.transition(job, new_state, actor=actor, reason=reason, expect_state=job.state, **fields)
+        return True
+    except state.TransitionConflict:
+        return False
+
+
+def _advance_later(job_id: int) -> None:
+    from jobs.tasks import advance_job
+
+    advance_job.delay(job_id)
+
+
+def record_first_step(job: Job, generation: int) -> None:
+    """The resumed generation trained a step: the open incidents are over."""
+    now = timezone.now()
+    Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=False,
+                            generation__number__lt=generation).update(
+        first_step_at=now, state=IncidentState.RESOLVED, resolved_at=now)
+
+
+def lost_steps(job: Job, incident: Incident) -> int:
+    """Steps trained after the restore point and redone: last step reached − resumed step."""
+    generation = incident.generation
+    if generation is None:
+        return 0
+    reached = StepMetric.objects.filter(job=job, generation=generation.number).aggregate(m=Max("step"))["m"] or 0
+    nxt = Generation.objects.filter(job=job, number__gt=generation.number).order_by("number").first()
+    restored = nxt.resumed_from.step if nxt and nxt.resumed_from else 0
+    return max(0, reached - restored)
+
+
+# --- periodic one-shots (beat, tests and management commands call the same functions) ---------
+
+def expire_one_progress_deadline() -> bool:
+    """The first job past its progress deadline is reported as hung; returns whether one was."""
+    job = (Job.objects.filter(state__in=[JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING],
+                              progress_deadline__lt=timezone.now()).order_by("progress_deadline").first())
+    if job is None:
+        return False
+    steps = dict(StepMetric.objects.filter(job=job, generation=job.generation).values("rank")
+                 .annotate(last=Max("step")).values_list("rank", "last"))
+    incident = report_fault(job.pk, policy.HANG, generation=job.generation, rank_steps=steps,
+                            fault_at=job.last_step_at or job.state_changed_at,
+                            detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
+    if incident is None:  # fenced off: clear the deadline so we do not spin on it
+        Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
+    return True
+
+
+def advance_one_recovery() -> bool:
+    """Re-drive the recovery that has waited longest (a dead worker's, or a finished backoff)."""
+    now = timezone.now()
+    stuck = Job.objects.filter(
+        Q(state=JobState.QUIESCING) | Q(state=JobState.RECOVERING, relaunch_after__isnull=True)
+        | Q(state=JobState.RECOVERING, relaunch_after__lte=now)
+    ).order_by("state_changed_at")
+    return any(advance_recovery(job.pk) for job in stuck[:20])
+
+
+# --- what the nodes and the hooks tell us ------------------------------------------------------
+
+def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> None:
+    """A node's torchrun of ``generation`` ended. Confirm the stop, then decide what it means.
+
+    - a stop we asked for, a pause, a stale-generation exit: confirmation only;
+    - every node exited 0: the job completed;
+    - otherwise: a crash, classified with the signature and error line the agent found.
+    """
+    confirm_stopped(job_id, generation, hostname, exit_detail=detail)
+    signature = detail.get("signature")
+    if detail.get("requested_stop") or signature in policy.REQUESTED_SIGNATURES:
+        return
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        return
+    clean = detail.get("exit_code") == 0 and not detail.get("ranks")
+    if clean:
+        generation_row = Generation.objects.filter(job=job, number=generation).first()
+        if generation == job.generation and all_stopped(generation_row) and job.state in WATCHED:
+            _move(job, JobState.COMPLETED, f"node:{hostname}", "every rank exited 0")
+        return
+    report_fault(job_id, policy.EXIT, generation=generation, nodes=(hostname,), actor=f"node:{hostname}",
+                 signature=signature, error_line=detail.get("error_line"), step=job.last_step,
+                 detail={k: detail.get(k) for k in ("exit_code", "ranks", "root_cause_rank", "signature",
+                                                    "error_line", "log_tail", "xids")})
+
+
+def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
+    """A node turned unhealthy or unreachable: every live generation on it is affected."""
+    from nodes.choices import Health
+
+    signal = {Health.UNHEALTHY: policy.NODE_UNHEALTHY, Health.UNREACHABLE: policy.NODE_UNREACHABLE}.get(new_health)
+    if signal is None:
+        return
+    affected = Generation.objects.filter(nodes__hostname=hostname, ended_at__isnull=True,
+                                         job__state__in=WATCHED).select_related("job")
+    for generation in affected:
+        if generation.number == generation.job.generation:
+            report_fault(generation.job_id, signal, generation=generation.number, nodes=(hostname,),
+                         detail={"health": new_health, "reasons": reasons})
+
+
+def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
+    """The hooks flagged NaN, consecutive loss spikes or a cross-rank disagreement."""
+    if nan:
+        report_fault(job.pk, policy.NAN, generation=generation, detail={"last_step": job.last_step})
+    elif inconsistent:
+        report_fault(job.pk, policy.INCONSISTENCY, generation=generation, detail=inconsistent)
+    elif spikes >= (job.recovery_policy or {}).get("loss_spike_limit", 3):
+        report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
+                     detail={"last_step": job.last_step})

@@ -1,0 +1,61 @@
+"""Celery tasks of the jobs app: thin wrappers that take primary keys and call the orchestrator.
+
+Each is safe to run twice and returns quietly when its row is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from jobs import orchestrator
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(ignore_result=True)
+def advance_job(job_id: int) -> None:
+    while orchestrator.advance_recovery(job_id):
+        pass
+
+
+@shared_task(ignore_result=True)
+def sweep() -> None:
+    """Beat, every few seconds: hung generations, and recoveries to finish or re-drive."""
+    for _ in range(50):  # bounded: a poison row must not keep a worker busy forever
+        if not orchestrator.expire_one_progress_deadline():
+            break
+    for _ in range(50):
+        if not orchestrator.advance_one_recovery():
+            break
+
+
+@shared_task(ignore_result=True)
+def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> None:
+    orchestrator.handle_exit(job_id, generation, hostname, detail)
+
+
+@shared_task(ignore_result=True)
+def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
+    orchestrator.handle_node_health(hostname, new_health, reasons)
+
+
+@shared_task(ignore_result=True)
+def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
+    from jobs.models import Job
+
+    job = Job.objects.filter(pk=job_id).first()
+    if job is not None:
+        orchestrator.handle_hook_flags(job, generation, nan=nan, spikes=spikes, inconsistent=inconsistent)
+
+
+@shared_task(ignore_result=True)
+def start_job_task(job_id: int, actor: str) -> None:
+    from jobs import services
+    from jobs.choices import JobState
+    from jobs.models import Job
+
+    job = Job.objects.filter(pk=job_id, state=JobState.PENDING).first()
+    if job is not None:
+        services.start_job(job, actor=actor)
