@@ -51,7 +51,8 @@ class ControlPlaneClient:
         if self.token:
             all_headers["Authorization"] = f"Bearer {self.token}"
         all_headers.update(headers or {})
-        req = urllib.request.Request(self.base_url + path, data=data, headers=all_headers, method=method)
+        req = urllib.request.Request(  # noqa: S310 - scheme checked in __init__
+            self.base_url + path, data=data, headers=all_headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:  # noqa: S310 - scheme checked
                 return response.status, _decode(response.read())

@@ -2,10 +2,10 @@
 # Installs the system packages that the test suite needs and pip cannot provide.
 # Idempotent: packages already present are left alone, so CI can call it on every run.
 #
-#   openssh-server  real sshd on loopback for the SSH transport tests (tests/agent/test_ssh_transport.py)
+#   openssh-server  real sshd on loopback for the SSH transport tests (tests/agent/test_agent_ssh.py)
 set -euo pipefail
 
-packages=(openssh-server)
+packages=(openssh-server docker-compose)
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -26,15 +26,19 @@ Delivery is at-least-once in both directions, so both sides deduplicate:
 
 ``AgentEvent.detail`` and ``Command.payload`` depend on ``kind``; ``parse_event_details`` and
 ``parse_command_payload`` validate them with the classes in ``EVENT_DETAILS`` and
-``COMMAND_PAYLOADS``. Times are Unix epoch seconds (UTC), memory is in bytes.
+``COMMAND_PAYLOADS``; ``compact()`` encodes them without their null fields (``dump`` works too).
+Times are Unix epoch seconds (UTC), memory is in bytes.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agents.protocol.base import ProtocolError, field, parse
+from agents.protocol.base import ProtocolError, dump, field, parse
 
 REGISTER_PATH = "/api/v1/agents/register"
 HEARTBEAT_PATH = "/api/v1/nodes/{node_id}/heartbeat"
@@ -126,7 +130,8 @@ class Command:
     idempotency_key: str = field(max_len=128)
     job: str | None = field(default=None, pattern=ID_PATTERN)
     generation: int | None = field(default=None, min=0)
-    payload: dict[str, Any] = field(default_factory=dict, max_len=64)
+    #: Null values allowed: a payload dumped with ``dump`` (not ``compact``) still parses.
+    payload: dict[str, Any | None] = field(default_factory=dict, max_len=64)
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,122 @@ class HealthCheckPayload:
     peers: list[ProbePeer] = field(default_factory=list, max_len=64)
     probe_bytes: int = field(default=64 * 2**20, min=2**16, max=2**32)
     probe_seconds: float = field(default=5.0, min=0.1, max=60)
+    #: False for CPU-only (gloo) nodes, which have no GPU telemetry to judge.
+    require_gpu: bool = True
+
+
+# --- NCCL environment profile ----------------------------------------------------------------
+# Validated here, in the protocol, so that the control plane refuses a bad profile when the job
+# is created and the agent refuses it again before launching: same rules, one definition.
+
+class NcclProfileError(ProtocolError):
+    """A job's NCCL profile names an unknown variable or gives one a bad value."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"nccl_env.{name}", reason)
+        self.name = name
+
+
+def _one_of(*allowed: str, case: bool = True) -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        ok = value in allowed if case else value.lower() in {a.lower() for a in allowed}
+        return None if ok else f"must be one of {', '.join(allowed)}"
+    return check
+
+
+def _int_range(low: int, high: int) -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        if not re.fullmatch(r"-?[0-9]+", value) or not low <= int(value) <= high:
+            return f"must be an integer from {low} to {high}"
+        return None
+    return check
+
+
+def _name_list(item: str, *, prefixes: str = "", names: tuple[str, ...] = ()) -> Callable[[str], str | None]:
+    """A comma-separated list (NCCL's ``^`` excludes, ``=`` matches exactly) of names or ``item``s."""
+    def check(value: str) -> str | None:
+        body = value[1:] if value[:1] and value[:1] in prefixes else value
+        parts = body.split(",")
+        if names:
+            bad = [p for p in parts if p.lower() not in {n.lower() for n in names}]
+            return f"unknown {bad[0]!r}; expected a comma-separated list of {', '.join(names)}" if bad else None
+        if not all(re.fullmatch(item, p) for p in parts):
+            prefixed = f" (optionally prefixed by {' or '.join(prefixes)})" if prefixes else ""
+            return f"must be a comma-separated list of names{prefixed}"
+        return None
+    return check
+
+
+def _absolute_path(value: str) -> str | None:
+    return None if value.startswith("/") and "\n" not in value else "must be an absolute path"
+
+
+_FLAG = _one_of("0", "1")
+_IFNAME = r"[A-Za-z0-9_.:-]{1,32}"
+_TOPO_LEVEL = _one_of("LOC", "NVL", "PIX", "PXB", "PHB", "SYS", "0", "1", "2", "3", "4", "5")
+NCCL_PROFILE_RULES: dict[str, Callable[[str], str | None]] = {
+    "TORCH_NCCL_BLOCKING_WAIT": _FLAG,
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": _one_of("0", "1", "2", "3"),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": _FLAG,
+    "TORCH_NCCL_ENABLE_MONITORING": _FLAG,
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": _int_range(1, 86400),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": _int_range(0, 10_000_000),
+    "TORCH_NCCL_DESYNC_DEBUG": _FLAG,
+    "NCCL_ASYNC_ERROR_HANDLING": _FLAG,  # the pre-2.2 name of TORCH_NCCL_ASYNC_ERROR_HANDLING
+    "NCCL_TIMEOUT": _int_range(1, 86400),
+    "NCCL_DEBUG": _one_of("VERSION", "WARN", "INFO", "TRACE"),
+    "NCCL_DEBUG_SUBSYS": _name_list("", prefixes="^", names=(
+        "INIT", "COLL", "P2P", "SHM", "NET", "GRAPH", "TUNING", "ENV", "ALLOC", "CALL", "PROXY", "NVLS",
+        "BOOTSTRAP", "REG", "PROFILE", "RAS", "ALL")),
+    "NCCL_DEBUG_FILE": _absolute_path,
+    "NCCL_TOPO_DUMP_FILE": _absolute_path,
+    "NCCL_SOCKET_IFNAME": _name_list(_IFNAME, prefixes="^="),
+    "GLOO_SOCKET_IFNAME": _name_list(_IFNAME),
+    "NCCL_IB_HCA": _name_list(r"[A-Za-z0-9_.-]{1,32}(:[0-9]{1,3})?", prefixes="^="),
+    "NCCL_IB_DISABLE": _FLAG,
+    "NCCL_IB_TIMEOUT": _int_range(1, 31),
+    "NCCL_IB_RETRY_CNT": _int_range(0, 7),
+    "NCCL_IB_GID_INDEX": _int_range(0, 255),
+    "NCCL_IB_TC": _int_range(0, 255),
+    "NCCL_IB_SL": _int_range(0, 15),
+    "NCCL_P2P_DISABLE": _FLAG,
+    "NCCL_SHM_DISABLE": _FLAG,
+    "NCCL_NVLS_ENABLE": _FLAG,
+    "NCCL_CUMEM_ENABLE": _FLAG,
+    "NCCL_P2P_LEVEL": _TOPO_LEVEL,
+    "NCCL_NET_GDR_LEVEL": _TOPO_LEVEL,
+    "NCCL_SOCKET_NTHREADS": _int_range(1, 16),
+    "NCCL_NSOCKS_PERTHREAD": _int_range(1, 64),
+    "NCCL_BUFFSIZE": _int_range(1, 2**31),
+    "NCCL_MIN_NCHANNELS": _int_range(1, 64),
+    "NCCL_MAX_NCHANNELS": _int_range(1, 64),
+    "NCCL_ALGO": _name_list("", prefixes="^", names=(
+        "Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")),
+    "NCCL_PROTO": _name_list("", prefixes="^", names=("LL", "LL128", "Simple")),
+}
+
+
+def validate_nccl_profile(env: Mapping[str, Any]) -> dict[str, str]:
+    """The profile as environment strings; ``NcclProfileError`` names the first bad entry.
+
+    Only the names above are accepted: a typo (``NCCL_DEBG``) would otherwise be ignored by
+    NCCL in silence, and a profile must never override what the agent sets itself.
+    """
+    out: dict[str, str] = {}
+    for name, raw in env.items():
+        rule = NCCL_PROFILE_RULES.get(name)
+        if rule is None:
+            close = difflib.get_close_matches(name, NCCL_PROFILE_RULES, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; allowed: {', '.join(sorted(NCCL_PROFILE_RULES))}"
+            raise NcclProfileError(name, "unknown variable" + hint)
+        if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+            raise NcclProfileError(name, f"expected a string such as '1', got {raw!r}")
+        value = str(raw)
+        problem = rule(value)
+        if problem:
+            raise NcclProfileError(name, f"{value!r} {problem}")
+        out[name] = value
+    return out
 
 
 COMMAND_PAYLOADS: dict[str, type] = {
@@ -204,11 +325,19 @@ COMMAND_PAYLOADS: dict[str, type] = {
 }
 
 
+def compact(message: Any) -> dict[str, Any]:
+    """``dump(message)`` without its null fields: the form of event details and command payloads."""
+    return {k: v for k, v in dump(message).items() if v is not None}
+
+
 def parse_command_payload(command: Command) -> Any:
     """The validated payload object of ``command`` (its class depends on ``kind``)."""
     if command.kind in ("launch", "stop") and (command.job is None or command.generation is None):
         raise ProtocolError("generation", f"a {command.kind} command needs a job and a generation")
-    return parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
+    payload = parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
+    if isinstance(payload, LaunchPayload):
+        validate_nccl_profile(payload.nccl_env)
+    return payload
 
 
 # --- telemetry --------------------------------------------------------------------------------
@@ -277,7 +406,7 @@ class AgentEvent:
     time: float = field(min=0, max=MAX_TIME)
     job: str | None = field(default=None, pattern=ID_PATTERN)
     generation: int | None = field(default=None, min=0)
-    detail: dict[str, Any] = field(default_factory=dict, max_len=32)
+    detail: dict[str, Any | None] = field(default_factory=dict, max_len=32)
 
 
 @dataclass(frozen=True)
@@ -300,7 +429,7 @@ class ExitReport:
     """Detail of ``exited``: how a generation ended on this node, with the evidence."""
 
     #: torchrun's own exit status (negative: killed by that signal); ``None`` if unknown.
-    exit_code: int | None
+    exit_code: int | None = None
     #: Ranks that torchrun reported as failed; ranks not listed exited 0.
     ranks: list[RankExit] = field(default_factory=list, max_len=1024)
     #: The first rank to fail, as torchrun saw it.

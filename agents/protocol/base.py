@@ -87,6 +87,8 @@ def _encode(value: Any) -> Any:
 
 
 def _check(tp: Any, value: Any, meta: typing.Mapping, where: str) -> Any:
+    if tp is Any:  # free-form JSON (details, payloads): null included
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)

@@ -7,6 +7,7 @@ relies on in production.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,8 @@ class _GpuHistory:
 
 
 class TelemetryCollector:
-    """Samples a source and keeps per-GPU history. Not thread-safe: one loop owns it."""
+    """Samples a source and keeps per-GPU history; the agent loop and a command's health check
+    may both sample, hence the lock."""
 
     def __init__(self, source: TelemetrySource, *, window_s: float = DEFAULT_WINDOW_S,
                  clock: Callable[[], float] = time.time):
@@ -37,6 +39,7 @@ class TelemetryCollector:
         self.window_s = window_s
         self._clock = clock
         self._history: dict[int, _GpuHistory] = {}
+        self._lock = threading.Lock()
 
     @property
     def available(self) -> bool:
@@ -51,15 +54,17 @@ class TelemetryCollector:
         if not self.source.available:
             return []
         events = self.source.xid_events(timeout)
-        for event in events:
-            self._gpu(event.gpu).xids.add(event.time, event.code)
+        with self._lock:
+            for event in events:
+                self._gpu(event.gpu).xids.add(event.time, event.code)
         return events
 
     def sample(self, node: str) -> list[GpuSample]:
         if not self.source.available:
             return []
-        now = self._clock()
-        return [self._to_sample(node, now, reading) for reading in self.source.sample()]
+        with self._lock:
+            now = self._clock()
+            return [self._to_sample(node, now, reading) for reading in self.source.sample()]
 
     def _gpu(self, index: int) -> _GpuHistory:
         if index not in self._history:

@@ -218,7 +218,7 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     tp = _FIELD_TYPES[name]
     if value is None:
         return None
-    if bool in typing.get_args(tp):
+    if tp is bool or bool in typing.get_args(tp):
         if not isinstance(value, bool):
             raise ScenarioError(f"{where}: expected true or false, got {value!r}")
         return value

@@ -1,0 +1,303 @@
+"""The node agent: registers, heartbeats, pushes telemetry, runs commands, supervises torchrun.
+
+One loop on the main thread samples telemetry, watches for Xids, heartbeats and flushes the
+spool; commands run on the ``CommandRunner``'s worker; each generation has a watcher thread
+(``Supervisor``). Nothing here waits for the control plane to keep training going: if it is
+unreachable, the loop keeps sampling into the spool and the job keeps running.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agents import __version__
+from agents.agent.commands import CommandLedger, CommandRunner
+from agents.agent.config import AgentConfig
+from agents.agent.outbox import AuthRejected, Outbox
+from agents.agent.registration import NodeCredentials, RegistrationRefused, load_credentials, register, save_credentials
+from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
+from agents.http import ControlPlaneClient, Unreachable
+from agents.protocol import ProtocolError, dump, parse
+from agents.protocol.agent import (
+    HEARTBEAT_PATH,
+    AgentStarted,
+    Command,
+    CommandAck,
+    DrainAck,
+    DrainPayload,
+    ExitReport,
+    HealthCheckPayload,
+    HealthReport,
+    Heartbeat,
+    HeartbeatResponse,
+    LaunchPayload,
+    NcclProfileError,
+    StopPayload,
+    XidDetail,
+)
+from agents.supervisor import DEFAULT_TORCHRUN, StaleGeneration, Supervisor, attach_xids
+from agents.telemetry import TelemetryCollector, TelemetrySource, open_source
+
+log = logging.getLogger(__name__)
+
+#: The loop's granularity: how late an Xid event or a due heartbeat can be noticed.
+TICK_S = 0.1
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, source: TelemetrySource | None = None):
+        self.config = config
+        config.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.source = source or open_source(config.telemetry_source, {"scenario": config.scenario})
+        if not self.source.available:
+            log.warning("NO GPU TELEMETRY on this node: %s. The node reports this instead of values, "
+                        "and GPU jobs will not launch here.", self.source.reason)
+        self.collector = TelemetryCollector(self.source, window_s=config.rate_window_s)
+        self.gpus = self.source.gpus()
+        self.thresholds = config.thresholds
+        self.supervisor = Supervisor(config.work_dir / "supervisor", on_exit=self._on_exit,
+                                     torchrun=config.torchrun or DEFAULT_TORCHRUN,
+                                     log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
+                                     default_grace_s=config.stop_grace_s)
+        self.outbox = Outbox(config.work_dir / "spool.sqlite3", max_records=config.spool_max_records)
+        self.samples_taken = 0
+        self.credentials: NodeCredentials | None = None
+        self.draining = False
+        self._stopping = threading.Event()
+        self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
+        self._seq = 0
+        self._reachable = True
+        self._probe: BandwidthProbeServer | None = None
+        self.commands: CommandRunner | None = None  # set once registered
+        self._client: ControlPlaneClient | None = None
+
+    def stop(self) -> None:
+        """Ask the loop to end (from a signal handler or another thread)."""
+        self._stopping.set()
+
+    def run(self) -> int:
+        """Until ``stop()``; the process exit status (2: registration refused)."""
+        try:
+            self._probe = BandwidthProbeServer(self.config.probe_host, self.config.probe_port).start()
+            try:
+                creds = self._registered()
+            except RegistrationRefused as exc:
+                log.error("%s", exc)
+                return 2
+            if creds is None:
+                return 0  # stopped while the control plane was still unreachable
+            self.credentials = creds
+            self._client = ControlPlaneClient(self.config.control_plane_url, creds.node_token,
+                                              timeout=self.config.request_timeout_s)
+            self.commands = CommandRunner(
+                CommandLedger(self.config.work_dir / "commands.json"),
+                {"launch": self._launch, "stop": self._stop_generation, "drain": self._drain,
+                 "health_check": self._health_check},
+                self.outbox.add_ack, refusals=(StaleGeneration, NcclProfileError))
+            self.outbox.add_event("agent_started", AgentStarted(
+                agent_version=__version__, gpu_telemetry=self.source.available,
+                gpu_telemetry_reason=self.source.reason))
+            self._loop(creds)
+            return 0
+        finally:
+            self._shut_down()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def _registered(self) -> NodeCredentials | None:
+        path = self.config.token_path
+        creds = load_credentials(path, self.config.control_plane_url)
+        if creds is not None:
+            return creds
+        try:
+            token = self.config.read_bootstrap_token()
+        except OSError as exc:
+            raise RegistrationRefused(f"cannot read the bootstrap token: {exc}") from exc
+        if not token:
+            raise RegistrationRefused(f"no node token in {path} and no bootstrap token configured")
+        client = ControlPlaneClient(self.config.control_plane_url, timeout=self.config.request_timeout_s)
+        backoff = 0.5
+        while not self._stopping.is_set():
+            try:
+                answer = register(client, bootstrap_token=token, hostname=self.config.hostname,
+                                  address=self.config.address or self.config.hostname, labels=self.config.labels,
+                                  gpus=self.gpus, gpu_telemetry=self.source.available,
+                                  gpu_telemetry_reason=self.source.reason,
+                                  probe_port=self._probe.port if self._probe else None)
+            except Unreachable as exc:
+                log.warning("control plane unreachable for registration (%s); retrying in %.1f s", exc, backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            creds = NodeCredentials(control_plane_url=self.config.control_plane_url, node_id=answer.node_id,
+                                    node_token=answer.node_token, heartbeat_interval_s=answer.heartbeat_interval_s)
+            save_credentials(path, creds)
+            log.info("registered as node %s; token stored in %s", creds.node_id, path)
+            return creds
+        return None
+
+    def _loop(self, creds: NodeCredentials) -> None:
+        next_sample = next_heartbeat = next_flush = time.monotonic()
+        flush_backoff = TICK_S
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for xid in self.collector.poll_xids(0):
+                log.error("GPU %d: Xid %d", xid.gpu, xid.code)
+                self._xids.append((xid.time, xid.code))
+                self.outbox.add_event("xid", XidDetail(gpu=xid.gpu, code=xid.code))
+            if now >= next_sample:
+                samples = self.collector.sample(creds.node_id)
+                self.outbox.add_samples(samples)
+                self.samples_taken += len(samples)
+                next_sample = now + self.config.telemetry_interval_s
+            self.outbox.report_drops()
+            if now >= next_heartbeat:
+                self._heartbeat(creds)
+                next_heartbeat = now + creds.heartbeat_interval_s
+            if now >= next_flush and len(self.outbox):
+                try:
+                    self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack)
+                    flush_backoff = TICK_S
+                    self._set_reachable(True, "")
+                except (Unreachable, AuthRejected) as exc:
+                    # Back off, but never beyond a heartbeat: replay starts soon after it returns.
+                    flush_backoff = min(flush_backoff * 2, creds.heartbeat_interval_s)
+                    next_flush = now + flush_backoff
+                    self._set_reachable(False, str(exc))
+            self._stopping.wait(TICK_S)
+
+    def _heartbeat(self, creds: NodeCredentials) -> None:
+        self._seq += 1
+        message = Heartbeat(node_id=creds.node_id, seq=self._seq, time=time.time(), running=self.supervisor.running(),
+                            gpu_telemetry=self.source.available, gpu_telemetry_reason=self.source.reason,
+                            draining=self.draining, spooled=len(self.outbox),
+                            telemetry_dropped=self.outbox.spool.dropped.get("telemetry", 0))
+        try:
+            status, body = self._api().request("POST", HEARTBEAT_PATH.format(node_id=creds.node_id), dump(message))
+        except Unreachable as exc:
+            self._set_reachable(False, str(exc))
+            return
+        if status != 200:
+            log.error("heartbeat refused (%d): %s", status, body)
+            return
+        self._set_reachable(True, "")
+        try:
+            answer = parse(HeartbeatResponse, body)
+        except ProtocolError as exc:
+            log.error("malformed heartbeat answer: %s", exc)
+            return
+        assert self.commands is not None
+        for command in answer.commands:
+            self.commands.submit(command)
+
+    def _set_reachable(self, reachable: bool, why: str) -> None:
+        if reachable != self._reachable:  # log transitions, not every failed attempt
+            if reachable:
+                log.info("control plane reachable again; replaying %d spooled records", len(self.outbox))
+            else:
+                log.warning("control plane unreachable (%s); spooling to disk, jobs keep running", why)
+            self._reachable = reachable
+
+    def _api(self) -> ControlPlaneClient:
+        assert self._client is not None
+        return self._client
+
+    # --- commands ------------------------------------------------------------------------------
+
+    def _check_health(self, *, require_gpu: bool, payload: HealthCheckPayload | None = None) -> HealthReport:
+        assert self.credentials is not None
+        samples = self.collector.sample(self.credentials.node_id)
+        report = evaluate(samples, self.thresholds, expected_gpus=len(self.gpus),
+                          idle=not self.supervisor.running(), require_gpu=require_gpu,
+                          telemetry_reason=None if self.source.available else self.source.reason)
+        if payload is not None and payload.peers:
+            report = with_bandwidth(report, probe_peers(payload.peers, nbytes=payload.probe_bytes,
+                                                        max_seconds=payload.probe_seconds, thresholds=self.thresholds))
+        return report
+
+    def _launch(self, command: Command, payload: LaunchPayload) -> tuple[str, str]:
+        job, generation = command.job, command.generation
+        assert job is not None and generation is not None  # parse_command_payload checked
+        if self.draining:
+            return "refused", "node is draining"
+        self.supervisor.check_fence(job, generation)
+        current = next((r for r in self.supervisor.running() if r.job == job), None)
+        if current is not None and current.generation == generation:
+            return "done", "already running"
+        if current is not None:  # superseded: stop it first, so the health check sees its GPUs free
+            self.supervisor.stop(job, current.generation, self.config.stop_grace_s)
+        report = self._check_health(require_gpu=payload.require_gpu)
+        if not report.ok:
+            self.outbox.add_event("launch_refused", report, job=job, generation=generation)
+            return "refused", f"pre-launch health check failed: {report.reason}"
+        # The control plane stores only a hash of this node's token, so train.py reports with the
+        # agent's own credentials; the entrypoint resolves against the node's code directory.
+        payload = dataclasses.replace(
+            payload,
+            hooks_url=payload.hooks_url or self.config.control_plane_url,
+            hooks_token=payload.hooks_token or (self.credentials.node_token if self.credentials else None),
+            workdir=payload.workdir or str(self.config.code_dir or Path.cwd()),
+        )
+        launched = self.supervisor.launch(job, generation, payload)
+        self.outbox.add_event("launched", launched, job=job, generation=generation)
+        return "done", f"torchrun started, pid {launched.pid}"
+
+    def _stop_generation(self, command: Command, payload: StopPayload) -> tuple[str, str]:
+        assert command.job is not None and command.generation is not None
+        report = self.supervisor.stop(command.job, command.generation, payload.grace_s)
+        return "done", "stopped" if report is not None else "not running on this node"
+
+    def _drain(self, command: Command, payload: DrainPayload) -> tuple[str, str]:
+        self.draining = True
+        self.outbox.add_event("drain_ack", DrainAck(reason=payload.reason, running=self.supervisor.running()))
+        return "done", "draining: no new launches"
+
+    def _health_check(self, command: Command, payload: HealthCheckPayload) -> tuple[str, str]:
+        report = self._check_health(require_gpu=payload.require_gpu, payload=payload)
+        self.outbox.add_event("health_check", report, job=command.job, generation=command.generation)
+        return "done", "healthy" if report.ok else report.reason[:2000]
+
+    def _on_stale_ack(self, ack: CommandAck) -> None:
+        """The server fenced this generation off while we acked: nothing of it may keep running."""
+        if ack.job is not None and ack.generation is not None:
+            log.warning("job %s generation %d is stale on the control plane; stopping it", ack.job, ack.generation)
+            threading.Thread(target=self._stop_quietly, args=(ack.job, ack.generation), daemon=True).start()
+
+    def _stop_quietly(self, job: str, generation: int) -> None:
+        try:
+            self.supervisor.stop(job, generation, self.config.stop_grace_s)
+        except StaleGeneration:
+            pass  # an even newer generation runs here; the stale one is already gone
+
+    def _on_exit(self, job: str, generation: int, report: ExitReport) -> None:
+        started = time.time() - report.runtime_s
+        report = attach_xids(report, [code for at, code in list(self._xids) if at >= started])
+        kind = "stopped" if report.requested_stop else "exited"
+        self.outbox.add_event(kind, report, job=job, generation=generation)
+
+    # --- shutdown ------------------------------------------------------------------------------
+
+    def _shut_down(self) -> None:
+        if self.commands is not None:
+            self.commands.close(timeout=self.config.stop_grace_s + 15)
+        if self.config.stop_jobs_on_exit:
+            self.supervisor.shutdown(self.config.stop_grace_s)
+        if self.credentials is not None and self._client is not None and len(self.outbox):
+            try:  # one last try, so a clean stop leaves nothing behind in the spool
+                self.outbox.flush(self._client, self.credentials.node_id, lambda ack: None)
+            except (Unreachable, AuthRejected) as exc:
+                log.warning("%d records stay spooled for the next start: %s", len(self.outbox), exc)
+        if self._probe is not None:
+            self._probe.close()
+        self.outbox.close()
+        self.source.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"samples_taken": self.samples_taken, "events_created": self.outbox.events_created,
+                "spooled": len(self.outbox), "dropped": self.outbox.spool.dropped}

@@ -1,0 +1,114 @@
+"""Everything the agent reports goes through a disk spool, and is replayed from it in order.
+
+So a control-plane outage costs nothing but delay: telemetry, events and command acks wait on
+disk. Past the spool's bound the oldest *telemetry* is dropped (and the drop reported as an
+event); events and acks are never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agents.http import ControlPlaneClient
+from agents.protocol import dump, parse
+from agents.protocol.agent import (
+    ACK_PATH,
+    EVENTS_PATH,
+    MAX_EVENTS_PER_BATCH,
+    MAX_SAMPLES_PER_BATCH,
+    TELEMETRY_PATH,
+    AgentEvent,
+    CommandAck,
+    GpuSample,
+    TelemetryDropped,
+    compact,
+)
+from agents.spool import Spool
+
+log = logging.getLogger(__name__)
+
+TELEMETRY, EVENT, ACK = "telemetry", "event", "ack"
+_BATCH_LIMITS = {TELEMETRY: MAX_SAMPLES_PER_BATCH, EVENT: MAX_EVENTS_PER_BATCH, ACK: 1}
+
+
+class AuthRejected(Exception):
+    """The control plane refused our node token (401/403): keep the data, tell the operator."""
+
+
+class Outbox:
+    def __init__(self, path: Path, *, max_records: int):
+        self.spool = Spool(path, max_records=max_records, droppable_kinds=frozenset({TELEMETRY}))
+        self.events_created = 0
+        self._drops_reported = 0
+
+    def add_samples(self, samples: list[GpuSample]) -> None:
+        for sample in samples:
+            self.spool.append(TELEMETRY, dump(sample))
+
+    def add_event(self, kind: str, detail: Any, *, job: str | None = None, generation: int | None = None,
+                  key: str | None = None) -> AgentEvent:
+        event = AgentEvent(key=key or f"{kind}-{uuid.uuid4().hex}", kind=kind, time=time.time(), job=job,
+                           generation=generation, detail=compact(detail))
+        if self.spool.append(EVENT, dump(event), key=event.key):
+            self.events_created += 1
+        return event
+
+    def add_ack(self, ack: CommandAck) -> None:
+        # Keyed: a command re-delivered while its first ack still waits is acked once.
+        self.spool.append(ACK, dump(ack), key=f"ack-{ack.command_id}")
+
+    def report_drops(self) -> None:
+        """Turn telemetry dropped by the spool's bound into a (never dropped) event."""
+        total = self.spool.dropped.get(TELEMETRY, 0)
+        if total > self._drops_reported:
+            # Keyed by the running total: after an agent restart the same total is not counted twice.
+            self.add_event("telemetry_dropped", TelemetryDropped(count=total - self._drops_reported, total=total),
+                           key=f"telemetry_dropped-{total}")
+            log.warning("spool full: %d telemetry samples dropped so far", total)
+            self._drops_reported = total
+
+    def flush(self, client: ControlPlaneClient, node_id: str,
+              on_stale_ack: Callable[[CommandAck], None]) -> int:
+        """Deliver spooled records in order until none is left; how many were delivered.
+
+        Raises ``agents.http.Unreachable`` (and keeps the rest) when the control plane is down.
+        """
+        delivered = 0
+        while records := self.spool.peek(MAX_SAMPLES_PER_BATCH):
+            kind = records[0][1]
+            run = []
+            for record in records:
+                if record[1] != kind or len(run) == _BATCH_LIMITS[kind]:
+                    break
+                run.append(record)
+            bodies = [body for _, _, body in run]
+            if kind == TELEMETRY:
+                status, answer = client.request("POST", TELEMETRY_PATH.format(node_id=node_id), {"samples": bodies})
+            elif kind == EVENT:
+                status, answer = client.request("POST", EVENTS_PATH.format(node_id=node_id), {"events": bodies})
+            else:
+                ack = parse(CommandAck, bodies[0])
+                status, answer = client.request(
+                    "POST", ACK_PATH.format(node_id=node_id, command_id=ack.command_id), bodies[0])
+                if status == 409:
+                    on_stale_ack(ack)
+            if status in (401, 403):
+                raise AuthRejected(f"control plane refused the node token ({status}): {answer}")
+            if status >= 400 and not (kind == ACK and status == 409):
+                # Re-sending a message the server judged malformed would block everything behind it.
+                log.error("control plane refused %d %s record(s) with %d: %s; dropping them",
+                          len(run), kind, status, answer)
+            self.spool.ack(run[-1][0])
+            delivered += len(run)
+        return delivered
+
+    def __len__(self) -> int:
+        return len(self.spool)
+
+    def close(self) -> None:
+        self.spool.close()

@@ -1,0 +1,172 @@
+"""What the hooks say about each step: logs, events, step reports, and the cross-rank exchange.
+
+Events that are the same on every rank (a skipped step under DDP, a resume, a checkpoint) are
+logged on every rank but reported by rank 0 only; events about one rank's own numbers (its loss
+is NaN or spiking) are reported by that rank. Step reports come from every rank: the control
+plane needs each rank's timings to find stragglers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agents.detectors import GuardDecision
+from agents.hooks.guards import Consistency, GuardSettings, judge_consistency
+from agents.hooks.reporter import DROPPABLE, Reporter
+from agents.hooks.settings import Environment
+from agents.hooks.topology import Topology
+from agents.http import ControlPlaneClient
+from agents.protocol.hooks import CheckpointCommit, Event, StepReport
+from agents.spool import Spool
+
+if TYPE_CHECKING:
+    from agents.hooks.api import StepOutcome
+    from agents.hooks.checkpointer import Commit
+
+log = logging.getLogger("nightwatch.hooks")
+
+SPOOL_MAX_RECORDS = 100_000
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What the ranks agreed on at an exchange step (the same on every rank)."""
+
+    consistency: Consistency
+    stale: bool  # any rank was told its generation is stale
+    pause: bool  # rank 0's control said pause
+    checkpoint_now: bool
+    checkpoint_interval: int | None
+
+
+class Telemetry:
+    def __init__(self, env: Environment, topology: Topology, settings: GuardSettings):
+        self.env = env
+        self.topology = topology
+        self.settings = settings
+        self.reporter: Reporter | None = None
+        if env.url:
+            spool = Spool(env.spool_path(topology.rank), max_records=SPOOL_MAX_RECORDS,
+                          droppable_kinds=DROPPABLE)
+            self.reporter = Reporter(ControlPlaneClient(env.url, env.token), spool, job=env.job,
+                                     generation=env.generation, rank=topology.rank,
+                                     poll_control=topology.rank == 0)
+        self._input_s = 0.0
+        self._batch_handed_out = time.perf_counter()
+        self._event_numbers: Counter[tuple[int, str]] = Counter()
+
+    # -- timing --------------------------------------------------------------------------------
+
+    def begin_step(self, input_s: float) -> None:
+        self._input_s = input_s
+        self._batch_handed_out = time.perf_counter()
+
+    def compute_done(self, now: float) -> float:
+        return now - self._batch_handed_out
+
+    # -- the cross-rank exchange ---------------------------------------------------------------
+
+    def exchange(self, step: int, loss: float, grad_norm: float) -> Exchange:
+        """All-gather (loss, grad norm, control flags): a collective, called at the same step everywhere.
+
+        Only rank 0 polls the control plane; sharing its answer here is what makes every rank
+        checkpoint or pause at the same step, which DCP's collectives require.
+        """
+        reporter = self.reporter
+        stale = pause = checkpoint_now = False
+        interval = 0
+        if reporter is not None:
+            stale = reporter.stale
+            if self.topology.rank == 0:
+                pause = reporter.pause_requested
+                checkpoint_now = reporter.take_checkpoint_request()
+                interval = reporter.checkpoint_interval or 0
+        rows = self.topology.all_gather_floats(
+            [loss, grad_norm, float(stale), float(pause), float(checkpoint_now), float(interval)])
+        consistency = judge_consistency([r[0] for r in rows], [r[1] for r in rows], self.settings.spread_threshold)
+        if consistency.inconsistent:
+            self.event(step, "inconsistency",
+                       f"ranks disagree at step {step}: loss spread {consistency.loss_spread:.3g}, "
+                       f"grad-norm spread {consistency.grad_norm_spread:.3g}, suspect rank {consistency.suspect_rank}",
+                       {"losses": consistency.losses, "grad_norms": consistency.grad_norms,
+                        "loss_spread": consistency.loss_spread, "grad_norm_spread": consistency.grad_norm_spread,
+                        "suspect_rank": consistency.suspect_rank}, level=logging.WARNING)
+        leader = rows[0]
+        return Exchange(consistency, stale=any(r[2] for r in rows), pause=bool(leader[3]),
+                        checkpoint_now=bool(leader[4]), checkpoint_interval=int(leader[5]) or None)
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def step_done(self, outcome: StepOutcome, decision: GuardDecision, spike_score: float | None,
+                  consecutive_spikes: int, *, compute_s: float, optimizer_s: float, checkpoint_s: float,
+                  data_cursor: int, samples: int, tokens: int) -> None:
+        step = outcome.step
+        if decision.skip:
+            self.event(step, "guard_skip", f"{'skipped' if outcome.skipped else 'kept (reporting only)'} "
+                       f"step {step}: {decision.reason}",
+                       {"grad_norm": outcome.grad_norm, "median": decision.median, "reason": decision.reason},
+                       level=logging.WARNING)
+        own_loss_bad = not math.isfinite(outcome.loss)
+        if outcome.nan and (own_loss_bad or self.topology.rank == 0):
+            self.event(step, "nan", f"non-finite {'loss' if own_loss_bad else 'gradient norm'} at step {step}",
+                       {"loss": outcome.loss, "grad_norm": outcome.grad_norm}, level=logging.WARNING, local=True)
+        if outcome.spike:
+            self.event(step, "spike", f"loss spike at step {step}: {outcome.loss:.4g} (z={spike_score:.1f})",
+                       {"loss": outcome.loss, "score": spike_score, "consecutive": consecutive_spikes},
+                       level=logging.WARNING, local=True)
+        if self.reporter is None:
+            return
+        self.reporter.report(StepReport(
+            job=self.env.job, generation=self.env.generation, rank=self.topology.rank, step=step,
+            loss=outcome.loss, grad_norm=outcome.grad_norm, world_size=self.topology.world_size,
+            data_cursor=data_cursor, samples=samples, tokens=tokens,
+            phases={"input": self._input_s, "compute": compute_s, "optimizer": optimizer_s,
+                    "checkpoint": checkpoint_s},
+            skipped=outcome.skipped, spike=outcome.spike, nan=outcome.nan, inconsistent=outcome.inconsistent,
+            time=time.time()))
+
+    def event(self, step: int, kind: str, message: str, detail: dict[str, Any] | None = None, *,
+              level: int | None = logging.INFO, local: bool = False) -> None:
+        """Log ``message`` here (unless ``level`` is None: already logged); report it from rank 0,
+        or from this rank when ``local``."""
+        if level is not None:
+            log.log(level, message)
+        if self.reporter is None or not (local or self.topology.rank == 0):
+            return
+        number = self._event_numbers[(step, kind)]
+        self._event_numbers[(step, kind)] += 1
+        # The key names the occurrence, so a replay after a crash is recognised as the same event,
+        # while the same event on a later torchrun attempt is a new one.
+        key = f"{self.topology.restart_count}:{self.topology.rank}:{step}:{kind}:{number}"
+        self.reporter.event(Event(job=self.env.job, generation=self.env.generation, rank=self.topology.rank,
+                                  step=step, kind=kind, key=key, message=message[:2000],
+                                  detail=_without_nulls(detail), time=time.time()))
+
+    def checkpoint_committed(self, commit: Commit, config_hash: str) -> None:
+        """Called on rank 0 by the commit thread once the marker is on disk."""
+        manifest = commit.manifest
+        self.event(commit.step, "checkpoint_saved", f"checkpoint saved at step {commit.step}: {commit.path}",
+                   {"path": commit.path, "blocking_s": commit.blocking_s, "total_s": commit.total_s})
+        if self.reporter is None:
+            return
+        loss = manifest.get("loss")
+        self.reporter.commit(CheckpointCommit(
+            job=self.env.job, generation=self.env.generation, step=commit.step, path=commit.path,
+            loss=math.nan if loss is None else loss, config_hash=config_hash,
+            data_cursor=manifest["data_cursor"], world_size=manifest["world_size"],
+            size_bytes=commit.size_bytes, blocking_s=commit.blocking_s, total_s=commit.total_s,
+            manifest=manifest))
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+
+
+def _without_nulls(detail: dict[str, Any] | None) -> dict[str, Any]:
+    """The wire schema has no null detail values: an unknown value is simply left out."""
+    return {key: value for key, value in (detail or {}).items() if value is not None}

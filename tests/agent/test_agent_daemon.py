@@ -1,0 +1,260 @@
+"""The agent daemon against a real HTTP control plane on loopback that can go down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.agent.config import ConfigError, load_config
+from agents.protocol.agent import Command, DrainAck, DrainPayload, HealthCheckPayload, LaunchPayload, ProbePeer, compact
+
+
+def command(kind: str, payload: Any, *, id: str, key: str | None = None, job: str | None = None,  # noqa: A002
+            generation: int | None = None) -> Command:
+    return Command(id=id, kind=kind, idempotency_key=key or f"key-{id}", job=job, generation=generation,
+                   payload=compact(payload))
+
+
+def test_registers_stores_its_token_and_reports(control_plane: Any, agent_config: Callable[..., Any],
+                                                start_agent: Callable[..., Any],
+                                                wait_until: Callable[..., Any]) -> None:
+    config = agent_config(labels={"rack": "r1"})
+    running = start_agent(config)
+    wait_until(lambda: len(control_plane.heartbeats) >= 3, 20, "three heartbeats")
+    wait_until(lambda: len(control_plane.samples) >= 4, 20, "telemetry from both GPUs")
+
+    [registration] = control_plane.registrations
+    assert registration.hostname == "test-node" and registration.labels == {"rack": "r1"}
+    assert [g.index for g in registration.gpus] == [0, 1] and registration.gpu_telemetry
+    assert registration.probe_port and registration.probe_port > 0
+
+    token_file = config.work_dir / "node-token.json"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert control_plane.node_token in token_file.read_text()
+
+    seqs = [h.seq for h in control_plane.heartbeats]
+    assert seqs == sorted(seqs) and control_plane.heartbeats[0].gpu_telemetry
+    assert {s["gpu"] for s in control_plane.samples} == {0, 1}
+    assert control_plane.samples[0]["temperature_c"] == 45.0
+    [(started, detail)] = control_plane.events_of("agent_started")
+    assert detail.gpu_telemetry and detail.agent_version
+    assert running.stop() == 0
+
+    # A restart reuses the stored token: no second registration (the bootstrap token is one-time).
+    again = start_agent(config)
+    wait_until(lambda: len(control_plane.events_of("agent_started")) == 2, 20, "the restarted agent")
+    assert len(control_plane.registrations) == 1
+    assert again.stop() == 0
+
+
+def test_a_refused_bootstrap_token_stops_the_agent(agent_config: Callable[..., Any],
+                                                   start_agent: Callable[..., Any]) -> None:
+    config = agent_config(bootstrap_token="not-the-one")
+    running = start_agent(config)
+    running.thread.join(timeout=20)
+    assert running.exit_status == 2  # systemd's RestartPreventExitStatus: retrying cannot help
+    assert not config.token_path.exists()
+
+
+def test_nothing_is_lost_while_the_control_plane_is_down(control_plane: Any, agent_config: Callable[..., Any],
+                                                         start_agent: Callable[..., Any],
+                                                         wait_until: Callable[..., Any]) -> None:
+    running = start_agent(agent_config())
+    agent = running.agent
+    wait_until(lambda: control_plane.samples, 20, "first telemetry")
+    control_plane.down()
+    outage_start = agent.samples_taken
+    wait_until(lambda: agent.samples_taken >= outage_start + 30 and len(agent.outbox) >= 30, 20,
+               "samples to pile up in the spool")
+    # Events raised during the outage must survive it too.
+    agent.outbox.add_event("drain_ack", DrainAck(reason="during the outage"))
+    control_plane.up()
+    wait_until(lambda: len(agent.outbox) == 0 and len(control_plane.heartbeats) > 0, 30, "the spool to drain")
+    dropped = agent.outbox.spool.dropped
+    running.stop()
+
+    samples = {(s["gpu"], s["time"]) for s in control_plane.samples}
+    assert len(samples) == len(control_plane.samples)  # in order, and none twice
+    assert len(samples) == agent.samples_taken
+    assert len(control_plane.events) == agent.outbox.events_created
+    assert dropped == {}
+    times = [s["time"] for s in control_plane.samples if s["gpu"] == 0]
+    assert times == sorted(times)  # replayed in order
+
+
+def test_past_the_bound_old_telemetry_goes_first_and_events_stay(control_plane: Any,
+                                                                 agent_config: Callable[..., Any],
+                                                                 scenario_file: Callable[[str], Path],
+                                                                 start_agent: Callable[..., Any],
+                                                                 wait_until: Callable[..., Any]) -> None:
+    running = start_agent(agent_config(spool_max_records=100, scenario=scenario_file("gpus: 8")))
+    agent = running.agent
+    wait_until(lambda: control_plane.samples, 20, "first telemetry")
+    control_plane.down()
+    for i in range(30):
+        agent.outbox.add_event("drain_ack", DrainAck(reason=f"event {i}"))
+    wait_until(lambda: agent.outbox.spool.dropped.get("telemetry", 0) > 50, 20, "the spool to overflow")
+    control_plane.up()
+
+    def reported() -> int:
+        return sum(detail.count for _, detail in control_plane.events_of("telemetry_dropped"))
+
+    # Reporting a drop appends an event, which may itself push one more sample out: wait until
+    # the reports have caught up with the count.
+    wait_until(lambda: len(agent.outbox) == 0 and reported() == agent.outbox.spool.dropped["telemetry"], 30,
+               "every drop to be reported and the spool to drain")
+    running.stop()
+
+    reasons = {detail.reason for _, detail in control_plane.events_of("drain_ack")}
+    assert {f"event {i}" for i in range(30)} <= reasons  # events are never dropped
+    assert len(control_plane.samples) + reported() == agent.samples_taken  # every sample: sent or counted
+    times = [s["time"] for s in control_plane.samples if s["gpu"] == 0]
+    assert times == sorted(times)  # what survived is the newest telemetry, still in order
+
+
+def test_a_command_runs_once_however_often_it_arrives(control_plane: Any, agent_config: Callable[..., Any],
+                                                      start_agent: Callable[..., Any],
+                                                      wait_until: Callable[..., Any]) -> None:
+    running = start_agent(agent_config())
+    drain = command("drain", DrainPayload(reason="maintenance"), id="c1", key="drain-once")
+    control_plane.send(drain)
+    control_plane.send(drain)  # duplicated in the queue, and re-sent until acked
+    wait_until(lambda: any(a.command_id == "c1" for a in control_plane.acks), 20, "the drain ack")
+    # The same idempotency key under another command id (the server retried creating it).
+    control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c2", key="drain-once"))
+    wait_until(lambda: any(a.command_id == "c2" for a in control_plane.acks), 20, "the second ack")
+    wait_until(lambda: control_plane.heartbeats[-1].draining, 5, "a heartbeat that says draining")
+    agent = running.agent
+    running.stop()
+
+    assert agent.commands is not None and agent.commands.executed["drain"] == 1
+    assert len(control_plane.events_of("drain_ack")) == 1
+    assert {a.status for a in control_plane.acks} == {"done"}
+
+
+def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent_config: Callable[..., Any],
+                                                       scenario_file: Callable[[str], Path],
+                                                       start_agent: Callable[..., Any],
+                                                       wait_until: Callable[..., Any], train_script: Path) -> None:
+    hot = scenario_file("gpus: 2\nevents: [{at: 0, gpu: 1, temperature: 92}]\n")
+    running = start_agent(agent_config(scenario=hot))
+    payload = LaunchPayload(script=str(train_script), nnodes=1, nproc_per_node=2, node_rank=0,
+                            rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-1")
+    control_plane.send(command("launch", payload, id="l1", job="j", generation=1))
+    [ack] = wait_until(lambda: control_plane.acks, 20, "the launch ack")
+    assert ack.status == "refused" and "temperature 92 °C" in ack.detail
+    [(event, report)] = wait_until(lambda: control_plane.events_of("launch_refused"), 10, "launch_refused")
+    assert not report.ok and any(c.name == "temperature" and c.gpu == 1 and not c.ok for c in report.checks)
+    assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
+
+
+def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, agent_config: Callable[..., Any],
+                                                            scenario_file: Callable[[str], Path],
+                                                            start_agent: Callable[..., Any],
+                                                            wait_until: Callable[..., Any]) -> None:
+    scenario = scenario_file("gpus: 2\nevents: [{at: 200ms, gpu: 1, xid: 79}]\n")
+    start_agent(agent_config(scenario=scenario))
+    [(event, xid)] = wait_until(lambda: control_plane.events_of("xid"), 20, "the xid event")
+    assert (xid.gpu, xid.code) == (1, 79)
+    wait_until(lambda: any(s["gpu"] == 1 and s["recent_xid_codes"] == [79] for s in control_plane.samples), 10,
+               "a sample carrying the Xid")
+    port = control_plane.registrations[0].probe_port
+    control_plane.send(command("health_check", HealthCheckPayload(
+        peers=[ProbePeer(node="self", address="127.0.0.1", port=port, expected_mbps=1.0)],
+        probe_bytes=4 * 2**20, probe_seconds=2), id="h1"))
+    [(_, report)] = wait_until(lambda: control_plane.events_of("health_check"), 20, "the health report")
+    assert not report.ok and "critical Xid 79" in report.reason
+    assert [b.ok for b in report.bandwidth] == [True]
+
+
+def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_config: Callable[..., Any],
+                                                    start_agent: Callable[..., Any], wait_until: Callable[..., Any],
+                                                    train_script: Path, tmp_path: Path,
+                                                    free_port: Callable[[], int], rank_info: Callable[..., Any],
+                                                    pid_alive: Callable[[int], bool]) -> None:
+    """A launch acked 409 (the job moved on meanwhile) must not keep running: fencing."""
+    running = start_agent(agent_config())
+    out = tmp_path / "out"
+    out.mkdir()
+    payload = LaunchPayload(script=str(train_script), args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
+                            node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="j-2", require_gpu=False)
+    control_plane.ack_answers["l2"] = 503  # "try again later": the agent keeps the ack spooled
+    control_plane.send(command("launch", payload, id="l2", job="j", generation=2))
+    wait_until(lambda: control_plane.events_of("launched"), 30, "the launched event")
+    wait_until(lambda: rank_info(out, 0) and rank_info(out, 1), 60, "both ranks and their children")
+    control_plane.ack_answers["l2"] = 409
+    [(event, report)] = wait_until(lambda: control_plane.events_of("stopped"), 60, "the stale generation's stop")
+    assert (event.job, event.generation) == ("j", 2) and report.requested_stop
+    assert running.agent.supervisor.running() == []
+    for rank in (0, 1):
+        info = rank_info(out, rank)
+        assert not [pid for pid in [info["pid"], *info["children"]] if pid_alive(pid)]
+
+
+def test_the_agent_runs_as_a_real_process(control_plane: Any, agent_config: Callable[..., Any], tmp_path: Path,
+                                          scenario_file: Callable[[str], Path],
+                                          wait_until: Callable[..., Any]) -> None:
+    config_file = tmp_path / "agent.yaml"
+    config_file.write_text(f"""
+control_plane_url: {control_plane.url}
+work_dir: {tmp_path / 'work'}
+telemetry_source: scripted
+scenario: {scenario_file("gpus: 1")}
+heartbeat_interval_s: 0.2
+telemetry_interval_s: 0.1
+probe_port: 0
+""")
+    token = tmp_path / "bootstrap-token"
+    token.write_text(control_plane.bootstrap_token + "\n")
+    env = {**os.environ, "NIGHTWATCH_AGENT_BOOTSTRAP_TOKEN_FILE": str(token)}
+    proc = subprocess.Popen([sys.executable, "-m", "agents.agent", "--config", str(config_file),
+                             "--probe-host", "127.0.0.1"], env=env, cwd=Path(__file__).parents[2])
+    try:
+        wait_until(lambda: control_plane.samples and control_plane.heartbeats, 30, "the agent process to report")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert control_plane.registrations[0].bootstrap_token == control_plane.bootstrap_token
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def test_config_layers_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("control_plane_url: http://a\nheartbeat_interval_s: 5\nlabels: {rack: r1}\nprobe_port: 1\n")
+    config = load_config(["--config", str(path), "--probe-port", "3"],
+                         {"NIGHTWATCH_AGENT_HEARTBEAT_INTERVAL_S": "7", "NIGHTWATCH_AGENT_PROBE_PORT": "2"})
+    assert (config.control_plane_url, config.heartbeat_interval_s, config.probe_port) == ("http://a", 7.0, 3)
+    assert config.labels == {"rack": "r1"} and config.token_path == config.work_dir / "node-token.json"
+
+
+def test_the_example_deployment_config_loads() -> None:
+    example = Path(__file__).parents[2] / "deploy" / "agent.yaml"
+    config = load_config(["--config", str(example)], {})
+    assert config.telemetry_source == "nvml" and config.thresholds.max_temperature_c == 85
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("heartbeat_interval_s: 5\n", "control_plane_url is required"),
+    ("control_plane_url: http://a\nheartbeat: 5\n", "unknown setting 'heartbeat'"),
+    ("control_plane_url: http://a\nheartbeat_interval_s: soon\n", "heartbeat_interval_s"),
+    ("control_plane_url: http://a\ntelemetry_source: scripted\n", "needs a scenario file"),
+    ("control_plane_url: http://a\ntelemetry_source: dcgm\n", "telemetry_source must be one of"),
+    ("control_plane_url: http://a\nhealth: {max_temp: 90}\n", "unknown threshold 'max_temp'"),
+])
+def test_config_mistakes_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", str(path)], {})

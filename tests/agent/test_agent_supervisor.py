@@ -1,0 +1,173 @@
+"""The torchrun supervisor against real 2-process torchrun runs (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import queue
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.protocol.agent import ExitReport, LaunchPayload
+from agents.supervisor import OutputScan, StaleGeneration, Supervisor, attach_xids, classify_exit
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def exits() -> queue.Queue[tuple[str, int, ExitReport]]:
+    return queue.Queue()
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path, exits: queue.Queue[tuple[str, int, ExitReport]]) -> Iterator[Supervisor]:
+    sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put((job, gen, report)),
+                     log_max_bytes=64 * 1024, log_backups=2, default_grace_s=5.0)
+    yield sup
+    sup.shutdown(grace_s=2.0)
+
+
+@pytest.fixture
+def launch(supervisor: Supervisor, train_script: Path, tmp_path: Path,
+           free_port: Callable[[], int]) -> Callable[..., Path]:
+    """``launch(mode, generation)``: start the training script; the directory it reports into."""
+    def start(mode: str, generation: int = 1, **overrides: Any) -> Path:
+        out = tmp_path / f"out-{mode}-{generation}"
+        out.mkdir()
+        payload = LaunchPayload(script=str(train_script), args=[str(out), mode], nnodes=1, nproc_per_node=2,
+                                node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"job-{generation}",
+                                require_gpu=False, **overrides)
+        supervisor.launch("job", generation, payload)
+        return out
+    return start
+
+
+def family_pids(out: Path, rank_info: Callable[[Path, int], Any]) -> list[int]:
+    pids = []
+    for rank in (0, 1):
+        info = rank_info(out, rank)
+        pids += [info["pid"], *info["children"]]
+    return pids
+
+
+def test_stop_kills_every_process_of_the_generation(supervisor: Supervisor, launch: Callable[..., Path],
+                                                    exits: queue.Queue[Any], rank_info: Callable[..., Any],
+                                                    wait_until: Callable[..., Any],
+                                                    pid_alive: Callable[[int], bool]) -> None:
+    out = launch("loop", generation=3, nccl_env={"NCCL_DEBUG": "WARN"}, hooks_url="http://cp:8000",
+                 hooks_token="t0k", ckpt_dir="/ckpt/job")
+    wait_until(lambda: rank_info(out, 0) and rank_info(out, 1), 60, "both ranks to start")
+    pids = family_pids(out, rank_info)
+    [running] = wait_until(lambda: [r for r in supervisor.running() if set(pids) <= set(r.pids)], 10,
+                           "the heartbeat view to list ranks and their children")
+    assert (running.job, running.generation) == ("job", 3)
+
+    env = rank_info(out, 1)["env"]
+    assert env["NIGHTWATCH_JOB"] == "job" and env["NIGHTWATCH_GENERATION"] == "3"
+    assert env["NIGHTWATCH_URL"] == "http://cp:8000" and env["NIGHTWATCH_TOKEN"] == "t0k"
+    assert env["NIGHTWATCH_CKPT_DIR"] == "/ckpt/job" and env["NIGHTWATCH_SPOOL_DIR"].endswith("generation-3/spool")
+    assert "NIGHTWATCH_RESUME_FROM" not in env
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["NCCL_DEBUG"] == "WARN"
+
+    report = supervisor.stop("job", 3, grace_s=5.0)
+    assert report is not None and report.requested_stop and report.signature is None
+    # Every rank, its child in the group and the child that left the group (setsid) are gone.
+    assert [pid for pid in [*pids, running.pids[0]] if pid_alive(pid)] == []
+    assert supervisor.running() == []
+    job, generation, reported = exits.get(timeout=5)
+    assert (job, generation, reported) == ("job", 3, report)
+    assert "rank 1 ready" in Path(report.log_path).read_text()
+
+
+@pytest.mark.parametrize(("mode", "signature", "rank1", "error"), [
+    ("kill", "signal", {"signal": 9, "exit_code": None}, None),
+    ("raise", "traceback", {"signal": None, "exit_code": 1}, "ValueError: boom at step 40"),
+    ("pause", "paused", {"signal": None, "exit_code": 85}, None),
+])
+def test_a_failing_rank_is_reported_with_its_code_and_signature(
+        launch: Callable[..., Path], exits: queue.Queue[Any], rank_info: Callable[..., Any],
+        wait_until: Callable[..., Any], pid_alive: Callable[[int], bool],
+        mode: str, signature: str, rank1: dict[str, Any], error: str | None) -> None:
+    out = launch(mode)
+    _, _, report = exits.get(timeout=90)
+    assert not report.requested_stop and report.exit_code != 0
+    assert report.signature == signature
+    assert report.root_cause_rank == 1
+    ranks = {r.rank: r for r in report.ranks}
+    assert {"signal": ranks[1].signal, "exit_code": ranks[1].exit_code} == rank1
+    if error is not None:
+        assert report.error_line == error
+    assert report.log_tail and report.runtime_s > 0
+    # A generation that ended on its own leaves nothing behind either, setsid'd children included.
+    wait_until(lambda: not [pid for pid in family_pids(out, rank_info) if pid_alive(pid)], 10,
+               "the children of the failed generation to be killed")
+
+
+def test_an_older_generation_is_refused(tmp_path: Path, train_script: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "generations.json").write_text(json.dumps({"job": 5}))  # seen before the agent restarted
+    sup = Supervisor(work, on_exit=lambda *a: None)
+    payload = LaunchPayload(script=str(train_script), nnodes=1, nproc_per_node=1, node_rank=0,
+                            rdzv_endpoint="127.0.0.1:1", rdzv_id="x")
+    with pytest.raises(StaleGeneration, match="generation 4 is older than generation 5"):
+        sup.launch("job", 4, payload)
+    with pytest.raises(StaleGeneration):
+        sup.stop("job", 4)
+    assert sup.stop("job", 5) is None  # the current generation, not running here: nothing to do
+    assert sup.running() == []
+
+
+# --- reading the output, without processes -------------------------------------------------------
+
+TORCHRUN_FAILURE = """\
+[rank0]:[E1130 12:00:00 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: \
+WorkNCCL(SeqNum=42, OpType=ALLREDUCE) ran for 1800000 milliseconds before timing out.
+[rank1]: Traceback (most recent call last):
+[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 101)
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 102)
+"""
+
+
+def scan(text: str) -> OutputScan:
+    result = OutputScan()
+    for line in text.splitlines():
+        result.feed(line)
+    return result
+
+
+def test_the_most_specific_evidence_wins() -> None:
+    result = scan(TORCHRUN_FAILURE)
+    assert result.root_cause_rank == 1
+    assert {r.rank: (r.exit_code, r.signal, r.pid) for r in result.ranks.values()} == {0: (None, 6, 101),
+                                                                                        1: (1, None, 102)}
+    # The OOM on rank 1 made rank 0 time out: the OOM is the cause.
+    assert classify_exit(1, result) == ("oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize(("line", "signature"), [
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1) ran for 600000 ms", "nccl_timeout"),
+    ("[PG 0 Rank 1] Heartbeat monitor timed out! Process will be terminated after dumping debug info.",
+     "nccl_watchdog"),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda_error"),
+    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "xid"),
+])
+def test_signatures_from_the_log(line: str, signature: str) -> None:
+    assert classify_exit(1, scan(line))[0] == signature
+
+
+def test_a_clean_exit_has_no_signature_and_xids_outrank_the_log() -> None:
+    assert classify_exit(0, scan("step 100 done")) == (None, None)
+    report = ExitReport(exit_code=1, signature="cuda_error")
+    assert attach_xids(report, [79]).signature == "xid" and attach_xids(report, [79]).xids == [79]
+    assert attach_xids(ExitReport(exit_code=1, signature="paused"), [79]).signature == "paused"
