@@ -15,6 +15,7 @@ from pathlib import Path
 import dj_database_url
 
 from controlplane.env import env_bool, env_int, env_list, env_secret, env_str
+from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("NIGHTWATCH_VAR_DIR", str(BASE_DIR / "var")))
@@ -125,7 +126,7 @@ if REDIS_URL:
 else:
     # kombu's filesystem transport: a directory both the web process and the worker can reach.
     BROKER_DIR = VAR_DIR / "broker"
-    for sub in ("queue", "processed"):
+    for sub in ("queue", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -133,6 +134,8 @@ else:
         "data_folder_out": str(BROKER_DIR / "queue"),
         "processed_folder": str(BROKER_DIR / "processed"),
         "store_processed": False,
+        # Broadcast (worker control) messages; kombu's default is ./control in the working directory.
+        "control_folder": str(BROKER_DIR / "control"),
     }
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 CELERY_TASK_IGNORE_RESULT = True
@@ -145,6 +148,7 @@ CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 SWEEP_INTERVAL_S = float(env_str("NIGHTWATCH_SWEEP_INTERVAL_S", "2"))
 CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
+    **NODES_BEAT_SCHEDULE,
 }
 
 # --- Auth, API ------------------------------------------------------------------------------

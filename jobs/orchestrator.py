@@ -63,7 +63,8 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             job=job, generation=Generation.objects.filter(job=job, number=generation).first(),
             kind=decision.classification, classification=decision.reason, decision=decision.action,
             evidence={"signal": signal, "nodes": list(nodes), "detail": detail or {}, **_jsonable(evidence),
-                      "propose_rollback": decision.propose_rollback, "page": decision.page},
+                      "config_hash": ev.config_hash, "propose_rollback": decision.propose_rollback,
+                      "page": decision.page},
             fault_at=fault_at or now, detected_at=now,
         )
         blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
@@ -352,3 +353,10 @@ def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inco
     elif spikes >= (job.recovery_policy or {}).get("loss_spike_limit", 3):
         report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
                      detail={"last_step": job.last_step})
+
+
+def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
+    """A node refused to launch (failed its pre-launch check): nothing runs there; replace it."""
+    confirm_stopped(job_id, generation, hostname)
+    report_fault(job_id, policy.NODE_UNHEALTHY, generation=generation, nodes=(hostname,), actor=f"node:{hostname}",
+                 detail={"launch_refused": reason})

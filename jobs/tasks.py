@@ -59,3 +59,13 @@ def start_job_task(job_id: int, actor: str) -> None:
     job = Job.objects.filter(pk=job_id, state=JobState.PENDING).first()
     if job is not None:
         services.start_job(job, actor=actor)
+
+
+@shared_task(ignore_result=True)
+def confirm_stopped(job_id: int, generation: int, hostname: str) -> None:
+    orchestrator.confirm_stopped(job_id, generation, hostname)
+
+
+@shared_task(ignore_result=True)
+def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
+    orchestrator.handle_launch_refused(job_id, generation, hostname, reason)

@@ -1,0 +1,177 @@
+"""The orchestrator on a real database: faults, quiesce confirmation, relaunch, approvals.
+
+Agents are not running here: the test plays their part by calling what their messages call
+(``handle_exit``, stop acknowledgements), and reads the command queue they would pull.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from jobs import orchestrator, services
+from jobs.choices import IncidentState, JobState
+from jobs.models import Generation, Incident, Job
+from nodes.models import NodeCommand
+
+
+@pytest.fixture
+def job(cast):
+    job = Job.objects.create(name="gpt", entrypoint="examples/train.py", nnodes=1, nproc_per_node=2,
+                             accelerator="cpu", created_by="test",
+                             recovery_policy={"max_restarts": 2, "window_minutes": 60, "backoff_seconds": 0,
+                                              "allow_shrink": False, "progress_timeout_s": None,
+                                              "loss_spike_limit": 3})
+    services.start_job(job, actor="test")
+    job.refresh_from_db()
+    return job
+
+
+def commands(node, kind):
+    return list(NodeCommand.objects.filter(node=node, kind=kind).order_by("pk"))
+
+
+def crash(job, hostname="gpu-01", **detail):
+    orchestrator.handle_exit(job.pk, job.generation, hostname,
+                             {"exit_code": 1, "signature": "signal", "ranks": [{"rank": 1, "signal": 9}], **detail})
+
+
+@pytest.mark.django_db
+def test_first_launch_places_the_job_on_a_regular_node_and_queues_launch(cast, job):
+    assert (job.state, job.generation) == (JobState.INITIALIZING, 1)
+    generation = Generation.objects.get(job=job, number=1)
+    assert list(generation.nodes.values_list("hostname", flat=True)) == ["gpu-01"]  # the spare is kept back
+    [launch] = commands(cast.node1, "launch")
+    assert launch.generation == 1
+    assert launch.payload["rdzv_id"] == f"nw-{job.pk}-g1" and launch.payload["require_gpu"] is False
+    assert launch.payload["hooks_url"] and launch.payload["ckpt_dir"].endswith(f"job-{job.pk}")
+
+
+@pytest.mark.django_db
+def test_a_crash_quiesces_then_relaunches_once_every_node_confirmed(cast, job):
+    crash(job)
+    job.refresh_from_db()
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision, job.state) == ("crash", "restart", JobState.QUIESCING)
+    # The crashed node's exit report is its confirmation: the recovery goes on by itself.
+    assert orchestrator.advance_recovery(job.pk)  # quiescing -> recovering
+    assert orchestrator.advance_recovery(job.pk)  # recovering -> initializing, generation 2
+    job.refresh_from_db()
+    assert (job.state, job.generation, job.restart_count) == (JobState.INITIALIZING, 2, 1)
+    assert not orchestrator.advance_recovery(job.pk)  # nothing left to do: idempotent
+    assert Generation.objects.filter(job=job).count() == 2
+    incident.refresh_from_db()
+    assert incident.quiesced_at and incident.relaunched_at and incident.state == IncidentState.OPEN
+
+
+@pytest.mark.django_db
+def test_an_exit_of_an_old_generation_is_fenced_off(cast, job):
+    crash(job)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 1, "signature": "signal"})
+    assert Incident.objects.filter(job=job).count() == 1
+    assert Job.objects.get(pk=job.pk).state == JobState.INITIALIZING
+
+
+@pytest.mark.django_db
+def test_relaunch_waits_for_a_node_that_has_not_confirmed(cast, job):
+    """Two nodes; one crashes. No relaunch until the other acknowledges its stop."""
+    Job.objects.filter(pk=job.pk).update(nnodes=2)
+    generation = Generation.objects.get(job=job, number=1)
+    generation.nodes.add(cast.node2)
+    crash(job, "gpu-01")
+    [stop] = commands(cast.node2, "stop")
+    assert stop.generation == 1
+    assert not orchestrator.advance_recovery(job.pk)
+    assert Job.objects.get(pk=job.pk).state == JobState.QUIESCING
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-02")
+    assert orchestrator.advance_recovery(job.pk)
+    assert Job.objects.get(pk=job.pk).state == JobState.RECOVERING
+
+
+@pytest.mark.django_db
+def test_an_unconfirmed_stop_past_the_deadline_pauses_and_escalates(cast, job):
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
+    crash(job, "gpu-01")
+    Job.objects.filter(pk=job.pk).update(quiesce_deadline=timezone.now() - timezone.timedelta(seconds=1))
+    assert orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED and "gpu-02" in job.pause_reason
+    assert Incident.objects.get(job=job).decision == "escalate"
+
+
+@pytest.mark.django_db
+def test_the_same_exception_twice_pauses_after_the_second(cast, job):
+    failure = {"signature": "traceback", "error_line": "RuntimeError: bad batch 7"}
+    Job.objects.filter(pk=job.pk).update(last_step=7)
+    crash(job, **failure)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    crash(job, **failure)
+    orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED
+    assert Incident.objects.filter(job=job).order_by("-pk").first().kind == "deterministic"
+    assert job.generation == 2  # not restarted again
+
+
+@pytest.mark.django_db
+def test_the_restart_budget_opens_the_breaker_and_oncall_approval_resumes(cast, job):
+    for _ in range(2):  # max_restarts is 2
+        crash(job)
+        orchestrator.advance_recovery(job.pk)
+        orchestrator.advance_recovery(job.pk)
+        job.refresh_from_db()
+    crash(job)
+    orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED and "circuit breaker" in job.pause_reason
+    generation = services.approve_resume(job, actor="user:olga", reason="checked the node")
+    job.refresh_from_db()
+    assert (job.state, job.generation, generation.number) == (JobState.INITIALIZING, 4, 4)
+    assert job.breaker_reset_at is not None
+    assert job.events.filter(reason__startswith="resume approved", actor="user:olga").exists()
+
+
+@pytest.mark.django_db
+def test_approval_is_refused_while_a_node_has_not_confirmed_its_ranks_stopped(cast, job):
+    from jobs import state
+
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
+    orchestrator.report_fault(job.pk, "node_unreachable", generation=1, nodes=("gpu-02",))
+    Job.objects.filter(pk=job.pk).update(quiesce_deadline=timezone.now())
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-01")
+    orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED
+    with pytest.raises(state.TransitionConflict, match="split brain"):
+        services.approve_resume(job, actor="user:olga", reason="link is back")
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-02")
+    services.approve_resume(job, actor="user:olga", reason="link is back")
+    assert Job.objects.get(pk=job.pk).generation == 2
+
+
+@pytest.mark.django_db
+def test_an_unhealthy_node_is_drained_and_the_job_moves_to_the_spare(cast, job):
+    from nodes.services import set_health
+
+    set_health(cast.node1, "unhealthy", reason="Xid 79 on GPU 0")
+    orchestrator.handle_node_health("gpu-01", "unhealthy", ["Xid 79 on GPU 0"])
+    cast.node1.refresh_from_db()
+    assert cast.node1.schedulability in ("draining", "drained")
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("hardware", "restart_on_spare")
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-01")
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.advance_recovery(job.pk)
+    generation = Generation.objects.get(job=job, number=2)
+    assert list(generation.nodes.values_list("hostname", flat=True)) == ["gpu-02"]
+    assert commands(cast.node2, "launch")[0].generation == 2
+
+
+@pytest.mark.django_db
+def test_a_clean_exit_of_every_node_completes_the_job(cast, job):
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 0, "ranks": []})
+    assert Job.objects.get(pk=job.pk).state == JobState.COMPLETED
