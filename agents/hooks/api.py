@@ -35,6 +35,7 @@ from agents.hooks.checkpointer import Checkpointer, Commit
 from agents.hooks.data import GlobalCursorSampler
 from agents.hooks.guards import GradientGuard, GuardSettings, SpikeWatch
 from agents.hooks.settings import Environment
+from agents.hooks.staging import stable_tensors
 from agents.hooks.telemetry import Exchange, Telemetry
 from agents.hooks.topology import discover
 from agents.protocol.hooks import EXIT_PAUSED, EXIT_RESUME_REFUSED, EXIT_STALE_GENERATION
@@ -56,6 +57,8 @@ class StopTraining(SystemExit):
 
 @dataclass(frozen=True)
 class StepOutcome:
+    """What ``Hooks.step`` did: the step number now completed, and what the guards saw."""
+
     step: int
     loss: float
     grad_norm: float
@@ -66,6 +69,15 @@ class StepOutcome:
 
 
 class Hooks:
+    """Verified checkpoints, exact resume, guards and reporting around one training loop.
+
+    Construct it on every rank after the process group (if any) exists and the model is wrapped
+    (DDP, ...): it creates its own gloo groups, picks and restores the checkpoint to resume from,
+    and builds the data loader from ``dataset`` (map-style) and the per-rank ``batch_size``.
+    ``config`` holds whatever makes a checkpoint incompatible; ``env`` defaults to the
+    NIGHTWATCH_* variables (see ``settings.py``). docs/hooks.md is the user's guide.
+    """
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset: Any,
                  batch_size: int, scheduler: Any = None, scaler: Any = None, ckpt_dir: str | None = None,
                  checkpoint_every: int | None = None, config: Mapping[str, Any] | None = None, seed: int = 0,
@@ -96,9 +108,9 @@ class Hooks:
         self._inconsistent = False
         self._closed = False
         self.telemetry = Telemetry(self.env, self.topology, self.guard_settings)
-        token = self.topology.broadcast_from_rank0(os.urandom(3).hex())
+        run_id = self.topology.broadcast_from_rank0(os.urandom(3).hex())  # names this run's checkpoints
         self.checkpointer = (
-            Checkpointer(self.ckpt_dir, self.topology, generation=self.env.generation, token=token,
+            Checkpointer(self.ckpt_dir, self.topology, generation=self.env.generation, run_id=run_id,
                          use_async=async_save, on_commit=self._committed, on_failure=self._save_failed)
             if self.ckpt_dir else None)
         self._resume()
@@ -204,6 +216,8 @@ class Hooks:
     def _update(self, skip: bool) -> bool:
         """Apply (or skip) the optimizer and scheduler step; True when the update was not applied."""
         applied = not skip
+        if self.checkpointer:
+            self.checkpointer.before_update()  # a checkpoint still copying these tensors goes first
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             if not skip:
@@ -224,8 +238,9 @@ class Hooks:
             return True
         return bool(self.checkpoint_every) and self.step_count % self.checkpoint_every == 0
 
-    def _save(self) -> float:
-        assert self.checkpointer is not None
+    def _save(self) -> None:
+        if self.checkpointer is None:
+            return
         progress = state.Progress(self.step_count, self.data_cursor, self.topology.world_size,
                                   self.env.generation)
         snapshot = state.collect_state(self.model, self.optimizer, scheduler=self.scheduler,
@@ -235,7 +250,7 @@ class Hooks:
                   "data_cursor": self.data_cursor, "generation": self.env.generation, "job": self.env.job,
                   "parts": state.saved_parts(set(snapshot))}
         self._last_saved_step = self.step_count
-        return self.checkpointer.save(self.step_count, snapshot, fields)
+        self.checkpointer.save(self.step_count, snapshot, fields, stable=stable_tensors(self.model, self.optimizer))
 
     def _obey(self, exchange: Exchange) -> None:
         if exchange.stale:

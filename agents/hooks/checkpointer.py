@@ -1,7 +1,8 @@
 """Saving with torch.distributed.checkpoint, then committing: the first half of the commit protocol.
 
-``save`` blocks training only while the state is copied to CPU staging buffers (async mode) or
-written (sync mode). The rest happens in the background:
+``save`` blocks training only while the state that the next forward pass could change is copied
+to CPU staging buffers (async mode; the rest is copied until ``before_update``, see
+``staging.py``), or while everything is written (sync mode). The rest happens in the background:
 
 1. DCP's thread writes every rank's shards; its last step is a collective on the checkpoint
    group after which rank 0 writes DCP's ``.metadata``. So when rank 0's future resolves, every
@@ -24,13 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from agents.hooks.manifest import checkpoint_dirname, write_manifest
+from agents.hooks.staging import TORN_PREFIX, OverlappedStager
 from agents.hooks.topology import Topology
 
 log = logging.getLogger("nightwatch.hooks")
@@ -66,64 +65,47 @@ class _InFlight:
     committed: Future[Commit | None] | None = field(default=None)
 
 
-class ReusedBufferStager(AsyncStager):
-    """Stages into CPU buffers kept from the previous save instead of fresh ones.
+class Checkpointer:
+    """Saves training state with DCP into ``directory`` and commits each save (rank 0).
 
-    Allocating (and page-faulting) a fresh copy of the whole state on every save was most of
-    the time an async save blocked for; copying into warm buffers is a plain memcpy. Safe because
-    at most one save is in flight, so the buffers are free again when the next save starts.
-    Costs one resident copy of the state in host memory.
+    ``on_commit`` and ``on_failure`` are called from the commit thread on rank 0 (and a failure
+    from ``wait`` on the other ranks).
     """
 
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
-        if self._buffers is not None:
-            try:
-                return _copy_state_dict(state_dict, self._buffers)
-            except (ValueError, AssertionError, RuntimeError):
-                log.debug("checkpoint state changed shape; allocating new staging buffers")
-        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self._buffers)
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` copies synchronously."""
-
-    def close(self) -> None:
-        self._buffers = None
-
-
-class Checkpointer:
-    def __init__(self, directory: str | Path, topology: Topology, *, generation: int, token: str,
+    def __init__(self, directory: str | Path, topology: Topology, *, generation: int, run_id: str,
                  use_async: bool = True,
                  on_commit: Callable[[Commit], None] | None = None,
                  on_failure: Callable[[str, int, BaseException], None] | None = None):
         self.directory = Path(directory)
         self.topology = topology
         self.generation = generation
-        self.token = token
-        self.use_async = use_async
+        self.run_id = run_id
         self._on_commit = on_commit
         self._on_failure = on_failure
-        self._stager = ReusedBufferStager() if use_async else None
+        self._stager = OverlappedStager(topology.rank) if use_async else None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightwatch-commit")
         self._in_flight: _InFlight | None = None
-        self.last_commit: Commit | None = None
 
-    def save(self, step: int, state: dict[str, Any], manifest_fields: dict[str, Any]) -> float:
-        """Start saving ``state`` as the checkpoint of ``step``; returns the seconds training was blocked."""
+    def save(self, step: int, state: dict[str, Any], manifest_fields: dict[str, Any],
+             stable: frozenset[int] = frozenset()) -> float:
+        """Start saving ``state`` as the checkpoint of ``step``; returns the seconds training was blocked.
+
+        ``stable``: data_ptrs of tensors that change only in the optimizer step, which an async
+        save copies in the background until ``before_update`` (see ``staging.py``).
+        """
         started = time.perf_counter()
         self.wait()
-        path = self.directory / checkpoint_dirname(step, self.generation, self.token)
+        path = self.directory / checkpoint_dirname(step, self.generation, self.run_id)
         path.mkdir(parents=True, exist_ok=True)
         written: Future[Any]
-        if self.use_async:
-            written = dcp.async_save(state, checkpoint_id=str(path), process_group=self.topology.checkpoint_group,
-                                     async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                                     async_stager=self._stager)  # type: ignore[assignment]
+        if self._stager:
+            self._stager.prepare(path, stable)
+            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.topology.checkpoint_group,
+                                      async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                      async_stager=self._stager)
+            # A stager that copies in the background gets both futures back; the upload is the one
+            # that says the files are written.
+            written = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         else:
             dcp.save(state, checkpoint_id=str(path), process_group=self.topology.checkpoint_group)
             written = Future()
@@ -135,20 +117,23 @@ class Checkpointer:
         self._in_flight = flight
         return blocking
 
+    def before_update(self) -> None:
+        """Call right before the optimizer step: the background copy of a save must finish first."""
+        if self._stager:
+            self._stager.ready()
+
     def wait(self) -> Commit | None:
-        """Block until the save in flight is written (and, on rank 0, committed)."""
+        """Block until the save in flight is written (and, on rank 0, committed); None if it failed."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return None
+        if flight.committed is not None:  # rank 0: the commit thread reports its own failure
+            return flight.committed.result()
         try:
             flight.written.result()
-            return flight.committed.result() if flight.committed else None
-        except Exception as error:  # a failed save must not end training: the previous checkpoint stands
-            if self._on_failure:
-                self._on_failure(str(flight.path), flight.step, error)
-            else:
-                log.error("checkpoint %s failed: %s", flight.path, error)
-            return None
+        except Exception as error:
+            self._failed(flight, error)
+        return None
 
     def close(self) -> None:
         self.wait()
@@ -156,15 +141,31 @@ class Checkpointer:
         if self._stager:
             self._stager.close()
 
-    def _commit(self, flight: _InFlight, manifest_fields: dict[str, Any]) -> Commit:
-        flight.written.result()  # every rank's shards and DCP's .metadata are on disk
-        manifest = write_manifest(flight.path, {**manifest_fields, "step": flight.step})
+    def _commit(self, flight: _InFlight, manifest_fields: dict[str, Any]) -> Commit | None:
+        try:
+            flight.written.result()  # every rank's shards and DCP's .metadata are on disk
+            torn = sorted(p.name for p in flight.path.glob(f"{TORN_PREFIX}*"))
+            if torn:
+                raise RuntimeError(f"not committed: state changed while it was being staged ({', '.join(torn)})")
+            manifest = write_manifest(flight.path, {**manifest_fields, "step": flight.step})
+        except Exception as error:
+            self._failed(flight, error)
+            return None
         commit = Commit(str(flight.path), flight.step, manifest, flight.blocking_s,
                         time.perf_counter() - flight.started)
-        self.last_commit = commit
         if self._on_commit:
-            self._on_commit(commit)
+            try:
+                self._on_commit(commit)
+            except Exception:  # the checkpoint is committed whatever a listener does with the news
+                log.exception("checkpoint commit listener failed")
         return commit
+
+    def _failed(self, flight: _InFlight, error: BaseException) -> None:
+        # A failed save must not end training: the previous checkpoint stands.
+        if self._on_failure:
+            self._on_failure(str(flight.path), flight.step, error)
+        else:
+            log.error("checkpoint %s failed: %s", flight.path, error)
 
 
 def load_checkpoint(path: str | Path, target: dict[str, Any], topology: Topology) -> None:

@@ -31,6 +31,11 @@ class GuardSettings:
     check_every: int = 10  # steps between cross-rank exchanges (consistency + control)
     spread_threshold: float = 0.5  # relative spread of loss or gradient norm that is flagged
 
+    def __post_init__(self) -> None:
+        for name in ("grad_window", "spike_window", "check_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GuardSettings.{name} must be at least 1")
+
 
 class GradientGuard:
     def __init__(self, settings: GuardSettings):

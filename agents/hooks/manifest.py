@@ -33,7 +33,7 @@ MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"
 FORMAT = 1
-#: ``step-00000040-g3-3fa2c1``: the step, the generation that wrote it, and a token unique to the
+#: ``step-00000040-g3-3fa2c1``: the step, the generation that wrote it, and an id unique to the
 #: process group that wrote it, so a step reached again after a restart never shares a directory
 #: with an earlier attempt's leftovers.
 _STEP_DIR = re.compile(r"step-(\d+)-g(\d+)-[0-9a-f]+")
@@ -54,8 +54,8 @@ class Verdict:
         return self.manifest.get("step") if self.manifest else _step_from_name(self.path)
 
 
-def checkpoint_dirname(step: int, generation: int, token: str) -> str:
-    return f"step-{step:08d}-g{generation}-{token}"
+def checkpoint_dirname(step: int, generation: int, run_id: str) -> str:
+    return f"step-{step:08d}-g{generation}-{run_id}"
 
 
 def file_digest(path: Path) -> str:

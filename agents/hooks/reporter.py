@@ -55,7 +55,7 @@ class Reporter:
         self.control_interval = control_interval
         self.max_backoff = max_backoff
         self.max_in_memory = max_in_memory
-        self._incoming: deque[tuple[str, dict[str, Any], str]] = deque()
+        self._incoming: deque[tuple[str, StepReport | Event | CheckpointCommit, str]] = deque()
         self.dropped_in_memory = 0
         # What the control plane asked for, read by the training thread.
         self.stale = False
@@ -68,6 +68,7 @@ class Reporter:
         self._failures = 0
         self._retry_at = 0.0
         self._batch_size = BATCH_LIMIT  # records per batch; 1 while isolating a refused record
+        self._deadline = float("inf")  # set by close(): the last delivery attempt stops there
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nightwatch-reporter-{rank}", daemon=True)
@@ -80,14 +81,13 @@ class Reporter:
             self.dropped_in_memory += 1  # only step reports are ever turned away
             return
         key = f"report:{step_report.generation}:{step_report.rank}:{step_report.step}"
-        self._incoming.append((REPORT, dump(step_report), key))
+        self._incoming.append((REPORT, step_report, key))  # encoded by the background thread
 
     def event(self, event: Event) -> None:
-        self._incoming.append((EVENT, dump(event), f"event:{event.generation}:{event.key}"))
+        self._incoming.append((EVENT, event, f"event:{event.generation}:{event.key}"))
 
     def commit(self, commit: CheckpointCommit) -> None:
-        self._incoming.append((CHECKPOINT, dump(commit),
-                               f"checkpoint:{commit.generation}:{commit.path}"))
+        self._incoming.append((CHECKPOINT, commit, f"checkpoint:{commit.generation}:{commit.path}"))
         self._wake.set()  # a commit is worth sending now, not at the next tick
 
     def take_checkpoint_request(self) -> bool:
@@ -97,10 +97,17 @@ class Reporter:
             return requested
 
     def close(self, timeout: float = 10.0) -> None:
-        """Spool what is queued and try to deliver it for up to ``timeout`` seconds."""
+        """Spool what is queued and try to deliver it for up to ``timeout`` seconds.
+
+        What is not delivered by then stays in the spool for the next process to replay.
+        """
+        self._deadline = time.monotonic() + timeout
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout + self.client.timeout + 1.0)
+        if self._thread.is_alive():  # stuck in a request: closing the spool under it would fail it
+            log.warning("reporter still busy after %.0fs; undelivered records stay spooled", timeout)
+            return
         self.spool.close()
 
     # -- the background thread -----------------------------------------------------------------
@@ -116,8 +123,8 @@ class Reporter:
     def _pump(self) -> None:
         try:
             while self._incoming:
-                kind, record, key = self._incoming.popleft()
-                self.spool.append(kind, record, key)
+                kind, message, key = self._incoming.popleft()
+                self.spool.append(kind, dump(message), key)
             if time.monotonic() >= self._retry_at and not self.stale:
                 self._deliver()
                 if self.poll_control and time.monotonic() - self._control_seen_at >= self.control_interval:
@@ -128,7 +135,7 @@ class Reporter:
             log.exception("nightwatch reporter error (training continues)")
 
     def _deliver(self) -> None:
-        while not self.stale:
+        while not self.stale and time.monotonic() < self._deadline:
             records = self.spool.peek(2 * BATCH_LIMIT)
             if not records:
                 return
@@ -144,7 +151,7 @@ class Reporter:
                 if status == 202 and answer.get("control") is not None:
                     self._apply_control(answer["control"])
             if self._failures:
-                log.warning("control plane reachable again; delivering spooled records")
+                log.info("control plane reachable again; delivering spooled records")
                 self._failures = 0
 
     def _next_batch(self, records: list[tuple[int, str, dict[str, Any]]]) -> tuple[int, dict[str, Any]]:

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Topology:
+    """This process's place among the ranks; the default is a single process without groups."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.NAME [--quick]`; conventions in bench/_common.py."""

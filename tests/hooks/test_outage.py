@@ -1,0 +1,46 @@
+"""A control-plane outage during a real torchrun run: training carries on, and once the control
+plane is back every report arrives, once, in order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.hooks.conftest import torchrun
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 120
+
+
+def test_reports_spooled_during_an_outage_arrive_exactly_once_afterwards(tmp_path, control_plane):
+    control_plane.down()  # the port is known; nothing listens on it until halfway through the run
+    ckpt = tmp_path / "ckpt"
+    halfway = threading.Event()
+
+    def bring_back_at_halfway() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not halfway.is_set():
+            if any((p / "COMMITTED").exists() for p in ckpt.glob(f"step-{STEPS // 2:08d}-*")):
+                control_plane.up()
+                halfway.set()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=bring_back_at_halfway, daemon=True)
+    watcher.start()
+    env = {"NIGHTWATCH_URL": control_plane.url, "NIGHTWATCH_JOB": "job-5", "NIGHTWATCH_GENERATION": "2",
+           "NIGHTWATCH_SPOOL_DIR": str(tmp_path / "spool")}
+    control_plane.generation = 2
+    run = torchrun(["--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--ckpt-every", str(STEPS // 2)], env=env)
+    halfway.set()
+    watcher.join()
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.lines("control plane unreachable")  # the outage was real
+
+    assert sorted(control_plane.reports) == [(2, rank, step) for rank in (0, 1) for step in range(1, STEPS + 1)]
+    for rank in (0, 1):  # each rank's reports were sent once each, oldest first
+        sent = [r["step"] for batch in control_plane.received for r in batch["reports"] if r["rank"] == rank]
+        assert sent == list(range(1, STEPS + 1))
+    assert [c["step"] for c in control_plane.commits] == [STEPS // 2, STEPS]
