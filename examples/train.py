@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -119,11 +120,13 @@ def train(args: argparse.Namespace) -> None:
     with nw:
         for batch in nw.batches(max_steps=args.steps):  # hooks 2/3
             step = nw.step_count + 1
+            started = time.monotonic()
             tokens = batch["tokens"].to(device)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
             loss = faults.corrupt_loss(step, loss)
             loss.backward()
+            _pad_compute(started, args.min_step_time)
             faults.maybe_crash(step)
             nw.step(loss)  # hooks 3/3
             if sample_log:
@@ -136,6 +139,12 @@ def train(args: argparse.Namespace) -> None:
         _dump_final_state(Path(args.final_state), rank, model, optimizer, scheduler, nw.step_count)
     if distributed:
         dist.destroy_process_group()
+
+
+def _pad_compute(started: float, min_step_time: float) -> None:
+    remaining = min_step_time - (time.monotonic() - started)
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 def _open_sample_log(directory: str | None, rank: int):
@@ -174,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-grad-norm", type=float, default=1.0)
     add("--guard-min-history", type=int, default=10, help="steps before the grad-norm median rule applies")
     add("--check-every", type=int, default=10, help="steps between cross-rank consistency checks")
+    add("--min-step-time", type=float, default=0.0,
+        help="pad each step's compute to this many seconds, as if the model were bigger (demo, tests)")
     add("--log-samples", help="directory for per-rank JSON lines of the sample ids trained at each step")
     add("--final-state", help="directory where each rank saves its final model/optimizer state")
     faults = parser.add_argument_group("fault injection (for tests)")

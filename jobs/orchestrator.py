@@ -120,7 +120,7 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     )
 
 
-_EVIDENCE_FIELDS = {"signature", "error_line", "step", "rank_steps", "consecutive_spikes"}
+_EVIDENCE_FIELDS = {"signature", "error_line", "step", "rank_steps", "step_tolerance", "consecutive_spikes"}
 
 
 def _jsonable(evidence: dict) -> dict:
@@ -284,11 +284,30 @@ def expire_one_progress_deadline() -> bool:
     steps = dict(StepMetric.objects.filter(job=job, generation=job.generation).values("rank")
                  .annotate(last=Max("step")).values_list("rank", "last"))
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, rank_steps=steps,
+                            step_tolerance=_report_lag_steps(job),
                             fault_at=job.last_step_at or job.state_changed_at,
                             detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
     if incident is None:  # fenced off: clear the deadline so we do not spin on it
         Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
     return True
+
+
+#: How often the hooks flush their reports (agents.hooks.reporter's default flush interval).
+HOOKS_FLUSH_S = 1.0
+
+
+def _report_lag_steps(job: Job) -> int:
+    """How many steps apart two ranks of one synchronous job can *appear* only because each
+    reports in batches: one collective, plus the steps that fit in a flush interval."""
+    import math
+    import statistics
+
+    phases = StepMetric.objects.filter(job=job, generation=job.generation, rank=0).order_by("-step") \
+        .values_list("phases", flat=True)[:50]
+    step_times = [sum(p.values()) for p in phases if p]
+    if not step_times:
+        return 1
+    return 1 + math.ceil(HOOKS_FLUSH_S / max(statistics.median(step_times), 1e-3))
 
 
 def advance_one_recovery() -> bool:

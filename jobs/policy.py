@@ -59,8 +59,10 @@ class Evidence:
     #: Nodes blamed by this evidence (hostnames), and whether each is healthy now.
     nodes: tuple[str, ...] = ()
     unhealthy_nodes: tuple[str, ...] = ()
-    #: hang: the last step each rank reported.
+    #: hang: the last step each rank reported, and how far apart they may be only because the
+    #: hooks report in batches (a frozen rank's last batch never leaves it).
     rank_steps: dict[int, int] = field(default_factory=dict)
+    step_tolerance: int = 1
     #: spike: how many consecutive steps spiked; the job's limit.
     consecutive_spikes: int = 0
     spike_limit: int = 3
@@ -130,10 +132,10 @@ def _classify(ev: Evidence) -> Decision:
                                "run beside ranks that are still alive (split brain)")
     if ev.signal == HANG:
         steps = set(ev.rank_steps.values())
-        if len(steps) > 1:
+        if steps and max(steps) - min(steps) > ev.step_tolerance:
             return Decision("hang", "pause", page=True,
-                            reason=f"ranks stopped at different steps {sorted(steps)}: a collective mismatch, "
-                                   "not a transient hang")
+                            reason=f"ranks stopped at steps {sorted(steps)}, further apart than batched reporting "
+                                   f"explains ({ev.step_tolerance}): a collective mismatch, not a transient hang")
         return Decision("hang", "restart", "no step progress past the progress timeout")
     if ev.signal in (EXIT, NODE_UNHEALTHY):
         bad = tuple(ev.unhealthy_nodes)

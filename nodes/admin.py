@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from nodes.models import GPU, Node
+from nodes.models import GPU, AgentEventRecord, Node, NodeCommand, NodePairBandwidth
 
 
 class GPUInline(admin.TabularInline):
@@ -15,4 +15,37 @@ class NodeAdmin(admin.ModelAdmin):
                     "last_heartbeat_at"]
     list_filter = ["health", "schedulability", "transport", "is_spare"]
     search_fields = ["hostname", "address"]
+    # Health and schedulability change only through nodes.services (audited); not by hand here.
+    readonly_fields = ["health", "health_reason", "health_changed_at", "schedulability", "drain_reason",
+                       "schedulability_changed_at", "lemon_count", "last_heartbeat_at", "heartbeat_deadline",
+                       "running", "registered_at", "last_heartbeat_seq", "spooled", "telemetry_dropped"]
     inlines = [GPUInline]
+
+
+@admin.register(NodeCommand)
+class NodeCommandAdmin(admin.ModelAdmin):
+    list_display = ["pk", "node", "kind", "job", "generation", "state", "delivery_count", "created_at", "acked_at"]
+    list_filter = ["state", "kind"]
+    search_fields = ["node__hostname", "idempotency_key"]
+    list_select_related = ["node", "job"]
+
+    def has_change_permission(self, request, obj=None):
+        return False  # the queue is the agents' record of what they were told; append-only by hand
+
+
+@admin.register(AgentEventRecord)
+class AgentEventRecordAdmin(admin.ModelAdmin):
+    list_display = ["time", "node", "kind", "job", "generation", "key"]
+    list_filter = ["kind"]
+    search_fields = ["node__hostname", "key", "job_ref"]
+    list_select_related = ["node", "job"]
+
+    def has_change_permission(self, request, obj=None):
+        return False  # evidence
+
+
+@admin.register(NodePairBandwidth)
+class NodePairBandwidthAdmin(admin.ModelAdmin):
+    list_display = ["source", "peer", "mbps", "expected_mbps", "ok", "measured_at"]
+    list_filter = ["ok"]
+    list_select_related = ["source", "peer"]

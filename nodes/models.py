@@ -1,11 +1,11 @@
-"""GPU nodes and their GPUs."""
+"""GPU nodes, their GPUs, telemetry history, the agent command queue and agent evidence."""
 
 from __future__ import annotations
 
 from django.db import models
 from django.utils import timezone
 
-from nodes.choices import Health, Schedulability, Transport
+from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
 
 
 class Node(models.Model):
@@ -31,6 +31,22 @@ class Node(models.Model):
     # Missed by then means unreachable; indexed for the sweeper.
     heartbeat_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
     created_at = models.DateTimeField(default=timezone.now)
+    # --- written by nodes.services only -------------------------------------------------
+    health_reason = models.TextField(blank=True, help_text="Why the node has its current health.")
+    health_changed_at = models.DateTimeField(null=True, blank=True)
+    schedulability_changed_at = models.DateTimeField(null=True, blank=True)
+    registered_at = models.DateTimeField(null=True, blank=True)
+    # What the agent said in its last heartbeat. ``running`` decides whether the node is idle
+    # (the free-memory rule) and when a draining node has finished draining.
+    running = models.JSONField(default=list, blank=True, help_text="Generations the agent runs.")
+    gpu_telemetry = models.BooleanField(default=True)
+    gpu_telemetry_reason = models.TextField(blank=True, help_text="Why the agent has no GPU telemetry.")
+    probe_port = models.PositiveIntegerField(null=True, blank=True, help_text="Bandwidth probe server port.")
+    last_heartbeat_seq = models.BigIntegerField(null=True, blank=True)
+    # The agent's own drain flag; differs from ``schedulability`` after an undrain until the agent restarts.
+    agent_draining = models.BooleanField(default=False)
+    spooled = models.PositiveBigIntegerField(default=0, help_text="Records waiting in the agent's disk spool.")
+    telemetry_dropped = models.PositiveBigIntegerField(default=0, help_text="Samples the agent's spool dropped.")
 
     class Meta:
         ordering = ["hostname"]
@@ -62,3 +78,138 @@ class GPU(models.Model):
 
     def __str__(self):
         return f"{self.node.hostname}/gpu{self.index}"
+
+
+class GpuSample(models.Model):
+    """One GPU at one moment, as the agent's telemetry reported it (``agents.protocol.agent.GpuSample``).
+
+    Keyed by (node, gpu, time): a replay after an outage finds its rows already there and adds
+    nothing. The key's index also serves the history charts (one GPU over a time range). The
+    columns mirror the wire fields one to one; a test keeps the two in step.
+    """
+
+    pk = models.CompositePrimaryKey("node", "gpu", "time")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
+    gpu = models.PositiveSmallIntegerField()
+    time = models.DateTimeField()
+    reachable = models.BooleanField(default=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    memory_used = models.BigIntegerField(null=True, blank=True)
+    memory_free = models.BigIntegerField(null=True, blank=True)
+    utilization_pct = models.FloatField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    sm_clock_mhz = models.BigIntegerField(null=True, blank=True)
+    throttle_reasons = models.BigIntegerField(null=True, blank=True)
+    ecc_corrected_volatile = models.BigIntegerField(null=True, blank=True)
+    ecc_uncorrected_volatile = models.BigIntegerField(null=True, blank=True)
+    ecc_corrected_aggregate = models.BigIntegerField(null=True, blank=True)
+    ecc_uncorrected_aggregate = models.BigIntegerField(null=True, blank=True)
+    ecc_corrected_recent = models.BigIntegerField(null=True, blank=True)
+    ecc_uncorrected_recent = models.BigIntegerField(null=True, blank=True)
+    retired_pages = models.BigIntegerField(null=True, blank=True)
+    retired_pages_pending = models.BooleanField(null=True, blank=True)
+    remapped_rows_correctable = models.BigIntegerField(null=True, blank=True)
+    remapped_rows_uncorrectable = models.BigIntegerField(null=True, blank=True)
+    remap_pending = models.BooleanField(null=True, blank=True)
+    remap_failed = models.BooleanField(null=True, blank=True)
+    xid_total = models.BigIntegerField(default=0)
+    xid_recent = models.BigIntegerField(default=0)
+    recent_xid_codes = models.JSONField(default=list, blank=True)
+    nvlink_replay_errors = models.BigIntegerField(null=True, blank=True)
+    nvlink_recovery_errors = models.BigIntegerField(null=True, blank=True)
+    nvlink_crc_flit_errors = models.BigIntegerField(null=True, blank=True)
+    nvlink_crc_data_errors = models.BigIntegerField(null=True, blank=True)
+    nvlink_errors_recent = models.BigIntegerField(null=True, blank=True)
+    pcie_replays = models.BigIntegerField(null=True, blank=True)
+    window_s = models.FloatField(default=600.0)
+
+    class Meta:
+        ordering = ["node", "gpu", "time"]
+
+    def __str__(self):
+        return f"{self.node_id}/gpu{self.gpu} at {self.time:%Y-%m-%d %H:%M:%S}"
+
+
+class NodeCommand(models.Model):
+    """Something the agent of ``node`` must do, pulled with its heartbeats, at least once.
+
+    Re-sent in every heartbeat answer until the agent acknowledges it; the agent runs an
+    ``idempotency_key`` once. ``expires_at`` is the sweeper's deadline: a command nobody
+    acknowledged by then is expired rather than re-sent forever.
+    """
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=16, choices=CommandKind.choices)
+    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.CASCADE, related_name="commands")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=128)
+    payload = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=12, choices=CommandState.choices, default=CommandState.PENDING)
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    delivery_count = models.PositiveIntegerField(default=0)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(db_index=True)
+    detail = models.TextField(blank=True, help_text="The agent's acknowledgement detail, or why it expired.")
+
+    class Meta:
+        ordering = ["created_at", "pk"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "idempotency_key"], name="nodecommand_node_key"),
+        ]
+        # Every heartbeat asks for the node's open commands.
+        indexes = [models.Index(fields=["node", "state"], name="nodecommand_node_state")]
+
+    def __str__(self):
+        job = f" job {self.job_id} gen {self.generation}" if self.job_id else ""
+        return f"{self.kind}{job} -> {self.node_id} ({self.state})"
+
+
+class AgentEventRecord(models.Model):
+    """An event the agent reported (exit reports, health checks, Xids …): the evidence store.
+
+    Unique on (node, key): the agent replays its spool after an outage, and a key seen before
+    is acknowledged without being stored or acted on twice.
+    """
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="agent_events")
+    key = models.CharField(max_length=128)
+    kind = models.CharField(max_length=24, db_index=True)
+    time = models.DateTimeField(help_text="When it happened, by the agent's clock.")
+    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.SET_NULL,
+                            related_name="agent_events")
+    # The job id as the agent sent it, kept even when it names no job we know.
+    job_ref = models.CharField(max_length=64, blank=True)
+    generation = models.PositiveBigIntegerField(null=True, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+    received_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["time", "pk"]
+        constraints = [models.UniqueConstraint(fields=["node", "key"], name="agentevent_node_key")]
+        # The orchestrator gathers a generation's exit reports from every node.
+        indexes = [models.Index(fields=["job", "generation"], name="agentevent_job_generation")]
+
+    def __str__(self):
+        return f"{self.kind} from {self.node_id} at {self.time:%Y-%m-%d %H:%M:%S}"
+
+
+class NodePairBandwidth(models.Model):
+    """The latest bandwidth probe from ``source`` to ``peer``: a pair below the expected ratio is flagged."""
+
+    source = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="bandwidth_out")
+    peer = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="bandwidth_in")
+    address = models.CharField(max_length=253)
+    expected_mbps = models.FloatField()
+    mbps = models.FloatField(null=True, blank=True)
+    ok = models.BooleanField()
+    error = models.TextField(blank=True)
+    measured_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["source", "peer"]
+        constraints = [models.UniqueConstraint(fields=["source", "peer"], name="bandwidth_source_peer")]
+
+    def __str__(self):
+        return f"{self.source_id}->{self.peer_id}: {self.mbps} MB/s ({'ok' if self.ok else 'slow'})"

@@ -1,6 +1,8 @@
+"""Node representations for the dashboard and the CLI (agents speak ``agents.protocol`` instead)."""
+
 from rest_framework import serializers
 
-from nodes.models import GPU, Node
+from nodes.models import GPU, Node, NodeCommand
 
 
 class GPUSerializer(serializers.ModelSerializer):
@@ -16,5 +18,19 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = ["id", "hostname", "address", "transport", "health", "schedulability", "drain_reason", "labels",
-                  "is_spare", "lemon_count", "agent_version", "last_heartbeat_at", "heartbeat_deadline", "gpus"]
+                  "is_spare", "lemon_count", "agent_version", "last_heartbeat_at", "heartbeat_deadline", "gpus",
+                  "health_reason", "health_changed_at", "schedulability_changed_at", "registered_at", "running",
+                  "gpu_telemetry", "gpu_telemetry_reason", "agent_draining", "spooled", "telemetry_dropped"]
         read_only_fields = fields
+
+
+class NodeCommandSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = NodeCommand
+        fields = ["id", "kind", "job", "generation", "idempotency_key", "payload", "state", "created_by", "created_at",
+                  "delivered_at", "delivery_count", "acked_at", "expires_at", "detail"]
+        read_only_fields = fields
+
+
+class DrainSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500, help_text="Why; recorded in the audit log and shown to the agent.")

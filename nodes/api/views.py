@@ -1,8 +1,31 @@
-from rest_framework import generics
+"""Node endpoints: parse → authorise → call a service → render.
 
+Two audiences. People (viewer and up) list nodes and their command queue; operators and on-call
+drain and undrain. Node agents call the ``agents.protocol.agent`` endpoints, each body parsed with
+the protocol's own classes, each for the token's own node only; a bad message is refused whole
+(4xx problem details) before anything is stored.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import exceptions, generics, permissions, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agents.protocol import ProtocolError, dump
+from agents.protocol import agent as wire
 from controlplane import roles
-from nodes.api.serializers import NodeSerializer
-from nodes.models import Node
+from controlplane.api import parse_wire
+from controlplane.auth import actor_label, calling_node
+from controlplane.problems import Conflict
+from jobs.state import StaleGeneration
+from nodes import services
+from nodes.api.serializers import DrainSerializer, NodeCommandSerializer, NodeSerializer
+from nodes.choices import CommandState
+from nodes.models import Node, NodeCommand
 
 
 class NodeList(generics.ListAPIView):
@@ -23,3 +46,173 @@ class NodeDetail(generics.RetrieveAPIView):
     required = roles.VIEW
     serializer_class = NodeSerializer
     queryset = Node.objects.prefetch_related("gpus")
+
+
+class _DrainView(APIView):
+    required = roles.DRAIN
+    #: ``services.drain_node`` or ``services.undrain_node``.
+    verb = None
+
+    @extend_schema(request=DrainSerializer, responses={200: NodeSerializer})
+    def post(self, request, pk):
+        node = get_object_or_404(Node, pk=pk)
+        body = DrainSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        # Idempotent: draining a drained node changes nothing, records nothing, and answers 200.
+        type(self).verb(node, actor=actor_label(request), reason=body.validated_data["reason"])
+        return Response(NodeSerializer(Node.objects.prefetch_related("gpus").get(pk=pk)).data)
+
+
+class NodeDrain(_DrainView):
+    """Take the node out of scheduling (its running generation is left to the orchestrator)."""
+
+    verb = services.drain_node
+
+
+class NodeUndrain(_DrainView):
+    """Put the node back into scheduling."""
+
+    verb = services.undrain_node
+
+
+class NodeCommands(generics.ListAPIView):
+    """The node's command queue, newest first; filter with ``?state=pending,delivered``."""
+
+    required = roles.VIEW
+    serializer_class = NodeCommandSerializer
+
+    def get_queryset(self):
+        node = get_object_or_404(Node, pk=self.kwargs["pk"])
+        commands = NodeCommand.objects.filter(node=node).order_by("-created_at", "-pk")
+        if value := self.request.query_params.get("state"):
+            states = value.split(",")
+            unknown = sorted(set(states) - set(CommandState.values))
+            if unknown:
+                raise exceptions.ValidationError({"state": [f"unknown state {unknown[0]!r}"]})
+            commands = commands.filter(state__in=states)
+        return commands
+
+
+# --- what the node agent calls ---------------------------------------------------------------------
+
+class PayloadTooLarge(exceptions.APIException):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_detail = "The request body is too large."
+    default_code = "too-large"
+
+
+def check_body_size(request) -> None:
+    """Refuse a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` with a clear 413 before anything reads it
+    (Django would raise ``RequestDataTooBig`` inside DRF's parser, which surfaces as a 500)."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise exceptions.ParseError("Content-Length is not a number.") from None
+    if declared > limit:
+        raise PayloadTooLarge(f"The body is {declared} bytes; at most {limit} are accepted. Send smaller batches.")
+
+
+class WireErrors:
+    """A ``ProtocolError`` raised past ``parse_wire`` (event details, numbers too large for a
+    column) is a 400 naming the field, like every other malformed message."""
+
+    def handle_exception(self, exc):
+        if isinstance(exc, ProtocolError):
+            exc = exceptions.ValidationError({exc.field or "body": [exc.reason]})
+        return super().handle_exception(exc)
+
+
+class AgentEndpoint(WireErrors, APIView):
+    """Agent capability, the token's own node (``node_id`` in the URL), a bounded body."""
+
+    required = roles.AGENT
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        node = calling_node(request)
+        if node is None or node.pk != kwargs["node_id"]:
+            acts_for = f"node {node.pk}" if node is not None else "no node"
+            raise exceptions.PermissionDenied(f"This token acts for {acts_for}, not node {kwargs['node_id']}.")
+        request.node = node
+        check_body_size(request)
+
+
+class AgentRegister(WireErrors, APIView):
+    """A new agent trades a one-time bootstrap token (in the body) for its node token."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+
+    def get_authenticate_header(self, request):
+        # Without this DRF would answer a refused token with 403; a 401 needs a challenge.
+        return 'Bearer realm="agent-registration"'
+
+    @extend_schema(request=None, responses={201: None, 401: None, 403: None},
+                   description="Body: agents.protocol.agent.Register; answers RegisterResponse.")
+    def post(self, request):
+        check_body_size(request)
+        message = parse_wire(wire.Register, request)
+        try:
+            registration = services.register_agent(message)
+        except services.RegistrationRefused as exc:
+            if exc.status == 401:
+                raise exceptions.AuthenticationFailed(str(exc)) from exc
+            raise exceptions.PermissionDenied(str(exc)) from exc
+        return Response(dump(registration.response), status=status.HTTP_201_CREATED)
+
+
+class AgentHeartbeat(AgentEndpoint):
+    @extend_schema(request=None, responses={200: None},
+                   description="Body: agents.protocol.agent.Heartbeat; answers HeartbeatResponse (open commands).")
+    def post(self, request, node_id):
+        beat = parse_wire(wire.Heartbeat, request)
+        if beat.node_id != str(node_id):
+            raise exceptions.ValidationError({"node_id": [f"the heartbeat is for node {beat.node_id!r}, "
+                                                          f"the URL for node {node_id}"]})
+        return Response(dump(services.record_heartbeat(request.node, beat)))
+
+
+class AgentTelemetry(AgentEndpoint):
+    @extend_schema(request=None, responses={202: None},
+                   description="Body: agents.protocol.agent.TelemetryBatch; duplicates of (node, gpu, time) "
+                               "are skipped.")
+    def post(self, request, node_id):
+        batch = parse_wire(wire.TelemetryBatch, request)
+        expected = str(node_id)
+        for i, sample in enumerate(batch.samples):
+            if sample.node != expected:
+                raise exceptions.ValidationError(
+                    {f"samples.{i}.node": [f"the sample is of node {sample.node!r}, the URL is for node {node_id}"]})
+        result = services.ingest_telemetry(request.node, batch)
+        return Response({"accepted": result.accepted, "duplicates": result.duplicates},
+                        status=status.HTTP_202_ACCEPTED)
+
+
+class AgentEvents(AgentEndpoint):
+    @extend_schema(request=None, responses={202: None},
+                   description="Body: agents.protocol.agent.EventBatch; a key already stored is skipped.")
+    def post(self, request, node_id):
+        batch = parse_wire(wire.EventBatch, request)
+        result = services.record_agent_events(request.node, wire.parse_event_details(batch))
+        return Response({"accepted": result.accepted, "duplicates": result.duplicates},
+                        status=status.HTTP_202_ACCEPTED)
+
+
+class AgentCommandAck(AgentEndpoint):
+    @extend_schema(request=None, responses={200: NodeCommandSerializer, 404: None, 409: None},
+                   parameters=[OpenApiParameter("command_id", int, OpenApiParameter.PATH)],
+                   description="Body: agents.protocol.agent.CommandAck. 409 when the command's generation is "
+                               "no longer the job's, or the acknowledgement contradicts the command.")
+    def post(self, request, node_id, command_id):
+        ack = parse_wire(wire.CommandAck, request)
+        if ack.command_id != str(command_id):
+            raise exceptions.ValidationError({"command_id": [f"the acknowledgement is for command "
+                                                             f"{ack.command_id!r}, the URL for {command_id}"]})
+        try:
+            command = services.ack_command(request.node, command_id, ack, actor=actor_label(request))
+        except NodeCommand.DoesNotExist:
+            raise exceptions.NotFound(f"Node {node_id} has no command {command_id}.") from None
+        except (StaleGeneration, services.AckMismatch) as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(NodeCommandSerializer(command).data)

@@ -130,7 +130,8 @@ def test_concurrent_retries_with_one_key_launch_once(cast, api):
 
         try:
             barrier.wait(timeout=10)
-            statuses.append(launch(api, cast.tokens["ci"], {"name": "race", "entrypoint": "t.py"}, key="race").status_code)
+            response = launch(api, cast.tokens["ci"], {"name": "race", "entrypoint": "t.py"}, key="race")
+            statuses.append(response.status_code)
         finally:
             thread_connection.close()
 

@@ -31,7 +31,7 @@ def batch(job, reports, generation=1, events=()):
     return {"job": str(job.pk), "generation": generation, "reports": reports, "events": list(events)}
 
 
-def post_reports(api, cast, body, token="agent"):
+def post_reports(api, cast, body, token="agent"):  # noqa: S107 - a name in cast.tokens
     return api(cast.tokens[token]).post(f"/api/v1/jobs/{cast.job.pk}/reports", body, format="json")
 
 

@@ -119,7 +119,7 @@ def test_two_racing_transitions_on_two_connections_cannot_both_win():
         barrier = threading.Barrier(2)
         outcomes: list[str] = []
 
-        def contender():
+        def contender(job=job, barrier=barrier, outcomes=outcomes):
             from django.db import connection as thread_connection
 
             try:

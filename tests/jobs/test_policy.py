@@ -38,9 +38,11 @@ def test_unhealthy_node_without_spare_shrinks_only_when_allowed():
 
 def test_hang_with_ranks_at_one_step_restarts_and_at_different_steps_pauses():
     assert decide(Evidence(HANG, rank_steps={0: 40, 1: 40})).action == "restart"
-    mismatch = decide(Evidence(HANG, rank_steps={0: 40, 1: 39}))
+    assert decide(Evidence(HANG, rank_steps={0: 40, 1: 39})).action == "restart"  # one collective apart
+    assert decide(Evidence(HANG, rank_steps={0: 40, 1: 34}, step_tolerance=7)).action == "restart"  # report lag
+    mismatch = decide(Evidence(HANG, rank_steps={0: 40, 1: 30}, step_tolerance=7))
     assert (mismatch.classification, mismatch.action) == ("hang", "pause")
-    assert "[39, 40]" in mismatch.reason
+    assert "[30, 40]" in mismatch.reason
 
 
 def test_same_exception_twice_with_the_same_config_is_deterministic():

@@ -1,0 +1,24 @@
+"""The nodes app's periodic tasks, for ``CELERY_BEAT_SCHEDULE`` in ``controlplane/settings.py``.
+
+The heartbeat sweep runs once per heartbeat interval, so a node is marked unreachable at most one
+interval after its deadline; ``expires`` drops a sweep that waited in the queue past the next one.
+"""
+
+from __future__ import annotations
+
+from controlplane.env import env_int
+
+HEARTBEAT_SWEEP_S = float(env_int("NIGHTWATCH_HEARTBEAT_INTERVAL_S", 5))
+
+BEAT_SCHEDULE: dict = {
+    "nodes-expire-heartbeats": {
+        "task": "nodes.tasks.expire_heartbeats",
+        "schedule": HEARTBEAT_SWEEP_S,
+        "options": {"expires": 2 * HEARTBEAT_SWEEP_S},
+    },
+    "nodes-prune-telemetry": {
+        "task": "nodes.tasks.prune_telemetry",
+        "schedule": 3600.0,
+        "options": {"expires": 3600},
+    },
+}

@@ -1,0 +1,37 @@
+"""Verbs that change nodes. Views and the orchestrator call these; nothing else writes node state.
+
+``fleet``: registration, heartbeats, health, drains, blame and the heartbeat sweeper;
+``commands``: the agent command queue; ``ingest``: telemetry and agent events.
+"""
+
+from nodes.services.commands import (
+    AckMismatch,
+    ack_command,
+    enqueue_command,
+    expire_commands,
+    pending_commands_for,
+)
+from nodes.services.fleet import (
+    Registration,
+    RegistrationRefused,
+    blame_node,
+    clear_lemon,
+    drain_node,
+    expire_heartbeats,
+    expire_one_heartbeat,
+    finish_drain,
+    record_heartbeat,
+    register_agent,
+    set_health,
+    thresholds,
+    undrain_node,
+)
+from nodes.services.ingest import Ingested, ingest_telemetry, record_agent_events
+from nodes.services.retention import prune_telemetry
+
+__all__ = [
+    "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
+    "drain_node", "enqueue_command", "expire_commands", "expire_heartbeats", "expire_one_heartbeat", "finish_drain",
+    "ingest_telemetry", "pending_commands_for", "prune_telemetry", "record_agent_events", "record_heartbeat",
+    "register_agent", "set_health", "thresholds", "undrain_node",
+]

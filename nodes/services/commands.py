@@ -1,0 +1,161 @@
+"""The command queue: what the agents must do, pulled with each heartbeat, at least once.
+
+1. ``enqueue_command`` validates the command with the wire protocol (the agent will parse it with
+   the same classes) and stores it once per (node, idempotency key).
+2. ``pending_commands_for`` answers every heartbeat with all open commands — the first delivery
+   and every re-delivery alike — until each is acknowledged or expires. A launch for a
+   generation the job has already left is expired instead of delivered: it could only be refused.
+3. ``ack_command`` records the first acknowledgement (later ones are answered the same and change
+   nothing). An acknowledgement of a command whose generation is no longer the job's is answered
+   409 (``StaleGeneration``), and the command is closed so it is not re-sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from agents.protocol import agent as wire
+from jobs import state
+from jobs.models import Event, Job
+from nodes import signals
+from nodes.choices import CommandKind, CommandState
+from nodes.models import Node, NodeCommand
+
+DEFAULT_COMMAND_TTL_S = 600
+
+
+class AckMismatch(Exception):
+    """The acknowledgement names another idempotency key, job or generation than the command."""
+
+
+def command_ttl() -> timedelta:
+    return timedelta(seconds=settings.NIGHTWATCH.get("COMMAND_TTL_S", DEFAULT_COMMAND_TTL_S))
+
+
+def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: Job | None = None,
+                    generation: int | None = None, idempotency_key: str | None = None,
+                    actor: str = "system", ttl: timedelta | None = None) -> NodeCommand:
+    """Queue ``kind`` for ``node``'s agent; the same (node, idempotency_key) returns the first command.
+
+    Raises ``agents.protocol.ProtocolError`` (a ``ValueError``) when the payload is not what the
+    protocol allows for ``kind`` — a bug of the caller, caught here rather than on the node.
+    """
+    key = idempotency_key or f"{kind}:{uuid.uuid4().hex}"
+    message = wire.Command(id="0", kind=kind, idempotency_key=key, job=str(job.pk) if job else None,
+                           generation=generation, payload=payload or {})
+    # Validate exactly as the agent will; store the canonical form (defaults filled in, nulls left out).
+    canonical = wire.compact(wire.parse_command_payload(message))
+    if not 1 <= len(key) <= 128:
+        raise ValueError("idempotency_key must be 1-128 characters")
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            return NodeCommand.objects.create(
+                node=node, kind=kind, job=job, generation=generation, idempotency_key=key, payload=canonical,
+                created_by=actor, created_at=now, expires_at=now + (ttl or command_ttl()),
+            )
+    except IntegrityError:
+        existing = NodeCommand.objects.filter(node=node, idempotency_key=key).first()
+        if existing is None:
+            raise
+        return existing
+
+
+def pending_commands_for(node: Node, *, limit: int = wire.MAX_COMMANDS_PER_HEARTBEAT) -> list[wire.Command]:
+    """Every open command of ``node`` (oldest first), marked delivered; expired ones are closed."""
+    now = timezone.now()
+    open_commands = list(
+        NodeCommand.objects.filter(node=node, state__in=CommandState.OPEN)
+        .select_related("job").order_by("created_at", "pk")[:limit]
+    )
+    if not open_commands:
+        return []
+    deliver, expired, stale = [], [], []
+    for command in open_commands:
+        if command.expires_at <= now:
+            expired.append(command.pk)
+        elif command.kind == CommandKind.LAUNCH and _is_stale(command):
+            stale.append(command.pk)
+        else:
+            deliver.append(command)
+    if expired:
+        NodeCommand.objects.filter(pk__in=expired, state__in=CommandState.OPEN).update(
+            state=CommandState.EXPIRED, detail="not acknowledged before it expired")
+    if stale:
+        NodeCommand.objects.filter(pk__in=stale, state__in=CommandState.OPEN).update(
+            state=CommandState.EXPIRED, detail="its generation is no longer the job's: not delivered")
+    if deliver:
+        NodeCommand.objects.filter(pk__in=[c.pk for c in deliver], state__in=CommandState.OPEN).update(
+            state=CommandState.DELIVERED, delivered_at=now, delivery_count=F("delivery_count") + 1)
+    return [to_wire(c) for c in deliver]
+
+
+def to_wire(command: NodeCommand) -> wire.Command:
+    return wire.Command(id=str(command.pk), kind=command.kind, idempotency_key=command.idempotency_key,
+                        job=str(command.job_id) if command.job_id else None, generation=command.generation,
+                        payload=command.payload)
+
+
+def _is_stale(command: NodeCommand) -> bool:
+    return command.job is not None and command.generation is not None and command.generation != command.job.generation
+
+
+def ack_command(node: Node, command_id: int, ack: wire.CommandAck, *, actor: str) -> NodeCommand:
+    """Record the agent's acknowledgement of one of its commands; returns the command.
+
+    Raises ``NodeCommand.DoesNotExist`` (not this node's command), ``AckMismatch``, or
+    ``jobs.state.StaleGeneration`` (the command's generation is no longer the job's).
+    """
+    command = NodeCommand.objects.select_related("job").filter(node=node, pk=command_id).first()
+    if command is None:
+        raise NodeCommand.DoesNotExist(f"node {node.pk} has no command {command_id}")
+    if ack.idempotency_key != command.idempotency_key:
+        raise AckMismatch(f"command {command.pk} has idempotency key {command.idempotency_key!r}, "
+                          f"the acknowledgement {ack.idempotency_key!r}")
+    if (ack.job is not None and ack.job != str(command.job_id)) or (
+            ack.generation is not None and ack.generation != command.generation):
+        raise AckMismatch(f"command {command.pk} is for job {command.job_id} generation {command.generation}, "
+                          f"the acknowledgement for job {ack.job} generation {ack.generation}")
+    if command.job is not None:
+        try:
+            state.check_generation(command.job, command.generation)
+        except state.StaleGeneration as exc:
+            # Close it so it is not re-sent; the agent stops what it still runs of that generation.
+            NodeCommand.objects.filter(pk=command.pk, state__in=CommandState.OPEN).update(
+                state=CommandState.EXPIRED, detail=f"acknowledged ({ack.status}) after going stale: {exc}")
+            raise
+    new_state = CommandState.FROM_ACK[ack.status]
+    old_state = command.state
+    # An expired command can still be acknowledged: the agent did run it, and that is a fact to keep.
+    acceptable = CommandState.OPEN | {CommandState.EXPIRED}
+    if old_state not in acceptable:
+        return command  # a repeated acknowledgement: answered the same, changes nothing
+    now = timezone.now()
+    with transaction.atomic():
+        won = NodeCommand.objects.filter(pk=command.pk, state=old_state).update(
+            state=new_state, acked_at=now, detail=ack.detail)
+        if not won:
+            command.refresh_from_db()
+            return command
+        Event.objects.create(kind="node.command", actor=actor, node=node, job_id=command.job_id,
+                             generation=command.generation, old_state=old_state, new_state=new_state,
+                             reason=f"{command.kind} {ack.status}" + (f": {ack.detail}" if ack.detail else ""),
+                             evidence={"command": command.pk, "idempotency_key": command.idempotency_key},
+                             created_at=now)
+        signals.send_on_commit(signals.command_acked, node=node, command_id=command.pk, kind=command.kind,
+                               job_id=command.job_id, generation=command.generation, status=ack.status,
+                               state=new_state, detail=ack.detail)
+    command.state, command.acked_at, command.detail = new_state, now, ack.detail
+    return command
+
+
+def expire_commands() -> int:
+    """Close open commands past their deadline (nodes that stopped asking); returns how many."""
+    return NodeCommand.objects.filter(state__in=CommandState.OPEN, expires_at__lte=timezone.now()).update(
+        state=CommandState.EXPIRED, detail="not acknowledged before it expired")

@@ -1,0 +1,320 @@
+"""Verbs that change nodes: registration, heartbeats, health, drains, blame, and the heartbeat sweeper.
+
+``set_health`` is the only code that changes ``Node.health``; ``drain_node``, ``finish_drain``
+and ``undrain_node`` are the only code that changes ``Node.schedulability``. Each is a
+compare-and-set that appends one ``jobs.models.Event`` row (who, old, new, why, evidence).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from agents.protocol import ProtocolError, dump
+from agents.protocol import agent as wire
+from controlplane.models import ApiToken, Scope, hash_token
+from jobs.choices import JobState
+from jobs.models import Event, Generation
+from nodes import health as rules
+from nodes import signals
+from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
+from nodes.models import GPU, Node, NodeCommand
+from nodes.services.commands import enqueue_command, pending_commands_for
+
+log = logging.getLogger(__name__)
+POLICY = "system:drain-policy"
+SWEEPER = "system:heartbeat-sweeper"
+#: Samples older than this say nothing about a node that just came back.
+FRESH_SAMPLE_S = 300
+#: The protocol bounds counters from below only; a database column bounds them from above.
+BIGINT_MAX = 2**63 - 1
+INT_MAX = 2**31 - 1
+
+
+def check_range(value: int | None, where: str, high: int = BIGINT_MAX) -> None:
+    """Refuse (``ProtocolError``, a 400) a number no column can hold, rather than fail in the database."""
+    if value is not None and value > high:
+        raise ProtocolError(where, f"must be <= {high}, got {value}")
+
+
+class RegistrationRefused(Exception):
+    """The bootstrap token is unknown, expired or used (``status`` 401) or not a bootstrap token (403)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def thresholds() -> rules.Thresholds:
+    return rules.Thresholds.from_mapping(settings.NIGHTWATCH.get("HEALTH", {}))
+
+
+def heartbeat_interval_s() -> float:
+    return float(settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"])
+
+
+def heartbeat_timeout() -> timedelta:
+    """Missing this many heartbeats in a row makes a node unreachable."""
+    return timedelta(seconds=heartbeat_interval_s() * settings.NIGHTWATCH["HEARTBEAT_MISSES"])
+
+
+# --- registration and heartbeats ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Registration:
+    node: Node
+    response: wire.RegisterResponse
+
+
+def register_agent(message: wire.Register) -> Registration:
+    """Register (or re-register) the agent of ``message.hostname`` with a one-time bootstrap token.
+
+    1. Consume the bootstrap token by compare-and-set: of two registrations racing with one token,
+       exactly one wins; a token used once is refused for ever after (``RegistrationRefused``).
+    2. Create the node, or update it when the host registers again (a re-imaged machine): its
+       earlier agent tokens are revoked, so only the newest agent speaks for the node.
+    3. Record its GPUs, issue the node's agent token and count the registration as a heartbeat.
+    """
+    for i, gpu in enumerate(message.gpus):
+        check_range(gpu.memory_total // 2**20, f"gpus.{i}.memory_total", INT_MAX)
+    now = timezone.now()
+    with transaction.atomic():
+        token = ApiToken.objects.usable().filter(digest=hash_token(message.bootstrap_token)).first()
+        if token is None:
+            raise RegistrationRefused("Unknown, expired or already used bootstrap token.", 401)
+        if token.scope != Scope.BOOTSTRAP:
+            raise RegistrationRefused("This token is not a bootstrap token; ask an operator for one.", 403)
+        if not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now, last_used_at=now):
+            raise RegistrationRefused("Unknown, expired or already used bootstrap token.", 401)
+        fields = {"address": message.address, "transport": Transport.AGENT, "agent_version": message.agent_version,
+                  "labels": message.labels, "probe_port": message.probe_port, "registered_at": now,
+                  "gpu_telemetry": message.gpu_telemetry, "gpu_telemetry_reason": message.gpu_telemetry_reason or ""}
+        node = Node.objects.select_for_update().filter(hostname=message.hostname).first()
+        if node is None:
+            node = Node.objects.create(hostname=message.hostname, **fields)
+        else:
+            Node.objects.filter(pk=node.pk).update(**fields)
+            for name, value in fields.items():
+                setattr(node, name, value)
+            ApiToken.objects.filter(node=node, scope=Scope.AGENT, revoked_at__isnull=True).update(revoked_at=now)
+        _record_gpus(node, message.gpus)
+        _, raw = ApiToken.issue(name=f"agent {message.hostname}"[:100], scope=Scope.AGENT, node=node)
+        Event.objects.create(
+            kind="node.register", actor=f"token:{token.name}", node=node, created_at=now,
+            reason=f"agent {message.agent_version} registered with {len(message.gpus)} GPU(s)"
+            + ("" if message.gpu_telemetry else f"; no GPU telemetry: {message.gpu_telemetry_reason}"),
+            evidence={"address": message.address, "labels": message.labels,
+                      "gpus": [dump(g) for g in message.gpus]},
+        )
+        _stamp_heartbeat(node, now)
+        _came_alive(node, actor=f"node:{node.hostname}")
+    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
+    return Registration(node=node, response=response)
+
+
+def _record_gpus(node: Node, gpus: list[wire.GpuInfo]) -> None:
+    known = {g.index: g for g in GPU.objects.filter(node=node)}
+    for info in gpus:
+        values = {"uuid": info.uuid, "name": info.name, "memory_total_mb": info.memory_total // 2**20}
+        gpu = known.get(info.index)
+        if gpu is None:
+            GPU.objects.create(node=node, index=info.index, **values)
+        elif any(getattr(gpu, k) != v for k, v in values.items()):
+            # A different card in the slot (replaced hardware): its history is not this card's.
+            fresh = gpu.uuid != info.uuid
+            GPU.objects.filter(pk=gpu.pk).update(**values, **({"last_sample": {}, "last_sample_at": None,
+                                                              "health": Health.UNKNOWN} if fresh else {}))
+
+
+def _stamp_heartbeat(node: Node, now, **fields) -> None:
+    deadline = now + heartbeat_timeout()
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, heartbeat_deadline=deadline, **fields)
+    node.last_heartbeat_at, node.heartbeat_deadline = now, deadline
+    for name, value in fields.items():
+        setattr(node, name, value)
+
+
+def record_heartbeat(node: Node, beat: wire.Heartbeat) -> wire.HeartbeatResponse:
+    """The agent is alive: move the deadline, note what it runs, answer with its open commands."""
+    for name in ("seq", "spooled", "telemetry_dropped"):
+        check_range(getattr(beat, name), name)
+    now = timezone.now()
+    _stamp_heartbeat(node, now, running=[dump(r) for r in beat.running], gpu_telemetry=beat.gpu_telemetry,
+                     gpu_telemetry_reason=beat.gpu_telemetry_reason or "", last_heartbeat_seq=beat.seq,
+                     agent_draining=beat.draining, spooled=beat.spooled, telemetry_dropped=beat.telemetry_dropped)
+    actor = f"node:{node.hostname}"
+    if node.health in Health.AWAITING:
+        _came_alive(node, actor=actor)
+    if node.schedulability == Schedulability.DRAINING and not beat.running:
+        finish_drain(node, actor=actor, reason="the agent runs no generation any more")
+    return wire.HeartbeatResponse(commands=pending_commands_for(node))
+
+
+def _came_alive(node: Node, *, actor: str) -> None:
+    """A node that was unknown or unreachable sent a sign of life: judge it afresh."""
+    if node.health not in Health.AWAITING:
+        return
+    if not node.gpu_telemetry:
+        # The heartbeat is all there is to go by; the reason is shown to operators as is.
+        set_health(node, Health.HEALTHY, actor=actor, evidence={"gpu_telemetry": False},
+                   reason=f"agent alive; no GPU telemetry ({node.gpu_telemetry_reason or 'no reason given'})")
+        return
+    since = timezone.now() - timedelta(seconds=FRESH_SAMPLE_S)
+    samples = list(GPU.objects.filter(node=node, last_sample_at__gte=since).values_list("last_sample", flat=True))
+    verdict = rules.evaluate_node(samples, thresholds(), idle=not node.running)
+    if verdict.health == rules.UNKNOWN:
+        set_health(node, Health.UNKNOWN, actor=actor, reason="agent alive; waiting for GPU telemetry")
+    else:
+        set_health(node, verdict.health, actor=actor, evidence=verdict.evidence,
+                   reason="; ".join(verdict.reasons) or "agent alive; latest GPU samples are within limits")
+
+
+# --- health ---------------------------------------------------------------------------------------
+
+def set_health(node: Node, new: str, *, reason: str, evidence: dict | None = None,
+               actor: str = "system:health") -> bool:
+    """Move ``node`` to health ``new`` (compare-and-set); returns whether it changed.
+
+    Appends a ``node.health`` event and, after commit, sends ``node_health_changed``. A node that
+    turns unhealthy is drained when the policy says so (``NIGHTWATCH["AUTO_DRAIN_UNHEALTHY"]``).
+    """
+    old = node.health
+    if new == old:
+        return False
+    now = timezone.now()
+    evidence = evidence or {}
+    with transaction.atomic():
+        if not Node.objects.filter(pk=node.pk, health=old).update(health=new, health_reason=reason,
+                                                                   health_changed_at=now):
+            node.refresh_from_db(fields=["health", "health_reason", "health_changed_at"])
+            return False
+        event = Event.objects.create(kind="node.health", actor=actor, node=node, old_state=old, new_state=new,
+                                     reason=reason, evidence=evidence, created_at=now)
+        node.health, node.health_reason, node.health_changed_at = new, reason, now
+        signals.send_on_commit(signals.node_health_changed, node=node, old=old, new=new, evidence=evidence,
+                               reasons=list(evidence.get("reasons") or [reason]), event_id=event.pk)
+        if new == Health.UNHEALTHY and settings.NIGHTWATCH.get("AUTO_DRAIN_UNHEALTHY", True):
+            drain_node(node, actor=POLICY, reason=f"unhealthy: {reason}")
+    return True
+
+
+# --- schedulability -------------------------------------------------------------------------------
+
+def drain_node(node: Node, *, actor: str, reason: str) -> bool:
+    """Take ``node`` out of scheduling; returns False if it already was out.
+
+    It becomes ``draining`` while a generation still runs there and ``drained`` otherwise; an
+    agent is told with a ``drain`` command. Stopping the generation is the orchestrator's call.
+    """
+    if node.schedulability != Schedulability.ACTIVE:
+        return False
+    busy = bool(node.running) or Generation.objects.filter(
+        nodes=node, ended_at__isnull=True, job__state__in=JobState.ACTIVE).exists()
+    new = Schedulability.DRAINING if busy else Schedulability.DRAINED
+    with transaction.atomic():
+        event = _move_schedulability(node, new, kind="node.drain", actor=actor, reason=reason, drain_reason=reason)
+        if event is None:
+            return False
+        if node.transport == Transport.AGENT:
+            enqueue_command(node, CommandKind.DRAIN, payload={"reason": reason[:500]}, actor=actor,
+                            idempotency_key=f"drain:{event.pk}")
+    return True
+
+
+def finish_drain(node: Node, *, actor: str, reason: str) -> bool:
+    """A draining node runs nothing any more: it is drained."""
+    if node.schedulability != Schedulability.DRAINING:
+        return False
+    return _move_schedulability(node, Schedulability.DRAINED, kind="node.drained", actor=actor,
+                                reason=reason) is not None
+
+
+def undrain_node(node: Node, *, actor: str, reason: str) -> bool:
+    """Put ``node`` back into scheduling; returns False if it was not out."""
+    if node.schedulability == Schedulability.ACTIVE:
+        return False
+    with transaction.atomic():
+        if _move_schedulability(node, Schedulability.ACTIVE, kind="node.undrain", actor=actor, reason=reason,
+                                drain_reason="") is None:
+            return False
+        # A drain the agent has not picked up yet must not reach it after the undrain.
+        NodeCommand.objects.filter(node=node, kind=CommandKind.DRAIN, state__in=CommandState.OPEN).update(
+            state=CommandState.EXPIRED, detail=f"superseded by an undrain ({actor})")
+    return True
+
+
+def _move_schedulability(node: Node, new: str, *, kind: str, actor: str, reason: str, **fields) -> Event | None:
+    old = node.schedulability
+    now = timezone.now()
+    with transaction.atomic():
+        if not Node.objects.filter(pk=node.pk, schedulability=old).update(
+                schedulability=new, schedulability_changed_at=now, **fields):
+            node.refresh_from_db(fields=["schedulability", "drain_reason", "schedulability_changed_at"])
+            return None
+        event = Event.objects.create(kind=kind, actor=actor, node=node, old_state=old, new_state=new, reason=reason,
+                                     created_at=now, evidence={"health": node.health})
+    node.schedulability, node.schedulability_changed_at = new, now
+    for name, value in fields.items():
+        setattr(node, name, value)
+    return event
+
+
+# --- blame ----------------------------------------------------------------------------------------
+
+def blame_node(node: Node, *, actor: str, reason: str, evidence: dict | None = None) -> int:
+    """Count an incident against ``node`` (its lemon count); returns the new count."""
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(lemon_count=F("lemon_count") + 1)
+        node.refresh_from_db(fields=["lemon_count"])
+        Event.objects.create(kind="node.blame", actor=actor, node=node, old_state=str(node.lemon_count - 1),
+                             new_state=str(node.lemon_count), reason=reason, evidence=evidence or {})
+    return node.lemon_count
+
+
+def clear_lemon(node: Node, *, actor: str, reason: str) -> None:
+    """An operator vouches for the node again (after a repair): its lemon count starts over."""
+    with transaction.atomic():
+        old = Node.objects.select_for_update().values_list("lemon_count", flat=True).get(pk=node.pk)
+        Node.objects.filter(pk=node.pk).update(lemon_count=0)
+        Event.objects.create(kind="node.lemon_cleared", actor=actor, node=node, old_state=str(old), new_state="0",
+                             reason=reason)
+    node.lemon_count = 0
+
+
+# --- the heartbeat sweeper ------------------------------------------------------------------------
+
+def expire_one_heartbeat() -> bool:
+    """The node longest past its heartbeat deadline becomes unreachable; returns whether one did."""
+    node = Node.objects.filter(heartbeat_deadline__lt=timezone.now()).order_by("heartbeat_deadline").first()
+    if node is None:
+        return False
+    _mark_unreachable(node)
+    return True
+
+
+def _mark_unreachable(node: Node) -> bool:
+    """Unreachable, unless the deadline we read has moved meanwhile (compare-and-set on it): a
+    heartbeat racing the sweeper wins cleanly, and two sweepers never act on the same node."""
+    with transaction.atomic():
+        if not Node.objects.filter(pk=node.pk, heartbeat_deadline=node.heartbeat_deadline).update(
+                heartbeat_deadline=None):
+            return False
+        since = node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else "never"
+        set_health(node, Health.UNREACHABLE, actor=SWEEPER,
+                   reason=f"no heartbeat since {since} (deadline {node.heartbeat_deadline.isoformat()})",
+                   evidence={"last_heartbeat_at": since, "deadline": node.heartbeat_deadline.isoformat()})
+    return True
+
+
+def expire_heartbeats(limit: int = 1000) -> int:
+    """Run the one-shot until nothing is left (bounded); returns how many nodes it handled."""
+    done = 0
+    while done < limit and expire_one_heartbeat():
+        done += 1
+    return done

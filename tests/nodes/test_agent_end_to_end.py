@@ -1,0 +1,108 @@
+"""The real node agent (``agents.agent``, scripted GPUs) against the real control plane over HTTP.
+
+The agent runs on a thread of this process and talks to Django's live test server, so every
+message crosses the wire exactly as in production and is parsed by the server's views.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.agent.config import AgentConfig
+from agents.agent.daemon import Agent
+from controlplane.models import ApiToken
+from jobs.models import Event
+from nodes import services
+from nodes.choices import CommandState, Health, Schedulability
+from nodes.models import AgentEventRecord, GpuSample, Node, NodeCommand
+
+pytestmark = pytest.mark.e2e
+
+SCENARIO = """
+gpus: 2
+baseline: {temperature: 45, utilization: 95, memory_used: 2GiB}
+events:
+  - {at: 2s, gpu: 1, xid: 79}
+"""
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fast_heartbeats(settings):
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 0.25, "HEARTBEAT_MISSES": 3}
+    return 0.25
+
+
+@pytest.fixture
+def running_agent(live_server, transactional_db, tmp_path: Path, fast_heartbeats):
+    """Starts an agent with a fresh bootstrap token; yields ``(agent, thread)``; stops it at the end."""
+    _, bootstrap = ApiToken.issue(name="e2e bootstrap", scope="bootstrap", single_use=True)
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(SCENARIO)
+    config = AgentConfig(control_plane_url=live_server.url, work_dir=tmp_path / "agent", hostname="e2e-node",
+                         address="127.0.0.1", bootstrap_token=bootstrap, telemetry_interval_s=0.1,
+                         telemetry_source="scripted", scenario=scenario, probe_port=0, probe_host="127.0.0.1",
+                         stop_grace_s=2.0, request_timeout_s=2.0)
+    agent = Agent(config)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    yield agent, thread
+    agent.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the agent did not stop"
+
+
+def node_state():
+    node = Node.objects.filter(hostname="e2e-node").first()
+    return node
+
+
+def test_a_scripted_xid_makes_the_node_unhealthy_and_drains_it_within_two_heartbeats(running_agent):
+    node = wait_until(lambda: (n := node_state()) and n.health == Health.HEALTHY and n, 15, "a healthy node")
+    assert GpuSample.objects.filter(node=node).exists()
+    assert AgentEventRecord.objects.filter(node=node, kind="agent_started").exists()
+
+    xid = wait_until(lambda: AgentEventRecord.objects.filter(node=node, kind="xid").first(), 15, "the Xid event")
+    seen_at = xid.time  # when the agent saw it
+    unhealthy = wait_until(lambda: Event.objects.filter(kind="node.health", node=node, new_state="unhealthy").first(),
+                           5, "the node turning unhealthy")
+    drained = wait_until(lambda: Event.objects.filter(kind="node.drain", node=node).first(), 5, "the drain")
+    assert (unhealthy.created_at - seen_at).total_seconds() <= 2 * 0.25 + 0.25
+    assert (drained.created_at - seen_at).total_seconds() <= 2 * 0.25 + 0.25
+    node.refresh_from_db()
+    assert node.schedulability == Schedulability.DRAINED
+    assert "critical Xid 79" in node.health_reason
+    # The agent picks the drain up with its next heartbeats, runs it once and says so.
+    command = wait_until(lambda: NodeCommand.objects.filter(node=node, kind="drain", state=CommandState.ACKED).first(),
+                         10, "the drain acknowledged")
+    assert command.delivery_count >= 1
+    wait_until(lambda: AgentEventRecord.objects.filter(node=node, kind="drain_ack").exists(), 10, "the drain_ack")
+    wait_until(lambda: Node.objects.get(pk=node.pk).agent_draining, 10, "the agent reporting that it drains")
+
+
+def test_an_agent_that_stops_heartbeating_makes_its_node_unreachable(running_agent):
+    agent, thread = running_agent
+    node = wait_until(lambda: (n := node_state()) and n.last_heartbeat_at and n, 15, "the first heartbeat")
+    assert services.expire_one_heartbeat() is False
+    agent.stop()
+    thread.join(timeout=30)
+    started = time.monotonic()
+    wait_until(lambda: services.expire_one_heartbeat() or Node.objects.get(pk=node.pk).health == Health.UNREACHABLE,
+               5, "the node marked unreachable")
+    node.refresh_from_db()
+    assert node.health == Health.UNREACHABLE
+    assert time.monotonic() - started <= 3 * 0.25 + 1.0
