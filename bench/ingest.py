@@ -15,10 +15,7 @@ sample per 10 s), p50/p99 request latency, COPY's rate and the ratio HTTP / COPY
 
 Needs PostgreSQL: ``BENCH_DATABASE_URL`` (default ``postgres://postgres@127.0.0.1:5432/nightwatch_bench``,
 created and migrated when missing; its telemetry table is emptied, so the name must contain
-"bench"). ``--patched-parse`` starts the servers with the proposed ``agents.protocol.base.parse``
-of ``bench/_ingest_fastparse.py`` (same checks and messages, each schema compiled once), to show
-what that change is worth; without the flag the servers run Nightwatch exactly as it is, and the
-flag is recorded in the result.
+"bench").
 """
 
 from __future__ import annotations
@@ -110,24 +107,18 @@ def count_samples(url: str) -> int:
 
 # --- the servers --------------------------------------------------------------------------------
 
-def serve(port: int, patched_parse: bool) -> None:
+def serve(port: int) -> None:
     """Run one daphne server in this process (``--serve PORT``)."""
-    if patched_parse:
-        from bench import _ingest_fastparse
-
-        _ingest_fastparse.install()
     from daphne.cli import CommandLineInterface
 
     CommandLineInterface().run(["-b", "127.0.0.1", "-p", str(port), "--verbosity", "0",
                                 "controlplane.asgi:application"])
 
 
-def start_servers(url: str, count: int, patched_parse: bool, first_port: int) -> list[subprocess.Popen]:
+def start_servers(url: str, count: int, first_port: int) -> list[subprocess.Popen]:
     procs = []
     for i in range(count):
         cmd = [sys.executable, "-m", "bench.ingest", "--serve", str(first_port + i)]
-        if patched_parse:
-            cmd.append("--patched-parse")
         # A file, not a pipe: nobody reads it while the server runs, and a full pipe would stall it.
         log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server; closed in stop_servers
         proc = subprocess.Popen(cmd, cwd=ROOT, env=server_env(url), stdout=subprocess.DEVNULL, stderr=log)
@@ -273,7 +264,6 @@ def run_copy(url: str, columns: list[str], rows: list[tuple]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--serve", type=int, help=argparse.SUPPRESS)
-    own.add_argument("--patched-parse", action="store_true")
     own.add_argument("--servers", type=int, default=os.cpu_count() or 2)
     own.add_argument("--agents", type=int)
     own.add_argument("--batches", type=int, help="requests per agent per run")
@@ -281,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     own.add_argument("--port", type=int, default=18700)
     opts, rest = own.parse_known_args(argv)
     if opts.serve:
-        serve(opts.serve, opts.patched_parse)
+        serve(opts.serve)
         return
     args = arguments(__doc__.splitlines()[0], rest)
     agents = opts.agents or (16 if args.quick else 48)
@@ -290,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
 
     prepare_database(url)
     fleet = make_fleet(url, agents)
-    servers = start_servers(url, opts.servers, opts.patched_parse, opts.port)
+    servers = start_servers(url, opts.servers, opts.port)
     ports = [opts.port + i for i in range(opts.servers)]
     http_runs, copy_runs = [], []
     try:
@@ -330,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                   "http_over_copy": round(median(ratios), 3), "http_over_copy_spread": [round(v, 3) for v in
                                                                                        spread(ratios)],
                   "servers": opts.servers, "agents": agents, "requests_per_agent": batches,
-                  "samples_per_request": opts.batch, "patched_parse": opts.patched_parse,
+                  "samples_per_request": opts.batch,
                   "server": "daphne (ASGI), DEBUG off, PostgreSQL",
                   "runs": [{"http": h, "copy": c} for h, c in zip(http_runs, copy_runs)]})
 
