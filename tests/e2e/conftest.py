@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.e2e.cluster import Cluster
 
-REDIS_DB = 14
+REDIS_DB = int(os.environ.get("NIGHTWATCH_E2E_REDIS_DB", "14"))
 
 
 @pytest.fixture
