@@ -358,7 +358,8 @@ class Supervisor:
         env.update(nccl_env)
         hooks = {"NIGHTWATCH_URL": p.hooks_url, "NIGHTWATCH_TOKEN": p.hooks_token, "NIGHTWATCH_JOB": job,
                  "NIGHTWATCH_GENERATION": str(generation), "NIGHTWATCH_CKPT_DIR": p.ckpt_dir,
-                 "NIGHTWATCH_RESUME_FROM": p.resume_from, "NIGHTWATCH_SPOOL_DIR": str(gen_dir / "spool")}
+                 "NIGHTWATCH_RESUME_FROM": p.resume_from, "NIGHTWATCH_SPOOL_DIR": str(gen_dir / "spool"),
+                 "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None}
         env.update({k: v for k, v in hooks.items() if v is not None})
         # torch 2.13 shares the rendezvous store across restarts and restarted workers then dial
         # a dead peer; see PLATFORM-NOTES. Unbuffered: a crash must not eat the last lines.

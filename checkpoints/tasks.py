@@ -1,4 +1,5 @@
-"""Celery tasks of the checkpoint registry. They take primary keys and are safe to run twice."""
+"""Celery tasks of the checkpoint registry. They take primary keys, return quietly when the row is
+gone, and are safe to run twice (each service checks the state first)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,29 @@ def verify_checkpoint(checkpoint_id: int) -> None:
     if checkpoint is None:
         return
     services.verify(checkpoint)
+
+
+@shared_task(ignore_result=True)
+def replicate_checkpoint(checkpoint_id: int) -> None:
+    checkpoint = Checkpoint.objects.select_related("job").filter(pk=checkpoint_id).first()
+    if checkpoint is None:
+        return
+    services.replicate(checkpoint)
+
+
+@shared_task(ignore_result=True)
+def retention_sweep() -> int:
+    """Beat: keep/delete per each job's policy, and finish removals that failed earlier."""
+    return services.retention_sweep()
+
+
+@shared_task(ignore_result=True)
+def replica_sweep() -> int:
+    """Beat: re-queue copies that were lost, failed or abandoned."""
+    return services.replica_sweep()
+
+
+@shared_task(ignore_result=True)
+def push_intervals() -> int:
+    """Beat: recompute the Young/Daly interval and push it to running jobs whose policy is "auto"."""
+    return services.push_intervals()

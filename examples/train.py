@@ -71,14 +71,20 @@ class Faults:
         self.args, self.rank = args, rank
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
-    def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+    def corrupt_loss(self, step: int, loss: torch.Tensor, sample_ids: list[int]) -> torch.Tensor:
         if step == self.args.inject_nan_at and self.rank == self.args.fault_rank:
             loss = loss * math.nan
+        if self.args.poison_sample is not None and self.args.poison_sample in sample_ids:
+            loss = loss * math.nan  # bad data: whenever this sample is trained on, at any step
         if step == self.args.inject_grad_explosion_at:
             loss = loss * 1e6
         if self.rank == self.args.perturb_loss_rank:
             loss = loss * self.args.perturb_factor
         return loss
+
+    def maybe_raise(self, step: int) -> None:
+        if step == self.args.raise_at and self.rank == self.args.fault_rank:
+            raise RuntimeError(f"injected deterministic failure at step {step}")
 
     def maybe_crash(self, step: int) -> None:
         # Mid-step, after backward and before the update: the nastiest place to die.
@@ -124,7 +130,8 @@ def train(args: argparse.Namespace) -> None:
             tokens = batch["tokens"].to(device)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-            loss = faults.corrupt_loss(step, loss)
+            loss = faults.corrupt_loss(step, loss, batch["id"].tolist())
+            faults.maybe_raise(step)
             loss.backward()
             _pad_compute(started, args.min_step_time)
             faults.maybe_crash(step)
@@ -190,11 +197,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     faults = parser.add_argument_group("fault injection (for tests)")
     faults.add_argument("--inject-nan-at", type=int, help="make the loss NaN at this step on --fault-rank")
     faults.add_argument("--fault-rank", type=int, default=0)
+    faults.add_argument("--poison-sample", type=int, help="the loss is NaN whenever this sample id is trained on")
     faults.add_argument("--inject-grad-explosion-at", type=int, help="scale the loss by 1e6 at this step")
     faults.add_argument("--perturb-loss-rank", type=int, help="this rank's loss is scaled by --perturb-factor")
     faults.add_argument("--perturb-factor", type=float, default=3.0)
     faults.add_argument("--crash-at", type=int, help="SIGKILL --crash-rank mid-step (first attempt only)")
     faults.add_argument("--crash-rank", type=int, default=1)
+    faults.add_argument("--raise-at", type=int, help="raise the same exception at this step on --fault-rank, "
+                                                      "on every attempt (a deterministic bug)")
     return parser.parse_args(argv)
 
 

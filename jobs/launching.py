@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,8 +56,18 @@ def candidates(job: Job) -> list[Node]:
     )
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A human's decision to resume a paused job: applied in the same transaction as the launch,
+    so nothing (the sweeper included) ever sees the job between ``paused`` and the new generation."""
+
+    reason: str
+    evidence: dict
+    updates: dict  # Job fields to set with it (breaker reset, rollback branch…)
+
+
 def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
-                     resume_from: Checkpoint | None = None) -> Generation | None:
+                     resume_from: Checkpoint | None = None, resume: Resume | None = None) -> Generation | None:
     """Launch the job's next generation; returns it, or None when no node can take it (paused).
 
     1. Place: previous nodes first, spares last; shrink only when the policy allows.
@@ -76,6 +87,9 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     placement = place([Candidate(n.hostname, n.is_spare, n.hostname in previous) for n in pool],
                       nnodes=job.nnodes, allow_shrink=bool(policy.get("allow_shrink")))
     if not placement.ok:
+        if resume is not None:
+            raise state.TransitionConflict(f"job {job.pk}: no healthy node is free to resume on "
+                                           f"({job.nnodes} needed, {len(pool)} free)")
         _wait_for_nodes(job, actor=actor, free=len(pool))
         return None
     by_name = {n.hostname: n for n in pool}
@@ -83,6 +97,10 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     checkpoint = resume_from if resume_from is not None else restore_point(job)
     now = timezone.now()
     with transaction.atomic():
+        if resume is not None:
+            state.transition(job, JobState.RECOVERING, actor=actor, reason=resume.reason, evidence=resume.evidence,
+                             expect_state=JobState.PAUSED)
+            Job.objects.filter(pk=job.pk).update(**resume.updates)
         moved = state.transition(
             job, JobState.INITIALIZING, actor=actor, restart=restart,
             expect_state=frozenset({JobState.PENDING, JobState.RECOVERING}),
@@ -129,6 +147,7 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
         "ckpt_dir": checkpoint_dir(job),
         "resume_from": checkpoint.location if checkpoint else None,
         "require_gpu": job.accelerator == "gpu",
+        "skip_data": [list(r) for r in job.skip_data],
     }
 
 

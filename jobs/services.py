@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Max, Value
-from django.db.models.functions import Coalesce, Greatest
+from django.db.models import IntegerField, Max, Value
+from django.db.models.functions import Cast, Coalesce, Greatest
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
@@ -142,7 +142,8 @@ def _raise_flags(job: Job, generation: int, fresh: list) -> None:
     if any(r.spike for r in fresh):
         # The run of consecutive spiking steps (any rank) that ends at the newest step.
         flags = (StepMetric.objects.filter(job=job, generation=generation).values("step")
-                 .annotate(spiked=Max("spike")).order_by("-step").values_list("spiked", flat=True)[:1000])
+                 .annotate(spiked=Max(Cast("spike", IntegerField()))).order_by("-step")
+                 .values_list("spiked", flat=True)[:1000])
         for spiked in flags:
             if not spiked:
                 break
@@ -240,16 +241,14 @@ def approve_resume(job: Job, *, actor: str, reason: str, force: bool = False):
     The circuit breaker's window restarts from now. Refused while any node of the old
     generation has not confirmed its ranks stopped, unless ``force``.
     """
-    from jobs.launching import start_generation
+    from jobs.launching import Resume, start_generation
 
     if job.state != JobState.PAUSED:
         raise state.TransitionConflict(f"job {job.pk} is {job.state}; only a paused job can be resumed")
     _require_quiesced(job, force)
-    with transaction.atomic():
-        state.transition(job, JobState.RECOVERING, actor=actor, reason=f"resume approved: {reason}",
-                         expect_state=JobState.PAUSED, evidence={"force": force})
-        Job.objects.filter(pk=job.pk).update(breaker_reset_at=timezone.now(), relaunch_after=None)
-    return start_generation(job, actor=actor, reason=f"resume approved by {actor}", restart=True)
+    resume = Resume(reason=f"resume approved: {reason}", evidence={"force": force},
+                    updates={"breaker_reset_at": timezone.now(), "relaunch_after": None})
+    return start_generation(job, actor=actor, reason=f"resume approved by {actor}", restart=True, resume=resume)
 
 
 def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tuple[int, int] | None = None,
@@ -261,7 +260,7 @@ def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tup
     """
     from checkpoints.choices import CheckpointState
     from checkpoints.services import verify
-    from jobs.launching import start_generation
+    from jobs.launching import Resume, start_generation
 
     if checkpoint.job_id != job.pk:
         raise state.TransitionConflict(f"checkpoint {checkpoint.pk} belongs to another job")
@@ -272,13 +271,10 @@ def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tup
     if skip_data is not None and not (0 <= skip_data[0] < skip_data[1]):
         raise state.TransitionConflict("skip_data must be a range [start, end) with 0 <= start < end")
     _require_quiesced(job, force)
-    with transaction.atomic():
-        state.transition(job, JobState.RECOVERING, actor=actor, expect_state=JobState.PAUSED,
-                         reason=f"rollback to step {checkpoint.step}: {reason}",
-                         evidence={"checkpoint": checkpoint.pk, "skip_data": list(skip_data) if skip_data else None})
-        ranges = list(job.skip_data) + ([list(skip_data)] if skip_data else [])
-        Job.objects.filter(pk=job.pk).update(branch_root=checkpoint, branch_since_generation=job.generation + 1,
-                                             skip_data=ranges, breaker_reset_at=timezone.now())
-    job.refresh_from_db()
+    ranges = list(job.skip_data) + ([list(skip_data)] if skip_data else [])
+    resume = Resume(reason=f"rollback to step {checkpoint.step}: {reason}",
+                    evidence={"checkpoint": checkpoint.pk, "skip_data": list(skip_data) if skip_data else None},
+                    updates={"branch_root": checkpoint, "branch_since_generation": job.generation + 1,
+                             "skip_data": ranges, "breaker_reset_at": timezone.now(), "relaunch_after": None})
     return start_generation(job, actor=actor, reason=f"rollback to step {checkpoint.step}", restart=True,
-                            resume_from=checkpoint)
+                            resume_from=checkpoint, resume=resume)

@@ -116,7 +116,7 @@ class Hooks:
         self._resume()
         self.sampler = GlobalCursorSampler(len(dataset), batch_size, rank=self.topology.rank,
                                            world_size=self.topology.world_size, seed=seed, shuffle=shuffle,
-                                           start_cursor=self.data_cursor)
+                                           start_cursor=self.data_cursor, skip=self.env.skip_data)
 
     # -- the training loop ---------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class Hooks:
 
     def batch_indices(self) -> list[int]:
         """Dataset indices of the batch being trained on (this rank), e.g. to log what was seen."""
-        return self.sampler.indices_at(self.data_cursor)
+        return self.sampler.indices_at(self.sampler.next_cursor(self.data_cursor))
 
     def step(self, loss: torch.Tensor) -> StepOutcome:
         """Guard, apply the update, exchange with the other ranks, checkpoint if due, report."""
@@ -163,7 +163,12 @@ class Hooks:
         skipped = self._update(skip)
         spike, score = self._spikes.observe(loss_value)
         self.step_count += 1
-        self.data_cursor += self.sampler.step_size
+        trained_at = self.sampler.next_cursor(self.data_cursor)
+        if trained_at != self.data_cursor:
+            self.telemetry.event(self.step_count, "data_skipped", f"skipped global samples {self.data_cursor}-"
+                                 f"{trained_at} as the rollback asked",
+                                 {"from": self.data_cursor, "to": trained_at})
+        self.data_cursor = trained_at + self.sampler.step_size
         self._last_loss = loss_value
         exchange = None
         if self.step_count % self.guard_settings.check_every == 0:

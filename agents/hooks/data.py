@@ -14,7 +14,7 @@ prefetching and worker processes never move the recorded position ahead of what 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -27,6 +27,18 @@ def epoch_permutation(dataset_size: int, epoch: int, seed: int, shuffle: bool = 
     # Mix seed and epoch so that (seed, epoch+1) never equals (seed+1, epoch).
     generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + epoch) % (2**63))
     return torch.randperm(dataset_size, generator=generator).tolist()
+
+
+def skip_forward(cursor: int, step_size: int, skip: Sequence[tuple[int, int]]) -> int:
+    """The cursor of the next step to train: ``cursor``, moved past every skipped range ``[a, b)``
+    that the step would touch. A rollback may skip the data around a loss spike this way."""
+    moved = True
+    while moved:
+        moved = False
+        for start, end in skip:
+            if cursor < end and start < cursor + step_size:
+                cursor, moved = end, True
+    return cursor
 
 
 def rank_positions(cursor: int, rank: int, world_size: int, batch_size: int) -> range:
@@ -43,7 +55,8 @@ class GlobalCursorSampler(Sampler[list[int]]):
     """
 
     def __init__(self, dataset_size: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, start_cursor: int = 0):
+                 seed: int = 0, shuffle: bool = True, start_cursor: int = 0,
+                 skip: Sequence[tuple[int, int]] = ()):
         if dataset_size < 1 or batch_size < 1:
             raise ValueError("dataset_size and batch_size must be at least 1")
         if not 0 <= rank < world_size:
@@ -55,6 +68,7 @@ class GlobalCursorSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.start_cursor = start_cursor
+        self.skip = tuple(skip)
         self._epoch = -1
         self._order: list[int] = []
 
@@ -76,8 +90,13 @@ class GlobalCursorSampler(Sampler[list[int]]):
         positions = rank_positions(cursor, self.rank, self.world_size, self.batch_size)
         return [self.sample_index(p) for p in positions]
 
+    def next_cursor(self, cursor: int) -> int:
+        """Where the step after ``cursor`` really starts, skipped ranges left out."""
+        return skip_forward(cursor, self.step_size, self.skip)
+
     def __iter__(self) -> Iterator[list[int]]:
         cursor = self.start_cursor
         while True:
+            cursor = self.next_cursor(cursor)
             yield self.indices_at(cursor)
             cursor += self.step_size

@@ -32,6 +32,8 @@ class Environment:
     ckpt_dir: str | None = None
     resume_from: str | None = None
     spool_dir: str | None = None
+    #: Global sample ranges [start, end) a rollback chose to skip: ``NIGHTWATCH_SKIP_DATA=a-b,c-d``.
+    skip_data: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Environment:
@@ -44,10 +46,22 @@ class Environment:
             token = Path(token_file).read_text().strip()
         return cls(url=get("NIGHTWATCH_URL"), token=token, job=get("NIGHTWATCH_JOB") or "local",
                    generation=int(get("NIGHTWATCH_GENERATION") or 0), ckpt_dir=get("NIGHTWATCH_CKPT_DIR"),
-                   resume_from=get("NIGHTWATCH_RESUME_FROM"), spool_dir=get("NIGHTWATCH_SPOOL_DIR"))
+                   resume_from=get("NIGHTWATCH_RESUME_FROM"), spool_dir=get("NIGHTWATCH_SPOOL_DIR"),
+                   skip_data=parse_skip_data(get("NIGHTWATCH_SKIP_DATA") or ""))
 
     def spool_path(self, rank: int) -> Path:
         """One spool per rank: each rank reports on its own and must replay only its own records."""
         directory = Path(self.spool_dir) if self.spool_dir else Path(tempfile.gettempdir()) / "nightwatch-spool"
         safe_job = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.job)
         return directory / f"hooks-{safe_job}-rank{rank}.sqlite3"
+
+
+def parse_skip_data(raw: str) -> tuple[tuple[int, int], ...]:
+    """``"100-200,500-520"`` as ((100, 200), (500, 520)); a malformed value stops the run with why."""
+    ranges = []
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        start, sep, end = part.partition("-")
+        if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+            raise ValueError(f"NIGHTWATCH_SKIP_DATA: {part!r} is not a range start-end with start < end")
+        ranges.append((int(start), int(end)))
+    return tuple(ranges)

@@ -173,6 +173,8 @@ class LaunchPayload:
     workdir: str | None = field(default=None, max_len=1024)
     #: A CPU-only job (gloo) may launch on a node without GPU telemetry; a GPU job may not.
     require_gpu: bool = True
+    #: Global sample ranges [start, end) to skip, chosen by a rollback (NIGHTWATCH_SKIP_DATA).
+    skip_data: list[list[int]] = field(default_factory=list, max_len=64)
 
 
 @dataclass(frozen=True)

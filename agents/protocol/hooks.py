@@ -46,6 +46,7 @@ EVENT_KINDS = (
     "checkpoint_saved",     # detail: path, blocking_s, total_s
     "checkpoint_failed",    # detail: path, error
     "pause_ack",            # detail: checkpoint
+    "data_skipped",         # detail: from, to (global sample cursor; a rollback's skip range)
 )
 
 _JOB = {"max_len": 128}

@@ -136,3 +136,149 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_group_restarted(cluster, t
     wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
     assert not Path(f"/proc/{frozen}").exists(), "the frozen rank was left behind"
     assert job_row(job_id).generation == 2
+
+
+def test_the_same_exception_at_the_same_step_twice_pauses_after_the_second(cluster, tokens, tmp_path):
+    """Scenario 3: a deterministic bug. One automatic retry, then a pause — not a restart loop."""
+    from jobs.models import Incident
+
+    start_nodes(cluster, tokens)
+    job_id = launch(cluster, tokens, tmp_path, extra_args=["--raise-at", "15"])
+    wait_for(lambda: job_row(job_id).state == "paused", timeout=120, what="the job to pause")
+    job = job_row(job_id)
+    assert job.generation == 2, "restarted exactly once"
+    kinds = list(Incident.objects.filter(job_id=job_id).order_by("detected_at").values_list("kind", flat=True))
+    assert kinds == ["crash", "deterministic"]
+    last = Incident.objects.filter(job_id=job_id).latest("detected_at")
+    assert "injected deterministic failure at step 15" in last.evidence["error_line"]
+    assert "retrying cannot help" in job.pause_reason
+
+
+def test_nan_pauses_with_evidence_then_rollback_skips_the_bad_data_on_a_new_branch(cluster, tokens, tmp_path):
+    """Scenario 4 (rollback): NaN loss → paused with the evidence and a proposed rollback; rolling
+    back to an earlier checkpoint and skipping the data around the NaN starts a new lineage
+    branch that trains past it."""
+    from agents.hooks.data import epoch_permutation
+    from checkpoints.models import Checkpoint
+    from jobs.models import Generation, Incident, StepMetric, TrainingEvent
+
+    # A poisoned sample at global position 195: step 25, rank 0 (8 positions a step, 4 a rank).
+    poisoned = epoch_permutation(256, 0, seed=0)[195]
+    start_nodes(cluster, tokens)
+    job_id = launch(cluster, tokens, tmp_path, extra_args=["--poison-sample", str(poisoned)])
+    wait_for(lambda: job_row(job_id).state == "paused", timeout=120, what="the NaN pause")
+    incident = Incident.objects.get(job_id=job_id)
+    assert (incident.kind, incident.decision) == ("numerical", "pause")
+    assert incident.evidence["propose_rollback"] is True and incident.evidence["signal"] == "nan"
+    assert "NaN" in job_row(job_id).pause_reason
+
+    early = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step=10).first(),
+                     timeout=30, what="the step-10 checkpoint to be verified")
+    # Skip the global samples of steps 21-25 (2 ranks x 4 samples a step): the data around the NaN.
+    skip = [early.data_cursor + 10 * 8, early.data_cursor + 15 * 8]
+    status, body = api(cluster, tokens["operator"], "POST", f"/api/v1/jobs/{job_id}/rollback",
+                       {"checkpoint": early.pk, "reason": "back to before the spike", "skip_data": skip})
+    assert status == 200, body
+    assert body["generation"] == 2
+    generation = Generation.objects.get(job_id=job_id, number=2)
+    assert generation.resumed_from_id == early.pk
+    branch = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, generation=generation).order_by("step")
+                      .first(), timeout=90, what="a checkpoint on the new branch")
+    assert branch.parent_id == early.pk  # the branch grows from the rollback point; history is kept
+    assert job_row(job_id).branch_root_id == early.pk
+    # With the poisoned sample's range skipped, the branch trains on past it. The skipped
+    # samples never reach a rank: the cursor jumps over them, and the hooks say so.
+    wait_for(lambda: job_row(job_id).state == "completed", timeout=120, what="the new branch to finish")
+    cursors = list(StepMetric.objects.filter(job_id=job_id, generation=2, rank=0).order_by("step")
+                   .values_list("data_cursor", flat=True))
+    trained_from = [c - 8 for c in cursors]
+    assert not any(skip[0] <= c < skip[1] for c in trained_from)
+    assert skip[1] in trained_from
+    assert TrainingEvent.objects.filter(job_id=job_id, generation=2, kind="data_skipped").exists()
+    assert not Incident.objects.filter(job_id=job_id, generation__number=2).exists()
+
+
+
+def test_an_xid_on_the_node_drains_it_and_the_job_moves_to_the_spare(cluster, tokens, tmp_path):
+    """Scenario 5: the scripted GPU of node-a raises Xid 79 while the job runs there."""
+    from jobs.models import Generation, Incident
+    from nodes.models import Node
+
+    xid_scenario = {"gpus": 1, "events": [{"at": "25s", "gpu": 0, "xid": 79}]}
+    start_nodes(cluster, tokens, node_scenario=xid_scenario)
+    job_id = launch(cluster, tokens, tmp_path, extra_args=["--min-step-time", "0.5"])
+    wait_for_step(job_id, 3)
+    wait_for(lambda: Node.objects.get(hostname="node-a").schedulability != "active", timeout=60,
+             what="node-a to be drained")
+    wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete on the spare")
+    incident = Incident.objects.get(job_id=job_id)
+    assert (incident.kind, incident.decision) == ("hardware", "restart_on_spare")
+    assert list(incident.nodes.values_list("hostname", flat=True)) == ["node-a"]
+    last = Generation.objects.filter(job_id=job_id).latest("number")
+    assert list(last.nodes.values_list("hostname", flat=True)) == ["node-b"]
+    assert Node.objects.get(hostname="node-a").health == "unhealthy"
+
+
+def test_failures_beyond_the_budget_open_the_breaker_and_oncall_approval_resumes(cluster, tokens, tmp_path):
+    """Scenario 6: a budget of one automatic restart; the second failure opens the breaker."""
+    from jobs.models import Incident
+
+    start_nodes(cluster, tokens)
+    job_id = launch(cluster, tokens, tmp_path, recovery_policy={"max_restarts": 1})
+    for generation in (1, 2):
+        wait_for(lambda g=generation: (job_row(job_id).generation == g and (job_row(job_id).last_step or 0) >= 12
+                                       and job_row(job_id).state == "running"), timeout=90,
+                 what=f"generation {generation} to make progress")
+        os.kill(rank_pid(job_id, generation, 0), signal.SIGKILL)
+    wait_for(lambda: job_row(job_id).state == "paused", timeout=90, what="the breaker to open")
+    assert "circuit breaker" in job_row(job_id).pause_reason
+    assert Incident.objects.filter(job_id=job_id, kind="retry_storm").exists()
+
+    status, body = api(cluster, tokens["operator"], "POST", f"/api/v1/jobs/{job_id}/approve", {"reason": "x"})
+    assert status == 403, "only on-call approves"
+    status, body = api(cluster, tokens["oncall"], "POST", f"/api/v1/jobs/{job_id}/approve",
+                       {"reason": "replaced the cable"})
+    assert status == 200, body
+    wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
+    assert job_row(job_id).generation == 3
+
+
+def test_a_worker_killed_in_the_middle_of_a_recovery_is_finished_by_the_next(cluster, tokens, tmp_path):
+    """Scenario 7: the worker dies right after the fault was handled; another worker's sweeper
+    completes the recovery and exactly one new generation results."""
+    from jobs.models import Generation, Incident
+    from nodes.models import AgentEventRecord
+
+    start_nodes(cluster, tokens)
+    job_id = launch(cluster, tokens, tmp_path)
+    wait_for_step(job_id, 12)
+    cluster.procs["worker"].kill(signal.SIGSTOP)  # freeze it so the fault stays queued...
+    os.kill(rank_pid(job_id, 1, 1), signal.SIGKILL)
+    wait_for(lambda: AgentEventRecord.objects.filter(job_id=job_id, kind="exited").exists(), timeout=30,
+             what="the exit report to reach the control plane")
+    cluster.procs["worker"].kill(signal.SIGCONT)
+    wait_for(lambda: Incident.objects.filter(job_id=job_id).exists(), timeout=30, what="the incident")
+    cluster.procs["worker"].kill(signal.SIGKILL)  # ...and kill it in the middle of the recovery
+    state_at_death = job_row(job_id).state
+    cluster.start_worker("worker2")
+    wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
+    assert Generation.objects.filter(job_id=job_id).count() == 2, f"died while {state_at_death}"
+    assert Incident.objects.get(job_id=job_id).state == "resolved"
+
+
+def test_nan_pause_then_oncall_approval_resumes_from_the_newest_checkpoint(cluster, tokens, tmp_path):
+    """Scenario 4 (approve): the NaN step was skipped by the guard, so on-call may simply resume."""
+    from jobs.models import Generation, Incident
+
+    start_nodes(cluster, tokens)
+    job_id = launch(cluster, tokens, tmp_path, extra_args=["--inject-nan-at", "25"])
+    wait_for(lambda: job_row(job_id).state == "paused", timeout=120, what="the NaN pause")
+    assert Incident.objects.get(job_id=job_id).kind == "numerical"
+    status, body = api(cluster, tokens["oncall"], "POST", f"/api/v1/jobs/{job_id}/approve",
+                       {"reason": "the guard skipped the bad step; carry on"})
+    assert status == 200, body
+    wait_for(lambda: Generation.objects.filter(job_id=job_id, number=2, first_step_at__isnull=False).exists(),
+             timeout=90, what="the approved generation's first step")
+    resumed = Generation.objects.get(job_id=job_id, number=2).resumed_from
+    assert resumed is not None and resumed.state == "verified"
+    assert job_row(job_id).events.filter(actor__startswith="token:pager", reason__startswith="resume approved").exists()

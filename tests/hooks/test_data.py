@@ -67,3 +67,35 @@ def test_invalid_shapes_are_refused():
         GlobalCursorSampler(10, 2, rank=2, world_size=2)
     with pytest.raises(ValueError):
         GlobalCursorSampler(0, 2)
+
+
+def test_skip_forward_moves_past_every_range_a_step_would_touch():
+    from agents.hooks.data import skip_forward
+
+    assert skip_forward(0, 8, ()) == 0
+    assert skip_forward(0, 8, [(100, 200)]) == 0  # untouched
+    assert skip_forward(96, 8, [(100, 200)]) == 200  # the step [96, 104) overlaps: jump to its end
+    assert skip_forward(100, 8, [(100, 200), (200, 204)]) == 204  # chained ranges
+    assert skip_forward(200, 8, [(100, 200)]) == 200  # a range ends where the step begins: kept
+
+
+def test_a_sampler_with_a_skip_range_never_yields_a_skipped_position():
+    from agents.hooks.data import GlobalCursorSampler
+
+    plain = GlobalCursorSampler(64, 2, rank=0, world_size=2, seed=3)
+    skipping = GlobalCursorSampler(64, 2, rank=0, world_size=2, seed=3, skip=[(8, 20)])
+    steps = iter(skipping)
+    got = [next(steps) for _ in range(6)]
+    # Step cursors 0, 4 as usual; 8..19 skipped; then 20, 24, 28, 32.
+    assert got == [plain.indices_at(c) for c in (0, 4, 20, 24, 28, 32)]
+
+
+def test_skip_data_is_read_from_the_environment_with_a_clear_error():
+    import pytest
+
+    from agents.hooks.settings import Environment, parse_skip_data
+
+    assert Environment.from_env({"NIGHTWATCH_SKIP_DATA": "100-200,500-520"}).skip_data == ((100, 200), (500, 520))
+    assert parse_skip_data("") == ()
+    with pytest.raises(ValueError, match="'7-3' is not a range"):
+        parse_skip_data("7-3")

@@ -1,0 +1,291 @@
+"""The registry: record commits, walk the lineage tree, pin, unpin and delete.
+
+The lineage is a tree of Checkpoint rows (``parent``). A branch is the path from a root to a
+leaf; the *active* branch is the one recovery restores from (``active_branch``: everything until
+a rollback starts a new branch at ``Job.branch_root``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from agents.protocol import hooks as hooks_protocol
+from checkpoints import disk
+from checkpoints.choices import CheckpointState, ReplicaState
+from checkpoints.models import Checkpoint
+from jobs import state
+from jobs.choices import JobState
+from jobs.models import Event, Generation, Job
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(Exception):
+    """A checkpoint verb that contradicts the checkpoint's state; the API answers 409."""
+
+    http_status = 409
+
+
+class ProtectedCheckpoint(CheckpointError):
+    def __init__(self, checkpoint: Checkpoint, reasons: list[str]):
+        super().__init__(f"checkpoint {checkpoint.pk} (step {checkpoint.step}) is protected: {'; '.join(reasons)}")
+        self.reasons = reasons
+
+
+def record_event(kind: str, checkpoint: Checkpoint, *, actor: str, reason: str, old_state: str = "",
+                 new_state: str = "", **evidence) -> Event:
+    return Event.objects.create(kind=kind, actor=actor, job_id=checkpoint.job_id, old_state=old_state,
+                                new_state=new_state, reason=reason,
+                                evidence={"checkpoint": checkpoint.pk, "step": checkpoint.step, **evidence})
+
+
+# --- commits ---------------------------------------------------------------------------------------
+
+@transaction.atomic
+def record_commit(job: Job, commit: hooks_protocol.CheckpointCommit, *, actor: str) -> tuple[Checkpoint, bool]:
+    """Register a committed checkpoint; returns ``(checkpoint, created)``.
+
+    Idempotent on (job, location): a replay after an outage returns the existing row. The parent
+    is the newest earlier checkpoint of the same generation, or for a generation's first
+    checkpoint the one it resumed from — so a rollback naturally starts a new branch. The save
+    cost the hooks measured is kept on the row: the interval policy reads it.
+    """
+    state.check_generation(job, commit.generation)
+    existing = Checkpoint.objects.filter(job=job, location=commit.path).first()
+    if existing is not None:
+        return existing, False
+    generation = Generation.objects.filter(job=job, number=commit.generation).first()
+    parent = (
+        Checkpoint.objects.filter(job=job, generation=generation, step__lt=commit.step).order_by("-step").first()
+        if generation is not None else None
+    )
+    if parent is None and generation is not None:
+        parent = generation.resumed_from
+    checkpoint = Checkpoint.objects.create(
+        job=job, generation=generation, step=commit.step, location=commit.path, manifest=commit.manifest,
+        parent=parent, config_hash=commit.config_hash, data_cursor=commit.data_cursor,
+        loss=commit.loss if commit.loss == commit.loss and abs(commit.loss) != float("inf") else None,
+        size_bytes=commit.size_bytes, world_size=commit.world_size,
+        blocking_s=commit.blocking_s, total_s=commit.total_s,
+    )
+    Job.objects.filter(pk=job.pk, checkpoint_requested_at__lte=timezone.now()).update(checkpoint_requested_at=None)
+    Event.objects.create(kind="checkpoint.commit", actor=actor, job=job, generation=commit.generation,
+                         reason=f"step {commit.step} committed at {commit.path}",
+                         evidence={"checkpoint": checkpoint.pk, "blocking_s": commit.blocking_s,
+                                   "total_s": commit.total_s, "size_bytes": commit.size_bytes})
+    transaction.on_commit(lambda: _enqueue_verification(checkpoint.pk))
+    return checkpoint, True
+
+
+def _enqueue_verification(pk: int) -> None:
+    from checkpoints.tasks import verify_checkpoint
+
+    verify_checkpoint.delay(pk)
+
+
+# --- lineage queries --------------------------------------------------------------------------------
+
+def lineage(checkpoint: Checkpoint) -> list[Checkpoint]:
+    """The path from ``checkpoint`` up to the root of its tree, newest first."""
+    path, seen = [], set()
+    node: Checkpoint | None = checkpoint
+    while node is not None and node.pk not in seen:
+        seen.add(node.pk)
+        path.append(node)
+        node = node.parent
+    return path
+
+
+def active_branch(job: Job):
+    """Checkpoints of the job's active lineage branch (all of them until a rollback starts one)."""
+    checkpoints = Checkpoint.objects.filter(job=job)
+    if job.branch_root_id is None:
+        return checkpoints
+    return checkpoints.filter(Q(pk=job.branch_root_id) | Q(generation__number__gte=job.branch_since_generation))
+
+
+def latest_verified_checkpoint(job: Job) -> Checkpoint | None:
+    """The newest restorable checkpoint of the active branch, as the registry knows it now.
+
+    No re-hashing here (``restore_point`` does that before a restore); this is what retention
+    protects and what the dashboard shows as "recovery would start here".
+    """
+    return active_branch(job).restorable().order_by("-step", "-pk").first()
+
+
+@dataclass
+class TreeNode:
+    checkpoint: Checkpoint
+    on_active_branch: bool
+    children: list[TreeNode] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A root-to-leaf path of the tree; ``checkpoints`` are ids, root first."""
+
+    leaf: int
+    checkpoints: list[int]
+    steps: list[int]
+    generations: list[int]
+    active: bool
+
+
+@dataclass(frozen=True)
+class Lineage:
+    roots: list[TreeNode]
+    branches: list[Branch]
+    active_leaf: int | None
+    latest_verified: int | None
+
+
+def lineage_tree(job: Job) -> Lineage:
+    """The job's whole checkpoint tree (one query), its branches, and which path is active.
+
+    The active path runs from the root to the latest verified checkpoint of the active branch
+    (or, before anything is verified, to the newest checkpoint of it): the path recovery follows.
+    """
+    rows = list(Checkpoint.objects.filter(job=job).select_related("generation").order_by("step", "pk"))
+    latest = latest_verified_checkpoint(job)
+    leaf = latest or active_branch(job).order_by("-step", "-pk").first()
+    by_id = {row.pk: row for row in rows}
+    active_path: set[int] = set()
+    node_id = leaf.pk if leaf else None
+    while node_id is not None and node_id not in active_path:
+        active_path.add(node_id)
+        node_id = by_id[node_id].parent_id if node_id in by_id else None
+    nodes = {row.pk: TreeNode(row, row.pk in active_path) for row in rows}
+    roots: list[TreeNode] = []
+    for row in rows:
+        parent = nodes.get(row.parent_id)
+        (parent.children if parent else roots).append(nodes[row.pk])
+    branches = []
+    for row in rows:
+        if nodes[row.pk].children:
+            continue
+        path: list[Checkpoint] = []
+        seen: set[int] = set()
+        node: Checkpoint | None = row
+        while node is not None and node.pk not in seen:
+            seen.add(node.pk)
+            path.append(node)
+            node = by_id.get(node.parent_id)
+        path.reverse()
+        branches.append(Branch(
+            leaf=row.pk, checkpoints=[p.pk for p in path], steps=[p.step for p in path],
+            generations=sorted({p.generation.number for p in path if p.generation is not None}),
+            active=leaf is not None and leaf.pk in seen,
+        ))
+    return Lineage(roots, branches, leaf.pk if leaf else None, latest.pk if latest else None)
+
+
+# --- protection, pin, unpin, delete ----------------------------------------------------------------
+
+_QUERY = object()
+
+
+def protection_reasons(checkpoint: Checkpoint, *, latest=_QUERY, resumed_by: dict[int, list[int]] | None = None
+                       ) -> list[str]:
+    """Why ``checkpoint`` must not be deleted (empty: it may be). Shared by retention and the API.
+
+    ``latest`` (a checkpoint or None) and ``resumed_by`` (checkpoint id -> live generation
+    numbers) may be passed in when classifying many checkpoints at once; otherwise they are queried.
+    """
+    reasons = []
+    if checkpoint.permanent:
+        reasons.append("it is permanent (unpin it first)")
+    if latest is _QUERY:
+        latest = latest_verified_checkpoint(checkpoint.job)
+    if latest is not None and latest.pk == checkpoint.pk:
+        reasons.append("it is the latest verified checkpoint of the active branch (the next restore point)")
+    if resumed_by is None:
+        resumed_by = active_resumptions(checkpoint.job)
+    for number in resumed_by.get(checkpoint.pk, []):
+        reasons.append(f"active generation {number} resumed from it")
+    return reasons
+
+
+def active_resumptions(job: Job) -> dict[int, list[int]]:
+    """checkpoint id -> numbers of the job's live generations that resumed from it.
+
+    A generation is live until it ends; a job in a terminal state has none. Its processes may
+    reload the checkpoint at any moment (a torchrun restart inside the generation does).
+    """
+    if job.state in JobState.TERMINAL:
+        return {}
+    found: dict[int, list[int]] = {}
+    for checkpoint_id, number in Generation.objects.filter(
+        job=job, ended_at__isnull=True, resumed_from__isnull=False
+    ).values_list("resumed_from_id", "number"):
+        found.setdefault(checkpoint_id, []).append(number)
+    return found
+
+
+def pin(checkpoint: Checkpoint, *, actor: str, reason: str) -> Checkpoint:
+    """Make a checkpoint permanent: retention will never delete it."""
+    if not checkpoint.restorable and checkpoint.state != CheckpointState.COMMITTED:
+        raise CheckpointError(f"checkpoint {checkpoint.pk} is {checkpoint.state} with no verified copy; "
+                              "only a committed or verified checkpoint can be made permanent")
+    if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=False, state__in=CheckpointState.LIVE).update(
+        permanent=True
+    ):
+        record_event("checkpoint.pin", checkpoint, actor=actor, reason=reason or "made permanent")
+    checkpoint.refresh_from_db()
+    return checkpoint
+
+
+def unpin(checkpoint: Checkpoint, *, actor: str, reason: str) -> Checkpoint:
+    """Make a permanent checkpoint ordinary again; retention decides its fate from then on."""
+    if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=True).update(permanent=False):
+        record_event("checkpoint.unpin", checkpoint, actor=actor, reason=reason or "no longer permanent")
+    checkpoint.refresh_from_db()
+    return checkpoint
+
+
+def delete_checkpoint(checkpoint: Checkpoint, *, actor: str, reason: str, protections: list[str] | None = None
+                      ) -> Checkpoint:
+    """Delete a checkpoint: the row becomes ``deleted`` (kept for the lineage), the files go.
+
+    1. Refuse a protected checkpoint, with every reason (``ProtectedCheckpoint``).
+    2. Compare-and-set the row to ``deleted`` and record the event, in one transaction: if it
+       was pinned or changed meanwhile, nothing happens.
+    3. Then remove the primary and the replica directories. A failure there is recorded and
+       retried by the retention sweep (``purge_deleted_files``); the registry is already right.
+    """
+    reasons = protection_reasons(checkpoint) if protections is None else protections
+    if reasons:
+        raise ProtectedCheckpoint(checkpoint, reasons)
+    if checkpoint.state == CheckpointState.DELETED:
+        return checkpoint
+    with transaction.atomic():
+        won = Checkpoint.objects.filter(pk=checkpoint.pk, state=checkpoint.state, permanent=False).update(
+            state=CheckpointState.DELETED, state_reason=reason,
+            replica_state=ReplicaState.DELETED if checkpoint.replica_location else ReplicaState.NONE,
+        )
+        if not won:
+            raise CheckpointError(f"checkpoint {checkpoint.pk} changed while being deleted; look again")
+        record_event("checkpoint.delete", checkpoint, actor=actor, reason=reason, old_state=checkpoint.state,
+                     new_state=CheckpointState.DELETED, location=checkpoint.location,
+                     replica_location=checkpoint.replica_location, size_bytes=checkpoint.size_bytes)
+    remove_files(checkpoint, actor=actor)
+    checkpoint.refresh_from_db()
+    return checkpoint
+
+
+def remove_files(checkpoint: Checkpoint, *, actor: str) -> bool:
+    """Remove a deleted checkpoint's directories; True when nothing of it is left on disk."""
+    clean = True
+    for location in filter(None, [checkpoint.location, checkpoint.replica_location]):
+        try:
+            disk.remove_checkpoint_dir(location)
+        except (OSError, disk.UnsafePath) as error:
+            clean = False
+            log.warning("could not remove %s of checkpoint %s: %s", location, checkpoint.pk, error)
+            record_event("checkpoint.delete_failed", checkpoint, actor=actor, location=location,
+                         reason=f"could not remove {location}: {error}")
+    return clean

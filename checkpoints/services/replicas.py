@@ -1,0 +1,170 @@
+"""Replicas: a second copy of each verified checkpoint, for when the primary storage fails.
+
+Where: the job policy's ``replica_dir``, else ``NIGHTWATCH["CHECKPOINT_REPLICA_ROOT"]/job-<id>``;
+neither set means no replicas. A replica keeps the primary directory's name.
+
+How (``replicate``, run by a Celery task after verification and by the reconciliation sweep):
+
+1. only a checkpoint whose primary copy is verified is copied (never spread a bad copy);
+2. the copy goes to a temporary sibling and is renamed into place (``disk.copy_dir_atomically``),
+   so a replica directory is whole or absent;
+3. the copy is verified like the primary (hashes, parts, step) and the outcome recorded in
+   ``replica_state`` with an event. A failed copy leaves the state at "no replica" (retried by
+   the sweep); a copy that fails verification is "corrupt", and the primary is re-verified,
+   because the bytes it was copied from may be the bad ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from checkpoints import disk
+from checkpoints.choices import CheckpointState, ReplicaState
+from checkpoints.models import Checkpoint
+from checkpoints.services.registry import record_event
+from jobs.models import Job
+
+log = logging.getLogger(__name__)
+
+#: A copy still "copying" after this long was abandoned (a worker died); the sweep redoes it.
+COPY_LEASE = timedelta(hours=1)
+
+
+def replica_root(job: Job) -> Path | None:
+    configured = (job.checkpoint_policy or {}).get("replica_dir")
+    if configured:
+        return Path(configured)
+    root = settings.NIGHTWATCH.get("CHECKPOINT_REPLICA_ROOT")
+    return Path(root) / f"job-{job.pk}" if root else None
+
+
+def replica_location_for(checkpoint: Checkpoint) -> str | None:
+    root = replica_root(checkpoint.job)
+    return str(root / Path(checkpoint.location).name) if root else None
+
+
+def enqueue_replication(checkpoint: Checkpoint) -> None:
+    """After the current transaction commits, copy ``checkpoint`` if replicas are configured."""
+    if replica_root(checkpoint.job) is None:
+        return
+
+    def enqueue():
+        from checkpoints.tasks import replicate_checkpoint
+
+        replicate_checkpoint.delay(checkpoint.pk)
+
+    transaction.on_commit(enqueue)
+
+
+def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Checkpoint:
+    """Copy a verified checkpoint to its replica location and verify the copy (see the module doc)."""
+    from checkpoints.services.verification import inspect_copy, verify
+
+    target = replica_location_for(checkpoint)
+    if target is None or checkpoint.state != CheckpointState.VERIFIED:
+        return checkpoint
+    if checkpoint.replica_state == ReplicaState.VERIFIED and Path(checkpoint.replica_location).is_dir():
+        return checkpoint
+    _set_replica(checkpoint, ReplicaState.COPYING, "", location=target)
+    existing = Path(target)
+    if existing.exists():
+        # Left by an earlier attempt that died after the rename, or a copy that went bad.
+        if inspect_copy(checkpoint, target).ok:
+            return _record(checkpoint, ReplicaState.VERIFIED, "", actor, "replica already in place and intact")
+        try:
+            disk.remove_checkpoint_dir(target)
+        except (OSError, disk.UnsafePath) as error:
+            return _record(checkpoint, ReplicaState.NONE, f"cannot clear {target}: {error}", actor)
+    try:
+        disk.copy_dir_atomically(checkpoint.location, target)
+    except OSError as error:
+        return _record(checkpoint, ReplicaState.NONE, f"copy to {target} failed: {error}", actor)
+    finding = inspect_copy(checkpoint, target)
+    if finding.ok:
+        return _record(checkpoint, ReplicaState.VERIFIED, "", actor, f"replica at {target} verified")
+    replica = _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
+    verify(replica, actor=actor)  # the source may be what went bad
+    replica.refresh_from_db()
+    return replica
+
+
+def restore_from_replica(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | None:
+    """The checkpoint, served from its replica, if the replica verifies now; else None.
+
+    Called by ``restore_point`` when the primary copy is corrupt or missing. The returned
+    instance's ``location`` is the replica's path and it refuses ``save()``.
+    """
+    from checkpoints.services.verification import inspect_copy
+
+    if checkpoint.replica_state != ReplicaState.VERIFIED or not checkpoint.replica_location:
+        return None
+    finding = inspect_copy(checkpoint, checkpoint.replica_location)
+    if not finding.ok:
+        _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
+        return None
+    Checkpoint.objects.filter(pk=checkpoint.pk).update(replica_checked_at=timezone.now())
+    record_event("checkpoint.restore_from_replica", checkpoint, actor=actor,
+                 reason=f"primary copy at {checkpoint.location} is {checkpoint.state} "
+                        f"({checkpoint.state_reason or 'no reason recorded'}); restoring from the replica at "
+                        f"{checkpoint.replica_location}",
+                 location=checkpoint.location, replica_location=checkpoint.replica_location)
+    served = Checkpoint.objects.get(pk=checkpoint.pk)
+    served.location = checkpoint.replica_location
+    served.served_from_replica = True
+    return served
+
+
+def replicas_due(now=None):
+    """Verified checkpoints whose replica is missing, failed, or whose copy was abandoned."""
+    now = now or timezone.now()
+    return Checkpoint.objects.filter(state=CheckpointState.VERIFIED).filter(
+        Q(replica_state__in=[ReplicaState.NONE, ReplicaState.CORRUPT])
+        | Q(replica_state=ReplicaState.COPYING, replica_checked_at__lt=now - COPY_LEASE)
+    )
+
+
+def replica_sweep(*, limit: int = 100) -> int:
+    """Queue a copy for each checkpoint that should have a replica and lacks a good one; returns how many.
+
+    The reconciliation behind the on-commit enqueue: a lost Celery message or a dead worker
+    only delays a replica. Jobs without a replica location are skipped.
+    """
+    from checkpoints.tasks import replicate_checkpoint
+
+    queued = 0
+    for checkpoint in replicas_due().select_related("job").order_by("created_at")[: limit * 4]:
+        if queued >= limit:
+            break
+        if replica_root(checkpoint.job) is None:
+            continue
+        replicate_checkpoint.delay(checkpoint.pk)
+        queued += 1
+    return queued
+
+
+def _set_replica(checkpoint: Checkpoint, state: str, reason: str, *, location: str | None = None) -> None:
+    fields = {"replica_state": state, "replica_reason": reason, "replica_checked_at": timezone.now()}
+    if location is not None:
+        fields["replica_location"] = location
+    # Never resurrect the replica of a checkpoint deleted meanwhile.
+    Checkpoint.objects.filter(pk=checkpoint.pk).exclude(state=CheckpointState.DELETED).update(**fields)
+
+
+def _record(checkpoint: Checkpoint, state: str, reason: str, actor: str, note: str = "") -> Checkpoint:
+    before = Checkpoint.objects.get(pk=checkpoint.pk)
+    _set_replica(checkpoint, state, reason)
+    after = Checkpoint.objects.get(pk=checkpoint.pk)
+    if after.replica_state != before.replica_state or reason:
+        record_event("checkpoint.replica", after, actor=actor, old_state=f"replica:{before.replica_state or 'none'}",
+                     new_state=f"replica:{after.replica_state or 'none'}", reason=reason or note,
+                     replica_location=after.replica_location)
+    if reason:
+        log.warning("replica of checkpoint %s: %s", checkpoint.pk, reason)
+    return after
