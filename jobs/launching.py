@@ -101,6 +101,8 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
             state.transition(job, JobState.RECOVERING, actor=actor, reason=resume.reason, evidence=resume.evidence,
                              expect_state=JobState.PAUSED)
             Job.objects.filter(pk=job.pk).update(**resume.updates)
+            for name, value in resume.updates.items():  # the launch payload below reads them
+                setattr(job, name, value)
         moved = state.transition(
             job, JobState.INITIALIZING, actor=actor, restart=restart,
             expect_state=frozenset({JobState.PENDING, JobState.RECOVERING}),

@@ -138,12 +138,15 @@ class CheckpointDetail(APIView):
         return Response(CheckpointDetailSerializer(checkpoint).data)
 
     @extend_schema(request=CheckpointReasonSerializer, responses={200: CheckpointDetailSerializer, 409: _CONFLICT},
+                   parameters=[OpenApiParameter("reason", str, description="Instead of a body, for clients that "
+                                                                          "send none with DELETE.")],
                    description="Deletes the checkpoint's directory (and its replica) and marks the row deleted; the "
                                "row stays in the lineage. Refused (409) for a permanent checkpoint, the latest "
                                "verified one of the active branch, and one a live generation resumed from.")
     def delete(self, request, pk):
         checkpoint = get_object_or_404(Checkpoint.objects.select_related("job", "generation"), pk=pk)
-        body = CheckpointReasonSerializer(data=request.data or {})
+        # Some HTTP clients cannot send a body with DELETE: ?reason= works too.
+        body = CheckpointReasonSerializer(data=request.data or {"reason": request.query_params.get("reason", "")})
         body.is_valid(raise_exception=True)
         actor = actor_label(request)
         try:

@@ -40,7 +40,7 @@ from checkpoints.services.retention import (
     retention_sweep,
     storage_used,
 )
-from checkpoints.services.verification import restore_point, verify
+from checkpoints.services.verification import restore_point, verified_copy, verify
 
 __all__ = [
     "Branch", "CheckpointError", "IntervalRecommendation", "Lineage", "ProtectedCheckpoint", "RetentionDecision",
@@ -48,5 +48,5 @@ __all__ = [
     "delete_checkpoint", "latest_verified_checkpoint", "lineage", "lineage_tree", "pin", "protection_reasons",
     "purge_deleted_files", "push_interval", "push_intervals", "recommend_interval", "record_commit",
     "replica_location_for", "replica_sweep", "replicate", "restore_from_replica", "restore_point",
-    "retention_sweep", "storage_used", "unpin", "verify",
+    "retention_sweep", "storage_used", "unpin", "verified_copy", "verify",
 ]

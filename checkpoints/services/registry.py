@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
@@ -263,17 +263,20 @@ def delete_checkpoint(checkpoint: Checkpoint, *, actor: str, reason: str, protec
     if checkpoint.state == CheckpointState.DELETED:
         return checkpoint
     with transaction.atomic():
+        # The replica columns are decided by the row, not this instance: a copy may have
+        # finished since the caller loaded it.
         won = Checkpoint.objects.filter(pk=checkpoint.pk, state=checkpoint.state, permanent=False).update(
             state=CheckpointState.DELETED, state_reason=reason,
-            replica_state=ReplicaState.DELETED if checkpoint.replica_location else ReplicaState.NONE,
+            replica_state=Case(When(replica_location="", then=Value(ReplicaState.NONE)),
+                               default=Value(ReplicaState.DELETED)),
         )
         if not won:
             raise CheckpointError(f"checkpoint {checkpoint.pk} changed while being deleted; look again")
         record_event("checkpoint.delete", checkpoint, actor=actor, reason=reason, old_state=checkpoint.state,
                      new_state=CheckpointState.DELETED, location=checkpoint.location,
                      replica_location=checkpoint.replica_location, size_bytes=checkpoint.size_bytes)
-    remove_files(checkpoint, actor=actor)
     checkpoint.refresh_from_db()
+    remove_files(checkpoint, actor=actor)
     return checkpoint
 
 

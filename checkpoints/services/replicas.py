@@ -86,6 +86,10 @@ def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Ch
         disk.copy_dir_atomically(checkpoint.location, target)
     except OSError as error:
         return _record(checkpoint, ReplicaState.NONE, f"copy to {target} failed: {error}", actor)
+    if Checkpoint.objects.filter(pk=checkpoint.pk, state=CheckpointState.DELETED).exists():
+        # Deleted while we copied: the deletion could not have known about this copy.
+        disk.remove_checkpoint_dir(target)
+        return Checkpoint.objects.get(pk=checkpoint.pk)
     finding = inspect_copy(checkpoint, target)
     if finding.ok:
         return _record(checkpoint, ReplicaState.VERIFIED, "", actor, f"replica at {target} verified")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from django.db.models import Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from checkpoints.choices import CheckpointState, ReplicaState
@@ -110,11 +110,11 @@ class RetentionPlan:
 
 
 def storage_used(job: Job) -> StorageUsage:
-    live = Checkpoint.objects.filter(job=job).live()
-    primary = live.aggregate(n=Sum("size_bytes"))["n"] or 0
-    replica = live.exclude(replica_state__in=[ReplicaState.NONE, ReplicaState.DELETED]).aggregate(
-        n=Sum("size_bytes"))["n"] or 0
-    return StorageUsage(checkpoints=live.count(), primary_bytes=primary, replica_bytes=replica)
+    on_disk = ~Q(replica_state__in=[ReplicaState.NONE, ReplicaState.DELETED])
+    totals = Checkpoint.objects.filter(job=job).live().aggregate(
+        n=Count("pk"), primary=Sum("size_bytes"), replica=Sum("size_bytes", filter=on_disk))
+    return StorageUsage(checkpoints=totals["n"], primary_bytes=totals["primary"] or 0,
+                        replica_bytes=totals["replica"] or 0)
 
 
 def policy_of(job: Job) -> tuple[int, int]:

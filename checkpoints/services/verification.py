@@ -41,7 +41,8 @@ def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", load_test:
     before any restore: files can rot between the two. The checks are those of
     ``checkpoints.inspection``; ``load_test`` None follows the setting. A change of state is
     an event; so is an unchanged verdict when ``record_unchanged`` (an operator asked). A newly
-    verified checkpoint is queued for replication when a replica location is configured.
+    verified checkpoint is queued for replication (after commit) when a replica location is
+    configured.
     """
     if checkpoint.state == CheckpointState.DELETED:
         return checkpoint
@@ -61,7 +62,9 @@ def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", load_test:
             record_event("checkpoint.verify", current, actor=actor, old_state=old_state, new_state=new_state,
                          reason=finding.reason or f"step {current.step} verified", location=current.location,
                          load_test=use_load_test)
-        if new_state == CheckpointState.VERIFIED and current.replica_state != ReplicaState.VERIFIED:
+        # Only on the way in: a re-verification must not queue a second copy while one runs (the
+        # replica sweep retries failed and lost copies).
+        if changed and new_state == CheckpointState.VERIFIED and current.replica_state != ReplicaState.VERIFIED:
             replicas.enqueue_replication(current)
     return current
 
@@ -83,13 +86,18 @@ def restore_point(job: Job) -> Checkpoint | None:
         | Q(state=CheckpointState.CORRUPT, replica_state=ReplicaState.VERIFIED)
     ).order_by("-step", "-pk")
     for checkpoint in candidates:
-        if checkpoint.state != CheckpointState.CORRUPT:
-            # No load test here: recovery is waiting, and the hashes prove these are the bytes
-            # that were checked when the checkpoint was first verified.
-            checkpoint = verify(checkpoint, actor="system:restore", load_test=False)
-            if checkpoint.state == CheckpointState.VERIFIED:
-                return checkpoint
-        served = replicas.restore_from_replica(checkpoint, actor="system:restore")
+        served = verified_copy(checkpoint, actor="system:restore")
         if served is not None:
             return served
     return None
+
+
+def verified_copy(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | None:
+    """``checkpoint`` if its primary copy verifies now, else served from its replica if that one
+    does, else None. What any restore (recovery, rollback) should hand to the hooks."""
+    # The primary first, even if it was corrupt before: a storage fault may have cleared. No load
+    # test: recovery is waiting, and the hashes prove these are the bytes checked at commit time.
+    checkpoint = verify(checkpoint, actor=actor, load_test=False)
+    if checkpoint.state == CheckpointState.VERIFIED:
+        return checkpoint
+    return replicas.restore_from_replica(checkpoint, actor=actor)

@@ -77,14 +77,20 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, tmp_path: Path, *, database_name: str, redis_db: int, settings: dict | None = None):
+    def __init__(self, tmp_path: Path, *, database_name: str, redis_db: int, settings: dict | None = None,
+                 host: str = "127.0.0.1"):
+        """``host``: the address the control plane listens on, and that agents and training
+        processes are given (e.g. a bridge address when nodes live in network namespaces)."""
         self.tmp = tmp_path
         self.logs = tmp_path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.host = host
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.procs: dict[str, Proc] = {}
         base = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS_URL", "NIGHTWATCH"))}
+        if host != "127.0.0.1":  # Django answers 400 to a Host header it does not know
+            base["ALLOWED_HOSTS"] = ",".join(["localhost", "127.0.0.1", "[::1]", "testserver", host])
         self.env = {
             **base,
             "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database_name}",
@@ -104,8 +110,9 @@ class Cluster:
         redis.Redis.from_url(self.env["REDIS_URL"]).flushdb()
 
     # --- control plane ------------------------------------------------------------------------
-    def start_web(self) -> None:
-        self.procs["web"] = Proc("web", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+    def start_web(self, bind: str | None = None) -> None:
+        """Serve on ``bind`` (default: the cluster's ``host``, which is also the URL everyone is given)."""
+        self.procs["web"] = Proc("web", [sys.executable, "-m", "daphne", "-b", bind or self.host, "-p", str(self.port),
                                          "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
         wait_for(self._healthy, timeout=60, what="the control plane to answer /healthz")
 
@@ -127,15 +134,18 @@ class Cluster:
 
     # --- nodes --------------------------------------------------------------------------------
     def start_agent(self, hostname: str, *, bootstrap_token: str | None = None, scenario: dict | None = None,
-                    address: str = "127.0.0.1", extra: list[str] | None = None, env: dict | None = None) -> Proc:
-        """Start a node agent; the first start registers with ``bootstrap_token``."""
+                    address: str = "127.0.0.1", extra: list[str] | None = None, env: dict | None = None,
+                    wrap: list[str] | None = None) -> Proc:
+        """Start a node agent; the first start registers with ``bootstrap_token``. ``wrap`` is put in
+        front of the command line, e.g. ``["ip", "netns", "exec", NS]`` to run the agent (and so its
+        torchrun) in a network namespace; it must exec the agent, so that stopping works."""
         home = self.tmp / "agents" / hostname
         home.mkdir(parents=True, exist_ok=True)
         scenario_path = home / "scenario.yaml"
         if scenario is not None or not scenario_path.exists():
             scenario_path.write_text(yaml.safe_dump(scenario or {"gpus": 1}))
-        argv = [sys.executable, "-m", "agents.agent", "--control-plane-url", self.url, "--work-dir", str(home),
-                "--hostname", hostname, "--address", address, "--heartbeat-interval-s", "1",
+        argv = [*(wrap or []), sys.executable, "-m", "agents.agent", "--control-plane-url", self.url,
+                "--work-dir", str(home), "--hostname", hostname, "--address", address, "--heartbeat-interval-s", "1",
                 "--telemetry-interval-s", "1", "--telemetry-source", "scripted", "--scenario", str(scenario_path),
                 "--probe-port", str(free_port()), "--stop-grace-s", "5", "--code-dir", str(ROOT), *(extra or [])]
         if bootstrap_token:

@@ -163,9 +163,11 @@ def test_nan_pauses_with_evidence_then_rollback_skips_the_bad_data_on_a_new_bran
     from jobs.models import Generation, Incident, StepMetric, TrainingEvent
 
     # A poisoned sample at global position 195: step 25, rank 0 (8 positions a step, 4 a rank).
-    poisoned = epoch_permutation(256, 0, seed=0)[195]
+    # A data set larger than the run (80 steps x 8 = 640 positions), so it comes up only once.
+    poisoned = epoch_permutation(1024, 0, seed=0)[195]
     start_nodes(cluster, tokens)
-    job_id = launch(cluster, tokens, tmp_path, extra_args=["--poison-sample", str(poisoned)])
+    job_id = launch(cluster, tokens, tmp_path,
+                    extra_args=["--dataset-size", "1024", "--poison-sample", str(poisoned)])
     wait_for(lambda: job_row(job_id).state == "paused", timeout=120, what="the NaN pause")
     incident = Incident.objects.get(job_id=job_id)
     assert (incident.kind, incident.decision) == ("numerical", "pause")
