@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dj_database_url
 
+from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
 from controlplane.env import env_bool, env_int, env_list, env_secret, env_str
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
@@ -149,6 +150,7 @@ SWEEP_INTERVAL_S = float(env_str("NIGHTWATCH_SWEEP_INTERVAL_S", "2"))
 CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
     **NODES_BEAT_SCHEDULE,
+    **CHECKPOINTS_BEAT_SCHEDULE,
 }
 
 # --- Auth, API ------------------------------------------------------------------------------
@@ -181,6 +183,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {"CheckpointStateEnum": "checkpoints.choices.CheckpointState"},
 }
 
 # --- Static files, i18n ---------------------------------------------------------------------
@@ -243,6 +246,14 @@ NIGHTWATCH = {
     "PUBLIC_URL": env_str("NIGHTWATCH_PUBLIC_URL", SITE_URL),
     # Where checkpoints go when a job's policy names no directory (must be shared with the nodes).
     "CHECKPOINT_ROOT": env_str("NIGHTWATCH_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
+    # A second storage location; verified checkpoints are copied there and restores fall back to it.
+    "CHECKPOINT_REPLICA_ROOT": env_str("NIGHTWATCH_CHECKPOINT_REPLICA_ROOT") or None,
+    # Verification may also load each checkpoint in a CPU subprocess (slow; off by default).
+    "CHECKPOINT_LOAD_TEST": env_bool("NIGHTWATCH_CHECKPOINT_LOAD_TEST", False),
+    "CHECKPOINT_LOAD_TEST_TIMEOUT_S": env_int("NIGHTWATCH_CHECKPOINT_LOAD_TEST_TIMEOUT_S", 600),
+    # Before a job has failure history, MTBF = this per-GPU figure / the job's GPU count (an assumption).
+    "GPU_MTBF_HOURS": env_int("NIGHTWATCH_GPU_MTBF_HOURS", 50_000),
+    "MTBF_WINDOW_DAYS": env_int("NIGHTWATCH_MTBF_WINDOW_DAYS", 30),
     # How long stopping a generation may take before the job is paused and escalated.
     "QUIESCE_TIMEOUT_S": env_int("NIGHTWATCH_QUIESCE_TIMEOUT_S", 60),
     # This many nodes of running jobs lost within the window is a suspected partition.

@@ -196,6 +196,13 @@ def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail:
             for failed in exit_detail.get("ranks", []):
                 row.exit_codes[str(failed.get("rank"))] = failed.get("exit_code", failed.get("signal"))
         row.save(update_fields=["stopped_nodes", "exit_codes"])
+        if all_stopped(row):
+            # Also when the job already paused (an escalation): the incident's quiesce time and the
+            # generation's end are facts that goodput accounting needs, whenever they happen.
+            now = timezone.now()
+            Generation.objects.filter(pk=row.pk, ended_at__isnull=True).update(ended_at=now)
+            Incident.objects.filter(job_id=job_id, generation=row, state=IncidentState.OPEN,
+                                    quiesced_at__isnull=True).update(quiesced_at=now)
     transaction.on_commit(lambda: _advance_later(job_id))
 
 

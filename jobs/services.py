@@ -258,15 +258,16 @@ def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tup
     ``skip_data=(start, end)`` skips that global sample range on the new branch (as PaLM's team
     skipped the batches around a loss spike); it is recorded with the branch.
     """
-    from checkpoints.choices import CheckpointState
-    from checkpoints.services import verify
+    from checkpoints.services import verified_copy
     from jobs.launching import Resume, start_generation
 
     if checkpoint.job_id != job.pk:
         raise state.TransitionConflict(f"checkpoint {checkpoint.pk} belongs to another job")
     if job.state != JobState.PAUSED:
         raise state.TransitionConflict(f"job {job.pk} is {job.state}; pause it before rolling back")
-    if verify(checkpoint, actor=actor).state != CheckpointState.VERIFIED:
+    served = verified_copy(checkpoint, actor=actor)  # the primary, or its verified replica
+    if served is None:
+        checkpoint.refresh_from_db()
         raise state.TransitionConflict(f"checkpoint {checkpoint.pk} failed verification: {checkpoint.state_reason}")
     if skip_data is not None and not (0 <= skip_data[0] < skip_data[1]):
         raise state.TransitionConflict("skip_data must be a range [start, end) with 0 <= start < end")
@@ -277,4 +278,4 @@ def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tup
                     updates={"branch_root": checkpoint, "branch_since_generation": job.generation + 1,
                              "skip_data": ranges, "breaker_reset_at": timezone.now(), "relaunch_after": None})
     return start_generation(job, actor=actor, reason=f"rollback to step {checkpoint.step}", restart=True,
-                            resume_from=checkpoint, resume=resume)
+                            resume_from=served, resume=resume)

@@ -253,7 +253,9 @@ class Hooks:
         fields = {"loss": self._last_loss if math.isfinite(self._last_loss) else None,
                   "config_hash": self.config_hash, "world_size": self.topology.world_size,
                   "data_cursor": self.data_cursor, "generation": self.env.generation, "job": self.env.job,
-                  "parts": state.saved_parts(set(snapshot))}
+                  "parts": state.saved_parts(set(snapshot)),
+                  # The registry then requires the grad scaler's state in the checkpoint.
+                  "amp": self.scaler is not None}
         self._last_saved_step = self.step_count
         self.checkpointer.save(self.step_count, snapshot, fields, stable=stable_tensors(self.model, self.optimizer))
 

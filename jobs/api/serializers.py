@@ -14,6 +14,8 @@ class CheckpointPolicySerializer(serializers.Serializer):
     dir = serializers.CharField(max_length=1000, required=False,
                                 help_text="Checkpoint directory shared by the nodes and the control plane. "
                                           "Default: <checkpoint root>/job-<id>.")
+    replica_dir = serializers.CharField(max_length=1000, required=False,
+                                        help_text="Second storage location for verified checkpoints.")
     interval = serializers.ChoiceField(choices=["fixed", "auto"], default="fixed",
                                        help_text="auto: follow the Young/Daly recommendation.")
     interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=100)
@@ -99,7 +101,8 @@ class JobSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "entrypoint", "args", "nnodes", "nproc_per_node", "world_size", "accelerator",
                   "rdzv_port", "nccl_profile",
                   "checkpoint_policy", "recovery_policy", "state", "generation", "restart_count",
-                  "state_changed_at", "pause_reason", "last_step", "last_step_at", "created_by", "created_at"]
+                  "state_changed_at", "pause_reason", "last_step", "last_step_at", "recommended_interval_steps",
+                  "created_by", "created_at"]
         read_only_fields = fields
 
 

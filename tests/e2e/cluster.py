@@ -178,8 +178,10 @@ class Cluster:
         return "\n".join(f"===== {name} =====\n{proc.log()[-limit:]}" for name, proc in self.procs.items())
 
 
-def rank_pids(job_id: int, generation: int) -> dict[int, int]:
-    """The training processes of a job's generation on this machine, by global rank."""
+def rank_pids(job_id: int, generation: int, marker: Path | None = None) -> dict[int, int]:
+    """The training processes of a job's generation on this machine, by global rank; with
+    ``marker`` (a cluster's tmp path), only those of that cluster (other test sessions number
+    their jobs from 1 too)."""
     wanted = (f"NIGHTWATCH_JOB={job_id}".encode(), f"NIGHTWATCH_GENERATION={generation}".encode())
     found: dict[int, int] = {}
     for pid_dir in Path("/proc").glob("[0-9]*"):
@@ -188,6 +190,8 @@ def rank_pids(job_id: int, generation: int) -> dict[int, int]:
         except OSError:
             continue
         if not all(w in environ for w in wanted):
+            continue
+        if marker is not None and str(marker).encode() not in b"\0".join(environ):
             continue
         ranks = [e for e in environ if e.startswith(b"RANK=")]
         if ranks and b"TORCHELASTIC_RUN_ID=" in b"\0".join(environ):

@@ -60,8 +60,8 @@ def wait_for_verified(job_id, step):
                     .order_by("-step").first(), timeout=60, what=f"a verified checkpoint at step {step} or later")
 
 
-def rank_pid(job_id: int, generation: int, rank: int) -> int:
-    return wait_for(lambda: rank_pids(job_id, generation).get(rank), timeout=10,
+def rank_pid(cluster, job_id: int, generation: int, rank: int) -> int:
+    return wait_for(lambda: rank_pids(job_id, generation, cluster.tmp).get(rank), timeout=10,
                     what=f"rank {rank} of generation {generation} to be running")
 
 
@@ -104,7 +104,7 @@ def test_sigkilled_rank_resumes_from_the_last_good_checkpoint_and_ends_bit_ident
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))  # the newest checkpoint rots on disk...
-    os.kill(rank_pid(job_id, 1, 1), signal.SIGKILL)  # ...and a rank dies before the next one is committed
+    os.kill(rank_pid(cluster, job_id, 1, 1), signal.SIGKILL)  # ...and a rank dies before the next one is committed
     wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
 
     incident = Incident.objects.get(job_id=job_id)
@@ -127,7 +127,7 @@ def test_a_stopped_rank_is_detected_as_a_hang_and_the_group_restarted(cluster, t
     start_nodes(cluster, tokens)
     job_id = launch(cluster, tokens, tmp_path, recovery_policy={"progress_timeout_s": 8})
     wait_for_step(job_id, 5)
-    frozen = rank_pid(job_id, 1, 1)
+    frozen = rank_pid(cluster, job_id, 1, 1)
     stopped_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
     incident = wait_for(lambda: Incident.objects.filter(job_id=job_id, kind="hang").first(), timeout=60,
@@ -231,7 +231,7 @@ def test_failures_beyond_the_budget_open_the_breaker_and_oncall_approval_resumes
         wait_for(lambda g=generation: (job_row(job_id).generation == g and (job_row(job_id).last_step or 0) >= 12
                                        and job_row(job_id).state == "running"), timeout=90,
                  what=f"generation {generation} to make progress")
-        os.kill(rank_pid(job_id, generation, 0), signal.SIGKILL)
+        os.kill(rank_pid(cluster, job_id, generation, 0), signal.SIGKILL)
     wait_for(lambda: job_row(job_id).state == "paused", timeout=90, what="the breaker to open")
     assert "circuit breaker" in job_row(job_id).pause_reason
     assert Incident.objects.filter(job_id=job_id, kind="retry_storm").exists()
@@ -255,7 +255,7 @@ def test_a_worker_killed_in_the_middle_of_a_recovery_is_finished_by_the_next(clu
     job_id = launch(cluster, tokens, tmp_path)
     wait_for_step(job_id, 12)
     cluster.procs["worker"].kill(signal.SIGSTOP)  # freeze it so the fault stays queued...
-    os.kill(rank_pid(job_id, 1, 1), signal.SIGKILL)
+    os.kill(rank_pid(cluster, job_id, 1, 1), signal.SIGKILL)
     wait_for(lambda: AgentEventRecord.objects.filter(job_id=job_id, kind="exited").exists(), timeout=30,
              what="the exit report to reach the control plane")
     cluster.procs["worker"].kill(signal.SIGCONT)
