@@ -154,8 +154,11 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
 
 
 def _wait_for_nodes(job: Job, *, actor: str, free: int) -> None:
+    """No node can take the job now. A job that never ran waits, pending, for the sweeper's next
+    try (nodes register and heal on their own); a job that lost its nodes pauses for a human."""
     reason = f"waiting for nodes: {job.nnodes} needed, {free} healthy and free"
-    if job.state == JobState.PAUSED:
+    if job.state in (JobState.PAUSED, JobState.PENDING):
+        log.info("job %s %s", job.pk, reason)
         return
     try:
         state.transition(job, JobState.PAUSED, actor=actor, reason=reason, pause_reason=reason)

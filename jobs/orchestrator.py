@@ -317,6 +317,17 @@ def _report_lag_steps(job: Job) -> int:
     return 1 + math.ceil(HOOKS_FLUSH_S / max(statistics.median(step_times), 1e-3))
 
 
+def start_one_pending() -> bool:
+    """Try to place the pending job that has waited longest; returns whether one was launched."""
+    for job in Job.objects.filter(state=JobState.PENDING).order_by("created_at")[:20]:
+        try:
+            if start_generation(job, actor=SYSTEM, reason="first launch", restart=False) is not None:
+                return True
+        except state.TransitionConflict:
+            continue  # launched by someone else meanwhile
+    return False
+
+
 def advance_one_recovery() -> bool:
     """Re-drive the recovery that has waited longest (a dead worker's, or a finished backoff)."""
     now = timezone.now()

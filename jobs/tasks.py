@@ -22,12 +22,16 @@ def advance_job(job_id: int) -> None:
 
 @shared_task(ignore_result=True)
 def sweep() -> None:
-    """Beat, every few seconds: hung generations, and recoveries to finish or re-drive."""
+    """Beat, every few seconds: hung generations, recoveries to finish or re-drive, and pending jobs
+    that waited for nodes."""
     for _ in range(50):  # bounded: a poison row must not keep a worker busy forever
         if not orchestrator.expire_one_progress_deadline():
             break
     for _ in range(50):
         if not orchestrator.advance_one_recovery():
+            break
+    for _ in range(50):
+        if not orchestrator.start_one_pending():
             break
 
 

@@ -175,3 +175,17 @@ def test_an_unhealthy_node_is_drained_and_the_job_moves_to_the_spare(cast, job):
 def test_a_clean_exit_of_every_node_completes_the_job(cast, job):
     orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 0, "ranks": []})
     assert Job.objects.get(pk=job.pk).state == JobState.COMPLETED
+
+
+@pytest.mark.django_db
+def test_a_job_launched_before_any_node_is_healthy_waits_pending_and_starts_when_one_is(cast):
+    from nodes.models import Node
+
+    Node.objects.update(health="unknown")
+    job = cast.job  # pending, never launched
+    services.start_job(job, actor="test")
+    assert Job.objects.get(pk=job.pk).state == JobState.PENDING
+    assert not orchestrator.start_one_pending()
+    Node.objects.filter(hostname="gpu-01").update(health="healthy")
+    assert orchestrator.start_one_pending()
+    assert Job.objects.get(pk=job.pk).state == JobState.INITIALIZING

@@ -1,8 +1,11 @@
-"""The embedded demo: the control plane, a Celery worker and the dashboard, with nothing to install.
+"""The embedded demo: everything on this machine, nothing to install.
 
-``make demo`` runs this. It migrates, makes a demo on-call user, starts the ASGI server (daphne)
-and a Celery worker on the embedded broker, and supervises both until Ctrl-C: if either dies the
-demo stops rather than limping on half-alive.
+``make demo`` runs this. It migrates (SQLite), makes a demo on-call user, starts the ASGI server
+(daphne), a Celery worker with embedded beat on the filesystem broker, and a node agent with a
+scripted GPU; then launches the example job (a 2-rank CPU ``torchrun`` of ``examples/train.py``)
+and, every ``--fault-every`` seconds, injects a fault — a SIGKILLed rank — so a newcomer watches
+Nightwatch detect it and resume from the last verified checkpoint within a minute. Everything is
+supervised until Ctrl-C: if a part dies the demo stops rather than limping on half-alive.
 """
 
 from __future__ import annotations
@@ -15,31 +18,42 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+DEMO_SCENARIO = "gpus: 1\nbaseline: {temperature: 45, utilization: 80}\n"
+
 
 class Command(BaseCommand):
-    help = "Run the embedded demo (SQLite, embedded broker, worker, dashboard) until interrupted."
+    help = "Run the embedded demo (SQLite, embedded broker, worker, agent, a 2-rank job with faults) until Ctrl-C."
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--ready-timeout", type=float, default=60.0)
+        parser.add_argument("--no-job", action="store_true", help="only the control plane and the worker")
+        parser.add_argument("--fault-every", type=float, default=60.0,
+                            help="seconds between injected faults (0: none)")
+        parser.add_argument("--steps", type=int, default=100_000, help="length of the demo job")
 
-    def handle(self, host, port, ready_timeout, **options):
+    def handle(self, host, port, ready_timeout, no_job, fault_every, steps, **options):
         call_command("migrate", interactive=False, verbosity=0)
         password = self._demo_user()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+        url = f"http://{host}:{port}"
+        env.setdefault("NIGHTWATCH_PUBLIC_URL", url)
         python = sys.executable
+        var = Path(settings.VAR_DIR)
         children = {
             "web": subprocess.Popen([python, "-m", "daphne", "-b", host, "-p", str(port),
                                      "controlplane.asgi:application"], env=env),
-            "worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo",
-                                        "--concurrency=1", "--loglevel=INFO", "-n", "demo@%h"], env=env),
+            "worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=solo",
+                                        "--loglevel=INFO", "-n", "demo@%h", "-s", str(var / "celerybeat-schedule")],
+                                       env=env),
         }
         stop = {"now": False}
 
@@ -49,16 +63,23 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, request_stop)
         signal.signal(signal.SIGTERM, request_stop)
         try:
-            url = f"http://{host}:{port}"
             self._wait_ready(url, children, ready_timeout)
+            if not no_job:
+                children["agent"] = self._start_agent(url, env, var)
+                self._wait_for_node(children, ready_timeout)
+                job = self._launch_job(steps)
             self.stdout.write(self.style.SUCCESS(
                 f"\nNightwatch is up: {url}/  (log in as 'demo' with password {password})\n"
                 f"API docs: {url}/api/docs/   readiness: {url}/readyz\nCtrl-C stops everything.\n"
             ))
+            next_fault = time.monotonic() + fault_every
             while not stop["now"]:
                 for name, proc in children.items():
                     if proc.poll() is not None:
                         raise CommandError(f"the {name} process exited with code {proc.returncode}")
+                if not no_job and fault_every and time.monotonic() >= next_fault:
+                    self._inject_fault(job.pk)
+                    next_fault = time.monotonic() + fault_every
                 time.sleep(0.5)
         finally:
             _stop_all(children.values())
@@ -76,6 +97,68 @@ class Command(BaseCommand):
         user.save(update_fields=["password"])
         return password
 
+    def _start_agent(self, url: str, env: dict, var: Path) -> subprocess.Popen:
+        """A node agent for this machine, registered with a fresh one-time bootstrap token."""
+        from controlplane.models import ApiToken
+
+        home = var / "demo-agent"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "scenario.yaml").write_text(DEMO_SCENARIO)
+        argv = [sys.executable, "-m", "agents.agent", "--control-plane-url", url, "--work-dir", str(home),
+                "--hostname", "demo-node", "--address", "127.0.0.1", "--telemetry-source", "scripted",
+                "--scenario", str(home / "scenario.yaml"), "--heartbeat-interval-s", "2",
+                "--telemetry-interval-s", "5", "--stop-grace-s", "5", "--code-dir", str(settings.BASE_DIR)]
+        if not (home / "node-token.json").exists():
+            _, raw = ApiToken.issue(name="demo-bootstrap", scope="bootstrap", single_use=True)
+            token_file = home / "bootstrap-token"
+            token_file.write_text(raw)
+            token_file.chmod(0o600)
+            argv += ["--bootstrap-token-file", str(token_file)]
+        return subprocess.Popen(argv, env=env)
+
+    def _wait_for_node(self, children: dict, timeout: float) -> None:
+        from nodes.models import Node
+
+        deadline = time.monotonic() + timeout
+        while not Node.objects.filter(hostname="demo-node", health="healthy").exists():
+            if children["agent"].poll() is not None or time.monotonic() > deadline:
+                raise CommandError("the demo agent did not register and report healthy")
+            time.sleep(0.2)
+
+    def _launch_job(self, steps: int):
+        """The example job, launched like a CI pipeline would (same service as the API)."""
+        from jobs import services
+        from jobs.models import Job
+
+        running = Job.objects.filter(name="demo-tiny-lm").exclude(state__in=["completed", "failed", "cancelled"])
+        if running.exists():
+            return running.first()
+        spec = {"name": "demo-tiny-lm", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
+                "accelerator": "cpu", "rdzv_port": 29431,
+                "args": ["--steps", str(steps), "--ckpt-every", "25", "--min-step-time", "0.2",
+                         "--dataset-size", "4096"],
+                "checkpoint_policy": {"interval": "fixed", "interval_steps": 25, "keep_last": 3,
+                                      "permanent_every_hours": 12},
+                "recovery_policy": {"max_restarts": 20, "window_minutes": 60, "backoff_seconds": 0,
+                                    "allow_shrink": False, "progress_timeout_s": 30, "loss_spike_limit": 3}}
+        job = services.launch_job(spec, actor="system:demo")
+        self.stdout.write(f"launched job {job.pk} ({job.name}): a 2-rank torchrun of examples/train.py")
+        return job
+
+    def _inject_fault(self, job_id: int) -> None:
+        """SIGKILL one rank of the running generation, as a failing GPU or OOM-killer would."""
+        from jobs.models import Job
+
+        job = Job.objects.get(pk=job_id)
+        if job.state != "running":
+            return
+        pids = _rank_pids(job.pk, job.generation, marker=str(settings.VAR_DIR))
+        if pids:
+            rank, pid = max(pids.items())
+            os.kill(pid, signal.SIGKILL)
+            self.stdout.write(self.style.WARNING(
+                f"fault injected: SIGKILL rank {rank} (pid {pid}) of job {job.pk} generation {job.generation}"))
+
     def _wait_ready(self, url: str, children: dict, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -92,11 +175,28 @@ class Command(BaseCommand):
         raise CommandError(f"the control plane did not become ready at {url} within {timeout:.0f}s")
 
 
+def _rank_pids(job_id: int, generation: int, marker: str) -> dict[int, int]:
+    """Training processes of a job's generation run by this demo's agent (their environment names
+    its directory), by global rank, from /proc."""
+    wanted = (f"NIGHTWATCH_JOB={job_id}".encode(), f"NIGHTWATCH_GENERATION={generation}".encode())
+    found = {}
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (pid_dir / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((e for e in environ if e.startswith(b"RANK=")), None)
+        if rank and all(w in environ for w in wanted) and marker.encode() in b"\0".join(environ):
+            found[int(rank.split(b"=")[1])] = int(pid_dir.name)
+    return found
+
+
 def _stop_all(procs) -> None:
-    procs = [p for p in procs if p.poll() is None]
+    # The agent first: it stops its torchrun before exiting.
+    procs = sorted((p for p in procs if p.poll() is None), key=lambda p: "agents.agent" not in " ".join(p.args))
     for proc in procs:
         proc.terminate()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
