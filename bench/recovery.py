@@ -225,7 +225,7 @@ def spawned(pids: list[int]) -> dict[str, float] | None:
 
 # --- plain torchrun ---------------------------------------------------------------------------------
 
-def plain_run(kind: str, base: Path, window: float) -> dict:
+def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"plain-{kind}-", dir=base))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIGHTWATCH", "DATABASE_URL", "REDIS_URL"))}
     env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
@@ -277,7 +277,8 @@ def plain_run(kind: str, base: Path, window: float) -> dict:
         for pid in marked(str(work)):  # the workers run in sessions of their own
             kill(pid)
         log.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def wait_for_or_none(condition: Callable[[], Any], deadline: float) -> Any:
@@ -354,7 +355,7 @@ def bootstrap_token() -> str:
     return ApiToken.issue(name="bench boot", scope="bootstrap", single_use=True)[1]
 
 
-def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int) -> dict:
+def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, keep: bool = False) -> dict:
     from checkpoints.models import Checkpoint
     from jobs.choices import JobState
     from jobs.models import Generation, Incident, Job, StepMetric
@@ -413,14 +414,20 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int) -> dic
         job_row = Job.objects.filter(pk=job_id).first()
         if job_row is not None and job_row.state not in JobState.TERMINAL:
             api(cluster, token, "POST", f"/api/v1/jobs/{job_id}/cancel", {"reason": "benchmark cleanup"})
-        for generation_number in (1, 2, 3):
-            try:
-                wait_until(lambda g=generation_number: not rank_pids(job_id, g, cluster.tmp), timeout=30,
-                           what="the job's ranks to exit")
-            except TimeoutError:
-                for pid in rank_pids(job_id, generation_number, cluster.tmp).values():
-                    kill(pid)
-        shutil.rmtree(work, ignore_errors=True)
+        # Cancelling a job does not stop its processes (nothing tells the agent), so the ranks
+        # go here; their torchrun then exits and the agent reports it (ignored: cancelled).
+        ranks = {pid for g in range(1, 4) for pid in rank_pids(job_id, g, cluster.tmp).values()}
+        parents = {start[1] for start in map(process_start, ranks) if start}
+        for pid in ranks:
+            kill(pid)
+        try:
+            wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in parents), timeout=30,
+                       what="the job's torchrun to exit")
+        except TimeoutError:
+            for pid in parents:
+                kill(pid)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 # --- report -----------------------------------------------------------------------------------------
@@ -524,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     own.add_argument("--progress-timeout", type=int, default=10, help="the hang job's progress_timeout_s")
     own.add_argument("--heartbeat-s", type=int, default=1, help="control plane's agent heartbeat interval")
     own.add_argument("--sweep-s", type=float, default=0.5, help="control plane's sweep (hang check) interval")
+    own.add_argument("--keep-logs", action="store_true", help="keep the temporary directory (logs) and say where")
     opts, rest = own.parse_known_args(argv)
     args = arguments(__doc__.splitlines()[0], rest)
     window = opts.hang_window or (30.0 if args.quick else 60.0)
@@ -556,9 +564,9 @@ def main(argv: list[str] | None = None) -> None:
             for kind in ("crash", "hang"):
                 for system in order:
                     if system == "nightwatch":
-                        result = nightwatch_run(cluster, token, kind, opts.progress_timeout)
+                        result = nightwatch_run(cluster, token, kind, opts.progress_timeout, keep=opts.keep_logs)
                     else:
-                        result = plain_run(kind, base, window)
+                        result = plain_run(kind, base, window, keep=opts.keep_logs)
                     results[system][kind].append(result)
                     shown = {k: v for k, v in result.items() if k not in ("system", "fault")}
                     print(f"run {run + 1}/{args.runs} {kind:5} {system:10} {json.dumps(shown)}", flush=True)
@@ -573,7 +581,10 @@ def main(argv: list[str] | None = None) -> None:
         from django.db import connections
 
         connections.close_all()
-        shutil.rmtree(base, ignore_errors=True)
+        if opts.keep_logs:
+            print(f"logs kept in {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     summarise(results, window, args.runs, opts, time.monotonic() - started)
 
 
