@@ -17,6 +17,8 @@ processes are gone — one active generation, always.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from datetime import timedelta
 
 from django.conf import settings
@@ -26,7 +28,7 @@ from django.utils import timezone
 
 from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
-from jobs.launching import spec_hash, start_generation
+from jobs.launching import candidates, spec_hash, start_generation
 from jobs.models import Event, Generation, Incident, Job, StepMetric
 
 log = logging.getLogger(__name__)
@@ -101,8 +103,6 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     )
     lost_window = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["PARTITION_WINDOW_S"])
     lost = Event.objects.filter(kind="node.health", new_state=Health.UNREACHABLE, created_at__gte=lost_window)
-    from jobs.launching import candidates
-
     gen_nodes = set(Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname",
                                                                                            flat=True))
     unhealthy = tuple(sorted(Node.objects.filter(hostname__in=set(nodes) | gen_nodes, health=Health.UNHEALTHY)
@@ -306,9 +306,6 @@ HOOKS_FLUSH_S = 1.0
 def _report_lag_steps(job: Job) -> int:
     """How many steps apart two ranks of one synchronous job can *appear* only because each
     reports in batches: one collective, plus the steps that fit in a flush interval."""
-    import math
-    import statistics
-
     phases = StepMetric.objects.filter(job=job, generation=job.generation, rank=0).order_by("-step") \
         .values_list("phases", flat=True)[:50]
     step_times = [sum(p.values()) for p in phases if p]
