@@ -30,7 +30,10 @@ The metric is the median over runs of Nightwatch crash recovery / torchrun crash
 (target 1.2). Hang detection (target 30 s) is in the details.
 
     python -m bench.recovery [--quick] [--runs N] [--hang-window S] [--progress-timeout S]
-                             [--heartbeat-s S] [--sweep-s S]
+                             [--heartbeat-s S] [--sweep-s S] [--keep-logs]
+
+``--quick`` (3 runs, a 30 s hang window) takes about 5 minutes on 2 cores: every run starts real
+torchruns, and a Nightwatch hang recovery alone is a progress timeout plus a stop grace.
 
 Needs PostgreSQL and Redis: ``BENCH_DATABASE_URL`` (default
 ``postgres://postgres@127.0.0.1:5432/nightwatch_bench_recovery``, created and migrated when
@@ -511,7 +514,8 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                          "checkpoint exists; each run is stopped after the resumed run's first step",
                   "nightwatch": f"daphne + celery worker -B + 1 agent on this machine; heartbeat {opts.heartbeat_s} s "
                                 f"(agents receive stop/launch commands on heartbeats), sweep every {opts.sweep_s} s, "
-                                "agent stop grace 5 s, restart backoff 0 s (the default for a job's first restart)",
+                                "a stop command's SIGTERM grace 10 s (the orchestrator's default), "
+                                "restart backoff 0 s (the default for a job's first restart)",
                   "default_progress_timeout": f"max({services.PROGRESS_TIMEOUT_FLOOR_S} s, "
                                               f"{services.PROGRESS_TIMEOUT_STEPS} x median step time)",
                   "torchrun": "python -m torch.distributed.run --nproc-per-node=2 --standalone --max-restarts=3 "

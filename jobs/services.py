@@ -35,8 +35,13 @@ def launch_job(spec: dict, *, actor: str) -> Job:
 
 
 def cancel_job(job: Job, *, actor: str, reason: str) -> Job:
-    """Cancel a job that has not ended. Stopping its processes is the orchestrator's part."""
-    return state.transition(job, JobState.CANCELLED, actor=actor, reason=reason).job
+    """Cancel a job that has not ended, and stop whatever of its generation still runs."""
+    from jobs.orchestrator import stop_generation
+
+    with transaction.atomic():
+        cancelled = state.transition(job, JobState.CANCELLED, actor=actor, reason=reason).job
+        stop_generation(cancelled, reason=f"cancelled: {reason}")
+    return cancelled
 
 
 # --- what the training hooks report ---------------------------------------------------------

@@ -45,6 +45,10 @@ from agents.supervisor import DEFAULT_TORCHRUN, StaleGeneration, Supervisor, att
 from agents.telemetry import TelemetryCollector, TelemetrySource, open_source
 
 log = logging.getLogger(__name__)
+#: After a generation ends on its own, heartbeat this often for this long: the relaunch command
+#: rides on a heartbeat answer, and every second of waiting for it is lost training time.
+DECISION_POLL_S = 0.2
+DECISION_WINDOW_S = 20.0
 
 #: The loop's granularity: how late an Xid event or a due heartbeat can be noticed.
 TICK_S = 0.1
@@ -72,6 +76,7 @@ class Agent:
         self._stopping = threading.Event()
         self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._seq = 0
+        self._decision_expected_until = 0.0
         self._reachable = True
         self._probe: BandwidthProbeServer | None = None
         self.commands: CommandRunner | None = None  # set once registered
@@ -143,7 +148,7 @@ class Agent:
         return None
 
     def _loop(self, creds: NodeCredentials) -> None:
-        next_sample = next_heartbeat = next_flush = time.monotonic()
+        next_sample = next_heartbeat = next_flush = last_heartbeat = time.monotonic()
         flush_backoff = TICK_S
         while not self._stopping.is_set():
             now = time.monotonic()
@@ -157,8 +162,10 @@ class Agent:
                 self.samples_taken += len(samples)
                 next_sample = now + self.config.telemetry_interval_s
             self.outbox.report_drops()
-            if now >= next_heartbeat:
+            urgent = now < self._decision_expected_until and now - last_heartbeat >= DECISION_POLL_S
+            if now >= next_heartbeat or urgent:
                 self._heartbeat(creds)
+                last_heartbeat = now
                 next_heartbeat = now + creds.heartbeat_interval_s
             if now >= next_flush and len(self.outbox):
                 try:
@@ -280,6 +287,10 @@ class Agent:
         report = attach_xids(report, [code for at, code in list(self._xids) if at >= started])
         kind = "stopped" if report.requested_stop else "exited"
         self.outbox.add_event(kind, report, job=job, generation=generation)
+        if not report.requested_stop:
+            # The control plane is deciding what this node runs next (usually a relaunch within a
+            # second): ask for it quickly for a while rather than a whole heartbeat later.
+            self._decision_expected_until = time.monotonic() + DECISION_WINDOW_S
 
     # --- shutdown ------------------------------------------------------------------------------
 

@@ -189,3 +189,11 @@ def test_a_job_launched_before_any_node_is_healthy_waits_pending_and_starts_when
     Node.objects.filter(hostname="gpu-01").update(health="healthy")
     assert orchestrator.start_one_pending()
     assert Job.objects.get(pk=job.pk).state == JobState.INITIALIZING
+
+
+@pytest.mark.django_db
+def test_cancelling_a_running_job_stops_its_generation(cast, job):
+    services.cancel_job(job, actor="user:otto", reason="wrong data set")
+    [stop] = commands(cast.node1, "stop")
+    assert (stop.generation, stop.payload["reason"]) == (1, "cancelled: wrong data set")
+    assert Job.objects.get(pk=job.pk).state == JobState.CANCELLED
