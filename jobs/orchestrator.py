@@ -163,7 +163,13 @@ def _quiesce(job: Job, incident: Incident, decision: policy.Decision, *, actor: 
         quiesce_deadline=now + timedelta(seconds=settings.NIGHTWATCH["QUIESCE_TIMEOUT_S"]),
         relaunch_after=relaunch_after,
     )
-    stop_generation(job, reason=decision.reason)
+    # A hung rank cannot act on SIGTERM (it may be stopped, or stuck in a collective): a long grace
+    # would only add to the downtime. Anything else gets time to flush and exit cleanly.
+    stop_generation(job, reason=decision.reason, grace_s=HUNG_GRACE_S if decision.classification == "hang" else 10.0)
+
+
+#: SIGTERM grace when stopping a generation that hangs.
+HUNG_GRACE_S = 2.0
 
 
 def stop_generation(job: Job, *, reason: str, grace_s: float = 10.0) -> None:
