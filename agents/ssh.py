@@ -3,7 +3,7 @@
 Two rules keep it safe:
 
 - Host keys are pinned: only the known_hosts file the operator manages is loaded (never the
-  user's own, never ``AutoAddPolicy``), and an unknown or changed host key is refused.
+  user's own; unknown keys are never added on the fly), and an unknown or changed host key is refused.
 - Commands are argument lists joined with ``shlex.join``; user data is never concatenated into
   a shell string. Where a shell is needed (to detach the agent), the data is passed as the
   shell's positional parameters, not pasted into its script.

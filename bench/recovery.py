@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import arguments, emit, median, spread
+from tests.e2e.cluster import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/nightwatch_bench_recovery"
@@ -83,17 +84,6 @@ GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6})")
 def train_args(work: Path) -> list[str]:
     return ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--min-step-time", str(STEP_S),
             "--dataset-size", "256", "--log-samples", str(work / "samples")]
-
-
-def wait_until(condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 class Tail:
@@ -242,12 +232,12 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
     try:
         from agents.hooks.manifest import latest_verified
 
-        wait_until(lambda: reached(tail, FAULT_STEP) or proc.poll() is not None, timeout=120,
+        wait_for(lambda: reached(tail, FAULT_STEP) or proc.poll() is not None, timeout=120,
                    what=f"plain torchrun to train step {FAULT_STEP}")
         if proc.poll() is not None:
             raise RuntimeError(f"plain torchrun exited early ({proc.returncode}): {tail_text(work / 'torchrun.log')}")
-        checkpoint = wait_until(lambda: latest_verified(work / "ckpt")[0], timeout=60, what="a verified checkpoint")
-        victim = wait_until(lambda: plain_ranks(str(work), 0).get(1), timeout=10, what="rank 1")
+        checkpoint = wait_for(lambda: latest_verified(work / "ckpt")[0], timeout=60, what="a verified checkpoint")
+        victim = wait_for(lambda: plain_ranks(str(work), 0).get(1), timeout=10, what="rank 1")
         fault_at = time.time()
         os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
 
@@ -266,10 +256,10 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
             result.update(detected=bool(seen), observed_s=round(time.time() - fault_at, 2),
                           detection_s=round(detected - fault_at, 3) if detected else None)
             return result
-        first = wait_until(lambda: first_sample(tail, lambda s, r: r["attempt"] >= 1), timeout=120,
+        first = wait_for(lambda: first_sample(tail, lambda s, r: r["attempt"] >= 1), timeout=120,
                            what="the first step after torchrun's restart")
         restarted = spawned(list(plain_ranks(str(work), 1).values()))
-        detected = wait_until(noticed, timeout=10, what="torchrun's failure line")
+        detected = wait_for(noticed, timeout=10, what="torchrun's failure line")
         result.update(detected=True, detection_s=round(detected - fault_at, 3),
                       recovery_s=round(first[0] - fault_at, 3), resumed_step=first[1]["step"] - 1,
                       workers_spawned_s=round(restarted["workers"] - fault_at, 3) if restarted else None)
@@ -376,19 +366,19 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, kee
     job_id = job["id"]
     tail = Tail(work, ("samples/rank*.jsonl",))
     try:
-        wait_until(lambda: reached(tail, FAULT_STEP), timeout=120, what=f"job {job_id} to train step {FAULT_STEP}")
-        checkpoint = wait_until(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
+        wait_for(lambda: reached(tail, FAULT_STEP), timeout=120, what=f"job {job_id} to train step {FAULT_STEP}")
+        checkpoint = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
                                 .order_by("-step").first(), timeout=60, what="a verified checkpoint")
-        victim = wait_until(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
+        victim = wait_for(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
         fault_at = time.time()
         os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
 
-        generation = wait_until(lambda: Generation.objects.filter(job_id=job_id, number=2, first_step_at__isnull=False)
+        generation = wait_for(lambda: Generation.objects.filter(job_id=job_id, number=2, first_step_at__isnull=False)
                                 .select_related("resumed_from").first(), timeout=180,
                                 what=f"job {job_id}'s next generation to train a step")
         incident = Incident.objects.filter(job_id=job_id).order_by("detected_at").first()
         relaunched = incident.relaunched_at.timestamp()
-        first = wait_until(lambda: first_sample(tail, lambda seen, r: seen > relaunched), timeout=30,
+        first = wait_for(lambda: first_sample(tail, lambda seen, r: seen > relaunched), timeout=30,
                            what="the resumed run's first sample line")
         restarted = spawned(list(rank_pids(job_id, 2, cluster.tmp).values()))
         reported = (StepMetric.objects.filter(job_id=job_id, generation=2).order_by("reported_at")
@@ -417,17 +407,15 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, kee
         job_row = Job.objects.filter(pk=job_id).first()
         if job_row is not None and job_row.state not in JobState.TERMINAL:
             api(cluster, token, "POST", f"/api/v1/jobs/{job_id}/cancel", {"reason": "benchmark cleanup"})
-        # Cancelling a job does not stop its processes (nothing tells the agent), so the ranks
-        # go here; their torchrun then exits and the agent reports it (ignored: cancelled).
+        # Cancelling stops the generation through the agent; whatever is still there after the
+        # deadline (a frozen rank, a torchrun waiting for it) is killed here.
         ranks = {pid for g in range(1, 4) for pid in rank_pids(job_id, g, cluster.tmp).values()}
         parents = {start[1] for start in map(process_start, ranks) if start}
-        for pid in ranks:
-            kill(pid)
         try:
-            wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in parents), timeout=30,
-                       what="the job's torchrun to exit")
-        except TimeoutError:
-            for pid in parents:
+            wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks | parents), timeout=30,
+                     what="the job's processes to exit")
+        except AssertionError:
+            for pid in ranks | parents:
                 kill(pid)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -561,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         cluster.start_worker()
         token = operator_token()
         cluster.start_agent("bench-node", bootstrap_token=bootstrap_token())
-        wait_until(lambda: Node.objects.filter(hostname="bench-node", health="healthy").exists(), timeout=60,
+        wait_for(lambda: Node.objects.filter(hostname="bench-node", health="healthy").exists(), timeout=60,
                    what="the agent to register")
         for run in range(args.runs):
             order = ("nightwatch", "torchrun") if run % 2 == 0 else ("torchrun", "nightwatch")
