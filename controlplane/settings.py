@@ -254,6 +254,9 @@ NIGHTWATCH = {
     # Before a job has failure history, MTBF = this per-GPU figure / the job's GPU count (an assumption).
     "GPU_MTBF_HOURS": env_int("NIGHTWATCH_GPU_MTBF_HOURS", 50_000),
     "MTBF_WINDOW_DAYS": env_int("NIGHTWATCH_MTBF_WINDOW_DAYS", 30),
+    # Bandwidth a node pair must reach (at least 80% of it) in the pre-launch probe, MB/s. Set it
+    # to your fabric's figure; the default only flags grossly broken links.
+    "EXPECTED_PEER_MBPS": env_int("NIGHTWATCH_EXPECTED_PEER_MBPS", 100),
     # How long stopping a generation may take before the job is paused and escalated.
     "QUIESCE_TIMEOUT_S": env_int("NIGHTWATCH_QUIESCE_TIMEOUT_S", 60),
     # This many nodes of running jobs lost within the window is a suspected partition.

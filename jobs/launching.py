@@ -134,8 +134,14 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
 
 
 def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], checkpoint: Checkpoint | None) -> dict:
+    from nodes.services import probe_peers_for
+
     host = nodes[0].address
+    # Before it starts, each node probes its bandwidth to the job's other nodes and refuses to
+    # launch on a pair below the expected ratio (agents without a probe server are not probed).
+    peers = [n for n in nodes if n.pk != nodes[node_rank].pk and n.probe_port]
     return {
+        "probe_peers": probe_peers_for(peers),
         "script": job.entrypoint,
         "nnodes": len(nodes),
         "nproc_per_node": job.nproc_per_node,

@@ -239,7 +239,9 @@ class Agent:
             return "done", "already running"
         if current is not None:  # superseded: stop it first, so the health check sees its GPUs free
             self.supervisor.stop(job, current.generation, self.config.stop_grace_s)
-        report = self._check_health(require_gpu=payload.require_gpu)
+        probe = HealthCheckPayload(peers=payload.probe_peers, probe_bytes=payload.probe_bytes,
+                                   probe_seconds=payload.probe_seconds)
+        report = self._check_health(require_gpu=payload.require_gpu, payload=probe)
         if not report.ok:
             self.outbox.add_event("launch_refused", report, job=job, generation=generation)
             return "refused", f"pre-launch health check failed: {report.reason}"

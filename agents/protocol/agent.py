@@ -151,6 +151,14 @@ class CommandAck:
 
 
 @dataclass(frozen=True)
+class ProbePeer:
+    node: str = field(pattern=ID_PATTERN)
+    address: str = field(max_len=253)
+    port: int = field(min=1, max=65535)
+    expected_mbps: float = field(min=0.001)
+
+
+@dataclass(frozen=True)
 class LaunchPayload:
     """What torchrun needs for one node of one generation; the hooks' settings ride along."""
 
@@ -175,6 +183,11 @@ class LaunchPayload:
     require_gpu: bool = True
     #: Global sample ranges [start, end) to skip, chosen by a rollback (NIGHTWATCH_SKIP_DATA).
     skip_data: list[list[int]] = field(default_factory=list, max_len=64)
+    #: The job's other nodes: before launching, the agent measures its bandwidth to each and refuses
+    #: the launch when a pair falls below the expected ratio (the pre-launch pairwise probe).
+    probe_peers: list[ProbePeer] = field(default_factory=list, max_len=64)
+    probe_bytes: int = field(default=16 * 2**20, min=2**16, max=2**32)
+    probe_seconds: float = field(default=2.0, min=0.1, max=60)
 
 
 @dataclass(frozen=True)
@@ -186,14 +199,6 @@ class StopPayload:
 @dataclass(frozen=True)
 class DrainPayload:
     reason: str = field(default="", max_len=500)
-
-
-@dataclass(frozen=True)
-class ProbePeer:
-    node: str = field(pattern=ID_PATTERN)
-    address: str = field(max_len=253)
-    port: int = field(min=1, max=65535)
-    expected_mbps: float = field(min=0.001)
 
 
 @dataclass(frozen=True)

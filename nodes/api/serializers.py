@@ -34,3 +34,10 @@ class NodeCommandSerializer(serializers.ModelSerializer):
 
 class DrainSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=500, help_text="Why; recorded in the audit log and shown to the agent.")
+
+
+class HealthCheckRequestSerializer(serializers.Serializer):
+    peers = serializers.ListField(child=serializers.IntegerField(min_value=1), max_length=64, default=list,
+                                  help_text="Node ids to measure bandwidth to (pairwise probe).")
+    expected_mbps = serializers.FloatField(min_value=0.001, required=False,
+                                           help_text="Expected MB/s per pair; default: the cluster setting.")

@@ -23,7 +23,7 @@ from controlplane.auth import actor_label, calling_node
 from controlplane.problems import Conflict
 from jobs.state import StaleGeneration
 from nodes import services
-from nodes.api.serializers import DrainSerializer, NodeCommandSerializer, NodeSerializer
+from nodes.api.serializers import DrainSerializer, HealthCheckRequestSerializer, NodeCommandSerializer, NodeSerializer
 from nodes.choices import CommandState
 from nodes.models import Node, NodeCommand
 
@@ -73,6 +73,31 @@ class NodeUndrain(_DrainView):
     """Put the node back into scheduling."""
 
     verb = services.undrain_node
+
+
+class NodeHealthCheck(APIView):
+    """Run the health checks on the node now (GPUs; with ``peers``, the pairwise bandwidth probe).
+
+    The result arrives as the agent's ``health_check`` event; per-pair bandwidth is stored.
+    """
+
+    required = roles.DRAIN
+
+    @extend_schema(request=HealthCheckRequestSerializer, responses={202: NodeCommandSerializer})
+    def post(self, request, pk):
+        node = get_object_or_404(Node, pk=pk)
+        body = HealthCheckRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        peers = list(Node.objects.filter(pk__in=body.validated_data["peers"]).exclude(pk=node.pk))
+        missing = set(body.validated_data["peers"]) - {p.pk for p in peers} - {node.pk}
+        if missing:
+            raise exceptions.ValidationError({"peers": [f"no node with id {sorted(missing)[0]}"]})
+        try:
+            command = services.request_health_check(node, peers=peers, actor=actor_label(request),
+                                                    expected_mbps=body.validated_data.get("expected_mbps"))
+        except ValueError as exc:
+            raise exceptions.ValidationError({"peers": [str(exc)]}) from exc
+        return Response(NodeCommandSerializer(command).data, status=status.HTTP_202_ACCEPTED)
 
 
 class NodeCommands(generics.ListAPIView):

@@ -10,6 +10,8 @@ from nodes.services.commands import (
     enqueue_command,
     expire_commands,
     pending_commands_for,
+    probe_peers_for,
+    request_health_check,
 )
 from nodes.services.fleet import (
     Registration,
@@ -30,6 +32,8 @@ from nodes.services.ingest import Ingested, ingest_telemetry, record_agent_event
 from nodes.services.retention import prune_telemetry
 
 __all__ = [
+    "probe_peers_for",
+    "request_health_check",
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
     "drain_node", "enqueue_command", "expire_commands", "expire_heartbeats", "expire_one_heartbeat", "finish_drain",
     "ingest_telemetry", "pending_commands_for", "prune_telemetry", "record_agent_events", "record_heartbeat",

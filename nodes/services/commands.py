@@ -159,3 +159,19 @@ def expire_commands() -> int:
     """Close open commands past their deadline (nodes that stopped asking); returns how many."""
     return NodeCommand.objects.filter(state__in=CommandState.OPEN, expires_at__lte=timezone.now()).update(
         state=CommandState.EXPIRED, detail="not acknowledged before it expired")
+
+
+def probe_peers_for(peers, expected_mbps: float | None = None) -> list[dict]:
+    """The protocol's ProbePeer list for ``peers`` (nodes whose agent runs a probe server)."""
+    expected = expected_mbps or settings.NIGHTWATCH.get("EXPECTED_PEER_MBPS", 100)
+    without = [p.hostname for p in peers if not p.probe_port]
+    if without:
+        raise ValueError(f"no bandwidth probe port known for {', '.join(without)} (agent not registered?)")
+    return [{"node": str(p.pk), "address": p.address, "port": p.probe_port, "expected_mbps": float(expected)}
+            for p in peers]
+
+
+def request_health_check(node: Node, *, peers=(), actor: str, expected_mbps: float | None = None) -> NodeCommand:
+    """Queue an on-demand health check (GPUs, and bandwidth to each of ``peers``) for ``node``."""
+    return enqueue_command(node, "health_check", payload={"peers": probe_peers_for(peers, expected_mbps)},
+                           actor=actor)

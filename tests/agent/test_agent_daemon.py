@@ -156,6 +156,32 @@ def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent
     assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
 
 
+def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refused(
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
+        wait_until: Callable[..., Any], train_script: Path) -> None:
+    """The pre-launch pairwise probe: a peer of the job that does not answer fails the check."""
+    import socket
+
+    with socket.socket() as s:  # a port with nobody listening: the peer's probe server is gone
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    running = start_agent(agent_config())
+    wait_until(lambda: control_plane.registrations, 20, "registration")
+    alive_port = control_plane.registrations[0].probe_port
+    payload = LaunchPayload(script=str(train_script), nnodes=2, nproc_per_node=1, node_rank=0,
+                            rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-2", require_gpu=False,
+                            probe_peers=[
+                                ProbePeer(node="good", address="127.0.0.1", port=alive_port, expected_mbps=1.0),
+                                ProbePeer(node="bad", address="127.0.0.1", port=dead_port, expected_mbps=1.0)],
+                            probe_bytes=2**20, probe_seconds=2)
+    control_plane.send(command("launch", payload, id="l2", job="j", generation=1))
+    [ack] = wait_until(lambda: control_plane.acks, 30, "the launch ack")
+    assert ack.status == "refused" and "bad" in ack.detail
+    [(event, report)] = wait_until(lambda: control_plane.events_of("launch_refused"), 10, "launch_refused")
+    assert {b.peer: b.ok for b in report.bandwidth} == {"good": True, "bad": False}
+    assert running.agent.supervisor.running() == []
+
+
 def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, agent_config: Callable[..., Any],
                                                             scenario_file: Callable[[str], Path],
                                                             start_agent: Callable[..., Any],

@@ -197,3 +197,16 @@ def test_cancelling_a_running_job_stops_its_generation(cast, job):
     [stop] = commands(cast.node1, "stop")
     assert (stop.generation, stop.payload["reason"]) == (1, "cancelled: wrong data set")
     assert Job.objects.get(pk=job.pk).state == JobState.CANCELLED
+
+
+@pytest.mark.django_db
+def test_each_node_of_a_multi_node_launch_probes_the_others_first(cast):
+    from nodes.models import Node
+
+    Node.objects.update(probe_port=29510, is_spare=False)
+    job = Job.objects.create(name="wide", entrypoint="t.py", nnodes=2, accelerator="cpu", created_by="test")
+    services.start_job(job, actor="test")
+    launches = {c.node.hostname: c.payload for c in NodeCommand.objects.filter(kind="launch", job=job)}
+    assert [p["address"] for p in launches["gpu-01"]["probe_peers"]] == ["10.0.0.2"]
+    assert [p["address"] for p in launches["gpu-02"]["probe_peers"]] == ["10.0.0.1"]
+    assert launches["gpu-01"]["rdzv_is_host"] and not launches["gpu-02"]["rdzv_is_host"]

@@ -85,3 +85,20 @@ def test_a_session_user_gets_the_role_grants(cast, client):
     response = client.post(f"/api/v1/nodes/{cast.node1.pk}/undrain", {"reason": "r"},
                            content_type="application/json")
     assert response.status_code == 403
+
+
+@pytest.mark.django_db
+def test_an_operator_can_ask_for_a_pairwise_health_check_and_a_viewer_cannot(cast, api):
+    from nodes.models import Node, NodeCommand
+
+    Node.objects.filter(pk=cast.node2.pk).update(probe_port=29510)
+    url = f"/api/v1/nodes/{cast.node1.pk}/health-check"
+    assert api(cast.tokens["viewer"]).post(url, {"peers": [cast.node2.pk]}, format="json").status_code == 403
+    response = api(cast.tokens["operator"]).post(url, {"peers": [cast.node2.pk], "expected_mbps": 5000},
+                                                 format="json")
+    assert response.status_code == 202, response.content
+    command = NodeCommand.objects.get(node=cast.node1, kind="health_check")
+    assert command.payload["peers"] == [{"node": str(cast.node2.pk), "address": "10.0.0.2", "port": 29510,
+                                         "expected_mbps": 5000.0}]
+    unknown = api(cast.tokens["operator"]).post(url, {"peers": [999999]}, format="json")
+    assert unknown.status_code == 400 and unknown.json()["errors"][0]["field"] == "peers"
