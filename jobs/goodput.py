@@ -56,7 +56,9 @@ def compute(*, started_at: datetime, now: datetime, first_step_at: datetime | No
     """
     wall = max(0.0, (now - started_at).total_seconds())
     bad = dict.fromkeys(KINDS, 0.0)
-    bad["startup"] = _span(started_at, first_step_at or now)
+    # A first generation that never trained counts as startup only until its first fault.
+    startup_end = first_step_at or min([i.fault_at or i.detected_at for i in incidents] + [now])
+    bad["startup"] = _span(started_at, startup_end)
     for incident in incidents:
         if incident.fault_at is not None:
             bad["detection"] += _span(incident.fault_at, incident.detected_at)

@@ -268,22 +268,19 @@ def _advance_later(job_id: int) -> None:
 
 
 def record_first_step(job: Job, generation: int) -> None:
-    """The resumed generation trained a step: the open incidents are over."""
+    """The resumed generation trained a step: the open incidents are over. Each records its lost
+    work: the steps its generation trained past the checkpoint this generation resumed from."""
     now = timezone.now()
-    Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=False,
-                            generation__number__lt=generation).update(
-        first_step_at=now, state=IncidentState.RESOLVED, resolved_at=now)
-
-
-def lost_steps(job: Job, incident: Incident) -> int:
-    """Steps trained after the restore point and redone: last step reached − resumed step."""
-    generation = incident.generation
-    if generation is None:
-        return 0
-    reached = StepMetric.objects.filter(job=job, generation=generation.number).aggregate(m=Max("step"))["m"] or 0
-    nxt = Generation.objects.filter(job=job, number__gt=generation.number).order_by("number").first()
-    restored = nxt.resumed_from.step if nxt and nxt.resumed_from else 0
-    return max(0, reached - restored)
+    resumed = Generation.objects.filter(job=job, number=generation).select_related("resumed_from").first()
+    restored_step = resumed.resumed_from.step if resumed and resumed.resumed_from else 0
+    ended = Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=False,
+                                    generation__number__lt=generation).select_related("generation")
+    for incident in ended:
+        reached = (StepMetric.objects.filter(job=job, generation=incident.generation.number)
+                   .aggregate(m=Max("step"))["m"] if incident.generation else None) or restored_step
+        Incident.objects.filter(pk=incident.pk).update(
+            first_step_at=now, state=IncidentState.RESOLVED, resolved_at=now,
+            lost_steps=max(0, reached - restored_step))
 
 
 # --- periodic one-shots (beat, tests and management commands call the same functions) ---------

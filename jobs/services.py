@@ -15,7 +15,7 @@ from django.utils import timezone
 from agents.protocol import hooks as hooks_protocol
 from jobs import state
 from jobs.choices import GenerationState, JobState
-from jobs.models import Event, Generation, Job, StepMetric, TrainingEvent
+from jobs.models import Event, Generation, Incident, Job, StepMetric, TrainingEvent
 
 
 @transaction.atomic
@@ -58,7 +58,6 @@ PROGRESS_TIMEOUT_FLOOR_S = 15
 class IngestResult:
     accepted: int
     duplicates: int
-    events_accepted: int
 
 
 def progress_timeout_s(job: Job, step_seconds: list[float]) -> float:
@@ -106,8 +105,7 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         )
         if fresh:
             _advance_progress(job, batch.generation, fresh, now, actor=actor)
-    return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh),
-                        events_accepted=len(fresh_events))
+    return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh))
 
 
 def _advance_progress(job: Job, generation: int, fresh: list, now, *, actor: str) -> None:
@@ -284,3 +282,53 @@ def rollback_to(job: Job, checkpoint, *, actor: str, reason: str, skip_data: tup
                              "skip_data": ranges, "breaker_reset_at": timezone.now(), "relaunch_after": None})
     return start_generation(job, actor=actor, reason=f"rollback to step {checkpoint.step}", restart=True,
                             resume_from=served, resume=resume)
+
+
+# --- goodput --------------------------------------------------------------------------------
+
+def goodput_of(job: Job, *, now=None):
+    """The job's ETTR and badput by kind, from recorded facts (``jobs.goodput.compute``).
+
+    Wall time runs from the first generation's start to now (or to the end of a finished job);
+    paused time inside an incident is taken from the job's ``paused`` state events.
+    """
+    from django.db.models import Sum
+
+    from checkpoints.models import Checkpoint
+    from jobs.goodput import Goodput, IncidentTimes, compute
+
+    first = Generation.objects.filter(job=job).order_by("number").first()
+    if first is None:
+        return Goodput(wall_s=0.0, productive_s=0.0, badput_s={})
+    end = job.state_changed_at if job.is_terminal else (now or timezone.now())
+    paused = _paused_spans(job, end)
+    incidents = [
+        IncidentTimes(fault_at=i.fault_at, detected_at=i.detected_at, first_step_at=i.first_step_at,
+                      lost_steps=i.lost_steps,
+                      paused_s=sum(_overlap(span, (i.detected_at, i.first_step_at or end)) for span in paused))
+        for i in Incident.objects.filter(job=job).exclude(decision="alert")
+    ]
+    phases = StepMetric.objects.filter(job=job, rank=0).order_by("-received_at").values_list("phases", flat=True)
+    step_times = [sum(p.values()) for p in phases[:200] if p]
+    blocking = Checkpoint.objects.filter(job=job).aggregate(s=Sum("blocking_s"))["s"] or 0.0
+    return compute(started_at=first.started_at, now=end, first_step_at=first.first_step_at, incidents=incidents,
+                   median_step_s=statistics.median(step_times) if step_times else 0.0,
+                   checkpoint_blocking_s=blocking)
+
+
+def _paused_spans(job: Job, end) -> list[tuple]:
+    """(entered, left) of every stay in ``paused``, from the state events."""
+    spans, entered = [], None
+    for event in Event.objects.filter(job=job, kind="job.state").order_by("created_at", "pk"):
+        if event.new_state == JobState.PAUSED and entered is None:
+            entered = event.created_at
+        elif event.old_state == JobState.PAUSED and entered is not None:
+            spans.append((entered, event.created_at))
+            entered = None
+    if entered is not None:
+        spans.append((entered, end))
+    return spans
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    return max(0.0, (min(a[1], b[1]) - max(a[0], b[0])).total_seconds())

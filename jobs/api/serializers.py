@@ -143,3 +143,11 @@ class IncidentSerializer(serializers.ModelSerializer):
                   "fault_at", "detected_at", "quiesced_at", "relaunched_at", "first_step_at", "resolved_at",
                   "lost_steps"]
         read_only_fields = fields
+
+
+class GoodputSerializer(serializers.Serializer):
+    ettr = serializers.FloatField(help_text="Productive training time / wall time.")
+    wall_s = serializers.FloatField()
+    productive_s = serializers.FloatField()
+    badput_s = serializers.DictField(child=serializers.FloatField(),
+                                     help_text="startup, detection, restart, paused, lost_work, checkpoint_stall")

@@ -11,6 +11,7 @@ urlpatterns = [
     path("jobs/<int:pk>/approve", views.JobApprove.as_view(), name="job-approve"),
     path("jobs/<int:pk>/rollback", views.JobRollback.as_view(), name="job-rollback"),
     path("jobs/<int:pk>/incidents", views.JobIncidents.as_view(), name="job-incidents"),
+    path("jobs/<int:pk>/goodput", views.JobGoodput.as_view(), name="job-goodput"),
     path("jobs/<int:pk>/generations", views.JobGenerations.as_view(), name="job-generations"),
     path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),
     path("jobs/<int:pk>/control", views.JobControl.as_view(), name="job-control"),

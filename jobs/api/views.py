@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import generics, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -20,6 +20,7 @@ from jobs.api.serializers import (
     ApproveSerializer,
     EventSerializer,
     GenerationSerializer,
+    GoodputSerializer,
     IncidentSerializer,
     JobSerializer,
     JobSpecSerializer,
@@ -149,42 +150,33 @@ class _Action(APIView):
         return Response(JobSerializer(job).data)
 
 
+@extend_schema_view(post=extend_schema(request=ReasonSerializer, responses={200: JobSerializer}))
 class JobPause(_Action):
     """Checkpoint and stop the running generation; the job waits, paused, for a resume."""
 
     required = roles.OPERATE
 
-    @extend_schema(request=ReasonSerializer, responses={200: JobSerializer})
-    def post(self, request, pk):
-        return super().post(request, pk)
-
     def perform(self, job, data, actor):
         services.pause_job(job, actor=actor, reason=data["reason"])
 
 
+@extend_schema_view(post=extend_schema(request=ApproveSerializer, responses={200: JobSerializer}))
 class JobApprove(_Action):
     """On-call approves resuming a paused job (after the circuit breaker or an escalation)."""
 
     required = roles.APPROVE
     serializer_class = ApproveSerializer
 
-    @extend_schema(request=ApproveSerializer, responses={200: JobSerializer})
-    def post(self, request, pk):
-        return super().post(request, pk)
-
     def perform(self, job, data, actor):
         services.approve_resume(job, actor=actor, reason=data["reason"], force=data["force"])
 
 
+@extend_schema_view(post=extend_schema(request=RollbackSerializer, responses={200: JobSerializer}))
 class JobRollback(_Action):
     """Resume a paused job from an earlier verified checkpoint, on a new lineage branch."""
 
     required = roles.OPERATE
     serializer_class = RollbackSerializer
-
-    @extend_schema(request=RollbackSerializer, responses={200: JobSerializer})
-    def post(self, request, pk):
-        return super().post(request, pk)
 
     def perform(self, job, data, actor):
         from checkpoints.models import Checkpoint
@@ -213,3 +205,16 @@ class JobGenerations(generics.ListAPIView):
     def get_queryset(self):
         job = get_object_or_404(Job, pk=self.kwargs["pk"])
         return Generation.objects.filter(job=job).prefetch_related("nodes")
+
+
+class JobGoodput(APIView):
+    """ETTR and where the rest of the wall time went, computed from recorded incidents and steps."""
+
+    required = roles.VIEW
+
+    @extend_schema(responses={200: GoodputSerializer})
+    def get(self, request, pk):
+        result = services.goodput_of(get_object_or_404(Job, pk=pk))
+        return Response(GoodputSerializer({"ettr": result.ettr, "wall_s": result.wall_s,
+                                           "productive_s": result.productive_s,
+                                           "badput_s": result.badput_s}).data)

@@ -37,6 +37,7 @@ from agents.protocol.agent import (
     TelemetryBatch,
     parse_event_details,
 )
+from tests.waiting import wait_for
 
 
 def free_port() -> int:
@@ -46,15 +47,8 @@ def free_port() -> int:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+    """``tests.waiting.wait_for`` with this folder's positional style."""
+    return wait_for(predicate, timeout=timeout, what=what, interval=interval)
 
 
 def pid_alive(pid: int) -> bool:

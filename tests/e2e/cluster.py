@@ -13,29 +13,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from tests.conftest import free_port
+from tests.waiting import wait_for
+
+__all__ = ["Cluster", "Proc", "api", "rank_pids", "wait_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Proc:

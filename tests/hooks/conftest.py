@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,19 +20,14 @@ import pytest
 
 from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.hooks import CheckpointCommit, Control, ReportBatch
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout}s waiting for {message}")
+    """``tests.waiting.wait_for`` with this folder's positional style."""
+    return wait_for(predicate, timeout=timeout, what=message, interval=0.02)
 
 
 # -- torchrun ---------------------------------------------------------------------------------

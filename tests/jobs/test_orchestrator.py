@@ -210,3 +210,30 @@ def test_each_node_of_a_multi_node_launch_probes_the_others_first(cast):
     assert [p["address"] for p in launches["gpu-01"]["probe_peers"]] == ["10.0.0.2"]
     assert [p["address"] for p in launches["gpu-02"]["probe_peers"]] == ["10.0.0.1"]
     assert launches["gpu-01"]["rdzv_is_host"] and not launches["gpu-02"]["rdzv_is_host"]
+
+
+@pytest.mark.django_db
+def test_the_resumed_first_step_records_lost_work_and_goodput_adds_up(cast, job, api):
+    from datetime import timedelta
+
+    from jobs.models import StepMetric
+
+    t0 = timezone.now()
+    Generation.objects.filter(job=job, number=1).update(first_step=1, first_step_at=t0)
+    StepMetric.objects.bulk_create([
+        StepMetric(job=job, generation=1, rank=0, step=s, loss=1.0, world_size=2, data_cursor=8 * s,
+                   phases={"compute": 0.08, "optimizer": 0.02}, reported_at=t0, received_at=t0)
+        for s in range(1, 31)])
+    crash(job)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.record_first_step(job, 2)  # resumed from scratch (no checkpoint): all 30 steps are redone
+    incident = Incident.objects.get(job=job)
+    assert (incident.state, incident.lost_steps) == (IncidentState.RESOLVED, 30)
+
+    g = services.goodput_of(Job.objects.get(pk=job.pk), now=timezone.now() + timedelta(seconds=60))
+    assert g.badput_s["lost_work"] == pytest.approx(30 * 0.1)
+    assert sum(g.badput_s.values()) + g.productive_s == pytest.approx(g.wall_s)
+    assert 0 < g.ettr < 1
+    body = api(cast.tokens["viewer"]).get(f"/api/v1/jobs/{job.pk}/goodput").json()
+    assert set(body["badput_s"]) == {"startup", "detection", "restart", "paused", "lost_work", "checkpoint_stall"}

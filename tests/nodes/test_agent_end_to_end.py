@@ -19,6 +19,7 @@ from jobs.models import Event
 from nodes import services
 from nodes.choices import CommandState, Health, Schedulability
 from nodes.models import AgentEventRecord, GpuSample, Node, NodeCommand
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +32,7 @@ events:
 
 
 def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(predicate, timeout=timeout, what=what, interval=0.05)
 
 
 @pytest.fixture
