@@ -3,9 +3,13 @@
 # Idempotent: packages already present are left alone, so CI can call it on every run.
 #
 #   openssh-server  real sshd on loopback for the SSH transport tests (tests/agent/test_agent_ssh.py)
+#   docker-compose  validates docker-compose.yml offline (no engine needed)
+#   chromium        headless browser for the dashboard tests (driven by Playwright, never downloaded)
+#   prometheus      promtool, which checks the /metrics exposition
+#   slurm-wlm munge a real single-node Slurm cluster for the Slurm transport tests
 set -euo pipefail
 
-packages=(openssh-server docker-compose)
+packages=(openssh-server docker-compose chromium prometheus slurm-wlm munge)
 
 missing=()
 for pkg in "${packages[@]}"; do
