@@ -11,6 +11,11 @@ completely.
   to fail), exception lines and failure signatures.
 - ``stop`` sends SIGTERM to the process group, SIGKILL after the grace period, and confirms in
   /proc that every process of the generation is gone, children that left the group included.
+- Restarts are fast because nothing waits that need not: a warm launcher (``agents.launcher``,
+  torch already imported) is handed each new generation instead of a cold interpreter, and a
+  generation counts as ended as soon as torchrun has printed its failure table — by then its
+  workers are stopped and its rendezvous closed, and what is left is a torchrun tearing its
+  interpreter down (≈ 0.4 s), which the supervisor cuts short.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ log = logging.getLogger(__name__)
 
 #: The agent's own interpreter: torch is installed next to the agent on a GPU node.
 DEFAULT_TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+#: torch 2.13 shares the rendezvous store across restarts and restarted workers then dial a dead
+#: peer (see PLATFORM-NOTES). Unbuffered: a crash must not eat the last lines.
+_TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 class StaleGeneration(Exception):
@@ -58,6 +66,7 @@ class StaleGeneration(Exception):
 _RANK_LINE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXIT_LINE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 _ROOT_CAUSE = "Root Cause (first observed failure)"
+_RULE = re.compile(r"^={20,}\s*$")
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
 _ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure)\b.*)$")
 #: Exceptions of torchrun itself, which only repeat that a rank failed.
@@ -86,6 +95,8 @@ class OutputScan:
         #: (rank, line): torch prefixes an uncaught exception's lines with "[rank<N>]: ".
         self.error_lines: list[tuple[int | None, str]] = []
         self.signatures: set[str] = set()
+        #: torchrun has printed its whole failure table: everything it does after that is exiting.
+        self.table_complete = False
         self._pending: tuple[int, int] | None = None
         self._in_root_cause = False
 
@@ -102,6 +113,8 @@ class OutputScan:
             self.error_lines.append((rank, error.group(1)[:MAX_LOG_LINE]))
         if _ROOT_CAUSE in line:
             self._in_root_cause = True
+        elif self._in_root_cause and self.root_cause_rank is not None and _RULE.match(line):
+            self.table_complete = True
         elif match := _RANK_LINE.match(line):
             self._pending = (int(match.group(1)), int(match.group(2)))
         elif (match := _EXIT_LINE.match(line)) and self._pending is not None:
@@ -213,6 +226,26 @@ def _exited(proc: subprocess.Popen[bytes]) -> bool:
         return True
 
 
+def _await_exit(gen: _Generation) -> None:
+    """Block until torchrun exits (without reaping it: see ``_exited``), then tell the watcher."""
+    try:
+        os.waitid(os.P_PID, gen.proc.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # already reaped
+        pass
+    gen.over.set()
+
+
+def _dismiss(warm: subprocess.Popen[bytes]) -> None:
+    """Let an unused warm launcher go: end of input makes it exit; kill it if it does not."""
+    try:
+        if warm.stdin is not None:
+            warm.stdin.close()
+        warm.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        warm.kill()
+        warm.wait()
+
+
 def _signal_all(procs: Iterable[_Proc], sig: int) -> None:
     for proc in procs:
         try:
@@ -239,17 +272,30 @@ class _Generation:
     seen: set[_Proc] = field(default_factory=set)
     requested_stop: bool = False
     report: ExitReport | None = None
+    #: Set when torchrun exited or printed its failure table: the watcher can finish the generation.
+    over: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
+
+
+#: Command line of the warm launcher; it only replaces the default torchrun, not a custom one.
+WARM_LAUNCHER = (sys.executable, "-m", "agents.launcher")
+#: A new warm launcher is started this long after the last one was used, not at once: its
+#: imports would compete for CPU with the workers the launch just started.
+WARM_RESPAWN_DELAY_S = 5.0
 
 
 class Supervisor:
     def __init__(self, work_dir: Path, *, on_exit: Callable[[str, int, ExitReport], None],
                  torchrun: Sequence[str] = DEFAULT_TORCHRUN, log_max_bytes: int = 20 * 2**20,
-                 log_backups: int = 5, default_grace_s: float = 30.0):
+                 log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._on_exit = on_exit
         self._torchrun = list(torchrun)
+        self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
+        self._warm: subprocess.Popen[bytes] | None = None
+        self._warm_timer: threading.Timer | None = None
+        self._closed = False
         self._log_max_bytes = log_max_bytes
         self._log_backups = log_backups
         self._default_grace_s = default_grace_s
@@ -257,6 +303,8 @@ class Supervisor:
         self._running: dict[str, _Generation] = {}
         self._fence_path = self.work_dir / "generations.json"
         self._newest: dict[str, int] = json.loads(self._fence_path.read_text()) if self._fence_path.exists() else {}
+        if self._warm_enabled:
+            self._start_warm()
 
     def running(self) -> list[RunningGeneration]:
         with self._lock:
@@ -283,12 +331,15 @@ class Supervisor:
         gen_dir = self.work_dir / "jobs" / job / f"generation-{generation}"
         gen_dir.mkdir(parents=True, exist_ok=True)
         command = self._command(payload)
-        proc = subprocess.Popen(  # an argument list, never a shell
-            command, cwd=payload.workdir or gen_dir, env=self._environment(job, generation, payload, nccl_env,
-                                                                           gen_dir),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)  # own session and group: stop can signal all of it at once
-        launched = LaunchedDetail(pid=proc.pid, log_path=str(gen_dir / "torchrun.log"), command=command)
+        env = self._environment(job, generation, payload, nccl_env, gen_dir)
+        cwd = str(payload.workdir or gen_dir)
+        proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd)
+        warm = proc is not None
+        if proc is None:
+            proc = subprocess.Popen(  # an argument list, never a shell
+                command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop signals all of it at once
+        launched = LaunchedDetail(pid=proc.pid, log_path=str(gen_dir / "torchrun.log"), command=command, warm=warm)
         gen = _Generation(job=job, generation=generation, proc=proc, log_path=gen_dir / "torchrun.log",
                           launched=launched, started_at=time.time(), started_monotonic=time.monotonic())
         with self._lock:
@@ -296,7 +347,8 @@ class Supervisor:
             self._newest[job] = generation
             self._save_fences()
         threading.Thread(target=self._watch, args=(gen,), name=f"watch-{job}-{generation}", daemon=True).start()
-        log.info("job %s generation %d: torchrun started, pid %d, log %s", job, generation, proc.pid, gen.log_path)
+        log.info("job %s generation %d: torchrun started (%s), pid %d, log %s", job, generation,
+                 "warm" if warm else "cold", proc.pid, gen.log_path)
         return launched
 
     def stop(self, job: str, generation: int, grace_s: float | None = None) -> ExitReport | None:
@@ -323,8 +375,54 @@ class Supervisor:
     def shutdown(self, grace_s: float | None = None) -> None:
         with self._lock:
             running = [(g.job, g.generation) for g in self._running.values()]
+            self._closed = True
+            timer, warm, self._warm_timer, self._warm = self._warm_timer, self._warm, None, None
+        if timer is not None:
+            timer.cancel()
+        if warm is not None:
+            _dismiss(warm)
         for job, generation in running:
             self.stop(job, generation, grace_s)
+
+    # --- the warm launcher -----------------------------------------------------------------------
+
+    def _start_warm(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTWATCH_")}
+        env.update(_TORCHRUN_ENV)
+        with self._lock:
+            self._warm_timer = None
+            if self._closed or self._warm is not None:
+                return
+            try:
+                self._warm = subprocess.Popen(
+                    WARM_LAUNCHER, cwd=self.work_dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError:
+                log.exception("cannot start a warm launcher; generations start cold")
+
+    def _hand_to_warm(self, args: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes] | None:
+        """The warm launcher, now running ``args``; None when there is none ready (start cold)."""
+        if not self._warm_enabled:
+            return None
+        with self._lock:
+            warm, self._warm = self._warm, None
+            if not self._closed and self._warm_timer is None:
+                self._warm_timer = threading.Timer(WARM_RESPAWN_DELAY_S, self._start_warm)
+                self._warm_timer.daemon = True
+                self._warm_timer.start()
+        if warm is None or warm.poll() is not None:
+            if warm is not None:
+                log.warning("the warm launcher had exited (%s); starting this generation cold", warm.returncode)
+            return None
+        assert warm.stdin is not None  # started with stdin=PIPE
+        try:
+            warm.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd}).encode() + b"\n")
+            warm.stdin.close()
+        except OSError:
+            log.warning("the warm launcher did not take the launch; starting this generation cold")
+            _dismiss(warm)
+            return None
+        return warm
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -361,20 +459,20 @@ class Supervisor:
                  "NIGHTWATCH_RESUME_FROM": p.resume_from, "NIGHTWATCH_SPOOL_DIR": str(gen_dir / "spool"),
                  "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None}
         env.update({k: v for k, v in hooks.items() if v is not None})
-        # torch 2.13 shares the rendezvous store across restarts and restarted workers then dial
-        # a dead peer; see PLATFORM-NOTES. Unbuffered: a crash must not eat the last lines.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        env["PYTHONUNBUFFERED"] = "1"
+        env.update(_TORCHRUN_ENV)
         return env
 
     def _watch(self, gen: _Generation) -> None:
         pump = threading.Thread(target=self._pump_output, args=(gen,), name=f"log-{gen.job}", daemon=True)
         pump.start()
-        while not _exited(gen.proc):
+        threading.Thread(target=_await_exit, args=(gen,), name=f"exit-{gen.job}", daemon=True).start()
+        while not gen.over.wait(0.5):
             self._refresh_family(gen)
-            time.sleep(0.5)
-        # torchrun is gone; whatever of its family is left (a rank that ignored SIGTERM, a
-        # grandchild that setsid'd away) belongs to a finished generation and must not linger.
+        if not _exited(gen.proc):
+            log.info("job %s generation %d: torchrun printed its failure table; not waiting for it to exit",
+                     gen.job, gen.generation)
+        # torchrun is done; whatever of its family is left (torchrun tearing down, a rank that
+        # ignored SIGTERM, a grandchild that setsid'd away) belongs to a finished generation.
         self._kill_family(gen)
         gen.proc.wait()  # reap only now: see _exited
         pump.join(timeout=5.0)
@@ -407,6 +505,8 @@ class Supervisor:
                 handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
                 gen.tail.append(line[:MAX_LOG_LINE])
                 gen.scan.feed(line)
+                if gen.scan.table_complete:
+                    gen.over.set()
         finally:
             handler.close()
             stream.close()

@@ -392,8 +392,10 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, kee
             "checkpoint_step": checkpoint.step, "detected": True,
             "detection_s": round(at["detected"], 3), "recovery_s": round(first[0] - fault_at, 3),
             "quiesced_s": round(at["quiesced"], 3), "relaunched_s": round(at["relaunched"], 3),
-            "torchrun_spawned_s": round(restarted["torchrun"] - fault_at, 3) if restarted and restarted["torchrun"]
-            else None,
+            # A torchrun started before the fault is the agent's warm launcher, handed the relaunch.
+            "warm_launcher": bool(restarted and restarted["torchrun"] and restarted["torchrun"] < fault_at),
+            "torchrun_spawned_s": round(restarted["torchrun"] - fault_at, 3)
+            if restarted and restarted["torchrun"] and restarted["torchrun"] >= fault_at else None,
             "workers_spawned_s": round(restarted["workers"] - fault_at, 3) if restarted else None,
             "first_step_reported_s": round(reported[0].timestamp() - fault_at, 3) if reported else None,
             "first_step_received_s": round(generation.first_step_at.timestamp() - fault_at, 3),

@@ -55,6 +55,9 @@ class AgentConfig:
     probe_port: int = 29510
     probe_host: str = "0.0.0.0"
     torchrun: list[str] = field(default_factory=list)
+    #: Keep one torchrun launcher with torch already imported for the next generation (≈ 1 s
+    #: faster restarts, one idle interpreter's memory). Only with the default ``torchrun``.
+    warm_launcher: bool = True
     stop_grace_s: float = 30.0
     #: Stop the jobs this agent runs when it exits: a new agent could not supervise them.
     stop_jobs_on_exit: bool = True

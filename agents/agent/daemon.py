@@ -68,7 +68,7 @@ class Agent:
         self.supervisor = Supervisor(config.work_dir / "supervisor", on_exit=self._on_exit,
                                      torchrun=config.torchrun or DEFAULT_TORCHRUN,
                                      log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-                                     default_grace_s=config.stop_grace_s)
+                                     default_grace_s=config.stop_grace_s, warm_launcher=config.warm_launcher)
         self.outbox = Outbox(config.work_dir / "spool.sqlite3", max_records=config.spool_max_records)
         self.samples_taken = 0
         self.credentials: NodeCredentials | None = None

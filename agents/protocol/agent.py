@@ -458,6 +458,8 @@ class LaunchedDetail:
     pid: int = field(min=1)
     log_path: str = field(max_len=1024)
     command: list[str] = field(default_factory=list, max_len=512)
+    #: Started by the node's warm launcher (torch already imported), not a cold interpreter.
+    warm: bool = False
 
 
 @dataclass(frozen=True)

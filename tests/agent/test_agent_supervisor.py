@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agents.protocol.agent import ExitReport, LaunchPayload
+from agents import supervisor as supervisor_module
+from agents.protocol.agent import ExitReport, LaunchedDetail, LaunchPayload
 from agents.supervisor import OutputScan, StaleGeneration, Supervisor, attach_xids, classify_exit
 
 pytestmark = pytest.mark.e2e
@@ -118,6 +120,71 @@ def test_an_older_generation_is_refused(tmp_path: Path, train_script: Path) -> N
         sup.stop("job", 4)
     assert sup.stop("job", 5) is None  # the current generation, not running here: nothing to do
     assert sup.running() == []
+    sup.shutdown()
+
+
+def test_generations_start_in_the_warm_launcher_and_cold_without_it(
+        tmp_path: Path, train_script: Path, exits: queue.Queue[Any], rank_info: Callable[..., Any],
+        wait_until: Callable[..., Any], free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor_module, "WARM_RESPAWN_DELAY_S", 0.1)
+
+    def run(sup: Supervisor, generation: int) -> tuple[LaunchedDetail, dict[str, Any]]:
+        out = tmp_path / f"out-{sup.work_dir.name}-{generation}"
+        out.mkdir()
+        payload = LaunchPayload(script=str(train_script), args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
+                                node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"g{generation}",
+                                nccl_env={"NCCL_DEBUG": "INFO"}, hooks_url="http://cp:8000", hooks_token="t0k")
+        detail = sup.launch("job", generation, payload)
+        info = wait_until(lambda: rank_info(out, 1), 60, "rank 1 to start")
+        assert sup.stop("job", generation, grace_s=5.0).requested_stop
+        return detail, info["env"]
+
+    warm = Supervisor(tmp_path / "warm", on_exit=lambda *a: exits.put(a))
+    try:
+        first, env = run(warm, 1)
+        # The next one too: a fresh launcher replaced the one the first generation used.
+        second, _ = run(warm, 2)
+    finally:
+        warm.shutdown(grace_s=2.0)
+    assert first.warm and second.warm and first.pid != second.pid
+    # The warm launcher became exactly the generation a cold start would have run.
+    assert env["NIGHTWATCH_GENERATION"] == "1" and env["NIGHTWATCH_TOKEN"] == "t0k" and env["NCCL_DEBUG"] == "INFO"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+    cold = Supervisor(tmp_path / "cold", on_exit=lambda *a: exits.put(a), warm_launcher=False)
+    try:
+        detail, env = run(cold, 1)
+    finally:
+        cold.shutdown(grace_s=2.0)
+    assert not detail.warm and env["NIGHTWATCH_GENERATION"] == "1"
+
+
+LINGERING_TORCHRUN = """\
+import time
+for line in ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+             "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+             "  exitcode  : -9 (pid: 4242)  (SIGKILL)", "=" * 54]:
+    print(line, flush=True)
+time.sleep(120)  # a torchrun whose interpreter takes its time to tear down
+"""
+
+
+def test_a_generation_ends_when_torchrun_has_printed_its_failure_table(
+        tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool]) -> None:
+    fake = tmp_path / "torchrun.py"
+    fake.write_text(LINGERING_TORCHRUN)
+    sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report),
+                     torchrun=[sys.executable, str(fake)])
+    try:
+        payload = LaunchPayload(script="train.py", nnodes=1, nproc_per_node=2, node_rank=0,
+                                rdzv_endpoint="127.0.0.1:1", rdzv_id="x")
+        detail = sup.launch("job", 1, payload)
+        report = exits.get(timeout=20)  # not after the 120 s the fake torchrun would take
+    finally:
+        sup.shutdown(grace_s=1.0)
+    assert not detail.warm  # a custom torchrun is never replaced by the warm launcher
+    assert report.root_cause_rank == 1 and report.signature == "signal" and not report.requested_stop
+    assert report.runtime_s < 20 and not pid_alive(detail.pid)
 
 
 # --- reading the output, without processes -------------------------------------------------------

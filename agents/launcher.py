@@ -1,0 +1,53 @@
+"""A warm ``torchrun``: an interpreter that has already imported torch and waits for its launch.
+
+A cold ``python -m torch.distributed.run`` spends about a second starting Python and importing
+torch before it does anything; plain ``torchrun --max-restarts`` pays that once per job, because
+it restarts workers inside the process it already has. Nightwatch starts a new torchrun for every
+generation (restarts are its decision, not torchrun's), so the supervisor keeps one of these
+waiting per node and hands it the next generation's command line instead.
+
+Protocol, over the standard input the supervisor gave it (never anything else):
+
+- one JSON line ``{"args": [...], "env": {...}, "cwd": "..."}``; the process then *becomes*
+  ``python -m torch.distributed.run ARGS`` with exactly that environment and directory, running the
+  module as ``__main__`` so its behaviour, output and exit status are a cold start's;
+- end of input instead (the supervisor went away or does not need it): exit 0.
+
+It is started in its own session, so its process group is the generation's, as for a cold start.
+Variables that torch reads at import time come from the agent's environment, as they would for a
+torchrun the agent started itself; the job's NCCL profile is read by the workers, which torchrun
+starts after the environment was set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+import torch.distributed.run  # noqa: F401  (the point: pay for the import before a launch needs it)
+
+
+def _become(request: dict) -> None:
+    os.chdir(request["cwd"])
+    os.environ.clear()  # os.environ writes through to the C environment that workers inherit
+    os.environ.update(request["env"])
+    # The workers must not inherit the request pipe: nothing reads a rank's standard input.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.argv = ["torchrun", *request["args"]]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
+def main() -> int:
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    _become(json.loads(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
