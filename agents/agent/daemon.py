@@ -74,6 +74,8 @@ class Agent:
         self.credentials: NodeCredentials | None = None
         self.draining = False
         self._stopping = threading.Event()
+        #: Cuts the loop's tick short: an exit report should not wait for the next tick.
+        self._wake = threading.Event()
         self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._seq = 0
         self._decision_expected_until = 0.0
@@ -85,6 +87,7 @@ class Agent:
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
         self._stopping.set()
+        self._wake.set()
 
     def run(self) -> int:
         """Until ``stop()``; the process exit status (2: registration refused)."""
@@ -177,7 +180,8 @@ class Agent:
                     flush_backoff = min(flush_backoff * 2, creds.heartbeat_interval_s)
                     next_flush = now + flush_backoff
                     self._set_reachable(False, str(exc))
-            self._stopping.wait(TICK_S)
+            if self._wake.wait(TICK_S):
+                self._wake.clear()
 
     def _heartbeat(self, creds: NodeCredentials) -> None:
         self._seq += 1
@@ -293,6 +297,7 @@ class Agent:
             # The control plane is deciding what this node runs next (usually a relaunch within a
             # second): ask for it quickly for a while rather than a whole heartbeat later.
             self._decision_expected_until = time.monotonic() + DECISION_WINDOW_S
+        self._wake.set()
 
     # --- shutdown ------------------------------------------------------------------------------
 
