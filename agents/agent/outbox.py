@@ -86,26 +86,40 @@ class Outbox:
                 if record[1] != kind or len(run) == _BATCH_LIMITS[kind]:
                     break
                 run.append(record)
-            bodies = [body for _, _, body in run]
-            if kind == TELEMETRY:
-                status, answer = client.request("POST", TELEMETRY_PATH.format(node_id=node_id), {"samples": bodies})
-            elif kind == EVENT:
-                status, answer = client.request("POST", EVENTS_PATH.format(node_id=node_id), {"events": bodies})
-            else:
-                ack = parse(CommandAck, bodies[0])
-                status, answer = client.request(
-                    "POST", ACK_PATH.format(node_id=node_id, command_id=ack.command_id), bodies[0])
-                if status == 409:
-                    on_stale_ack(ack)
-            if status in (401, 403):
-                raise AuthRejected(f"control plane refused the node token ({status}): {answer}")
-            if status >= 400 and not (kind == ACK and status == 409):
-                # Re-sending a message the server judged malformed would block everything behind it.
-                log.error("control plane refused %d %s record(s) with %d: %s; dropping them",
-                          len(run), kind, status, answer)
-            self.spool.ack(run[-1][0])
-            delivered += len(run)
+            delivered += self._deliver(client, node_id, kind, run, on_stale_ack)
         return delivered
+
+    def _deliver(self, client: ControlPlaneClient, node_id: str, kind: str, run: list,
+                 on_stale_ack: Callable[[CommandAck], None]) -> int:
+        """Send ``run`` (records of one kind, in order) and forget what the control plane decided on.
+
+        A batch the control plane refuses as malformed is split in halves until the refused
+        records are alone: one bad record must not take a whole batch of good ones with it.
+        """
+        bodies = [body for _, _, body in run]
+        if kind == TELEMETRY:
+            status, answer = client.request("POST", TELEMETRY_PATH.format(node_id=node_id), {"samples": bodies})
+        elif kind == EVENT:
+            status, answer = client.request("POST", EVENTS_PATH.format(node_id=node_id), {"events": bodies})
+        else:
+            ack = parse(CommandAck, bodies[0])
+            status, answer = client.request(
+                "POST", ACK_PATH.format(node_id=node_id, command_id=ack.command_id), bodies[0])
+            if status == 409:
+                on_stale_ack(ack)
+        if status in (401, 403):
+            raise AuthRejected(f"control plane refused the node token ({status}): {answer}")
+        if status >= 400 and not (kind == ACK and status == 409):
+            if len(run) > 1:
+                half = len(run) // 2
+                return (self._deliver(client, node_id, kind, run[:half], on_stale_ack)
+                        + self._deliver(client, node_id, kind, run[half:], on_stale_ack))
+            # Re-sending a message the server judged malformed would block everything behind it.
+            log.error("control plane refused a %s record with %d: %s; dropping it", kind, status, answer)
+            self.spool.ack(run[-1][0])
+            return 0
+        self.spool.ack(run[-1][0])
+        return len(run)
 
     def __len__(self) -> int:
         return len(self.spool)
