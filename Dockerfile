@@ -1,4 +1,11 @@
 # The control-plane image: web (ASGI), worker and beat run from it with different commands.
+
+# The dashboard's browser libraries, from the lockfile (served by whitenoise, never from a CDN).
+FROM node:20-slim AS frontend
+WORKDIR /frontend
+COPY dashboard/frontend/package.json dashboard/frontend/package-lock.json ./
+RUN npm ci --omit=dev
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
@@ -15,6 +22,9 @@ COPY controlplane controlplane
 COPY jobs jobs
 COPY nodes nodes
 COPY checkpoints checkpoints
+COPY alerts alerts
+COPY dashboard dashboard
+COPY --from=frontend /frontend/node_modules dashboard/frontend/node_modules
 COPY templates templates
 COPY manage.py ./
 # The CPU build of torch is enough for the control plane (it only loads checkpoints to test them).

@@ -12,12 +12,14 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nightwatch
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint system-deps services clean
+.PHONY: demo test lint system-deps services clean bench bench-quick
 
-$(INSTALLED): pyproject.toml
+$(INSTALLED): pyproject.toml dashboard/frontend/package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[server,train,dev]'
+	# The dashboard's chart library (uPlot), exactly as locked; served by Django as static files.
+	cd dashboard/frontend && npm ci --no-audit --no-fund
 	touch $@
 
 demo: $(INSTALLED)
@@ -36,5 +38,24 @@ lint: $(INSTALLED)
 test: $(INSTALLED) system-deps services lint
 	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
+# Every benchmark of bench/ in sequence (see ../shared/BENCHMARKS.md), then the report under
+# docs/benchmarks/. The plots need the `bench` extra (matplotlib), installed here only.
+BENCHMARKS := ckpt_blocking hook_overhead ingest recovery live_push chaos
+BENCH_ARGS ?=
+
+$(VENV)/.bench-installed: $(INSTALLED)
+	$(BIN)/pip install -q -e '.[server,train,dev,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed services
+	set -e; for name in $(BENCHMARKS); do \
+		if [ -f bench/$$name.py ]; then echo "== bench.$$name $(BENCH_ARGS)"; $(BIN)/python -m bench.$$name $(BENCH_ARGS); \
+		else echo "== bench.$$name: not in this checkout, skipped"; fi; \
+	done
+	$(BIN)/python -m bench.report
+
+bench-quick:
+	$(MAKE) bench BENCH_ARGS=--quick
+
 clean:
-	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache
+	rm -rf $(VENV) var staticfiles .pytest_cache .ruff_cache dashboard/frontend/node_modules

@@ -43,6 +43,9 @@ def render(results: list[dict]) -> str:
     machines = {json.dumps(r["machine"], sort_keys=True) for r in results}
     lines += ["", "Machines:", ""]
     lines += [f"- `{m}`" for m in sorted(machines)]
+    reports = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")  # e.g. chaos.md, recovery.md
+    if reports:
+        lines += ["", "Detailed reports: " + ", ".join(f"[{name[:-3]}]({name})" for name in reports) + "."]
     lines += ["", "Details (raw figures) are in each benchmark's JSON under `bench/results/` when it is rerun.", ""]
     return "\n".join(lines)
 

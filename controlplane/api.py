@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from rest_framework import exceptions, parsers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 
@@ -42,8 +43,8 @@ def idempotent(request, perform: Callable[[], Response]) -> Response:
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is None:
         return perform()
-    if not key or len(key) > MAX_KEY_LENGTH:
-        raise Unprocessable(f"{IDEMPOTENCY_HEADER} must be 1-{MAX_KEY_LENGTH} characters.")
+    if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise Unprocessable(f"{IDEMPOTENCY_HEADER} must be 1-{MAX_KEY_LENGTH} printable characters.")
     owner = _owner(request)
     digest = hashlib.sha256(json.dumps(request.data, sort_keys=True, default=str).encode()).hexdigest()
     ttl = timedelta(seconds=settings.NIGHTWATCH["IDEMPOTENCY_TTL_S"])
@@ -93,3 +94,87 @@ def require_node_of_job(request, job) -> None:
     node = calling_node(request)
     if node is None or not job.generations.filter(nodes=node).exists():
         raise PermissionDenied("This node runs no generation of this job.")
+
+
+def choices_param(params, name: str, allowed) -> list[str] | None:
+    """A comma-separated filter of enum values (``?state=running,paused``); an unknown value is a 400
+    naming it, never an empty page that looks like "nothing matched"."""
+    from rest_framework.exceptions import ValidationError
+
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    values = raw.split(",")
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ValidationError({name: [f"unknown value {unknown[0]!r}; use one of {', '.join(sorted(allowed))}"]})
+    return values
+
+
+def int_param(params, name: str, *, minimum: int = 0) -> int | None:
+    """An integer query filter; anything else is a 400 naming the parameter."""
+    from rest_framework.exceptions import ValidationError
+
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValidationError({name: ["must be an integer"]}) from None
+    if value < minimum or value > 2**63 - 1:
+        raise ValidationError({name: [f"must be between {minimum} and {2**63 - 1}"]})
+    return value
+
+
+def datetime_param(params, name: str):
+    """An ISO 8601 timestamp filter (``?since=2026-11-30T18:00:00Z``)."""
+    from django.utils.dateparse import parse_datetime
+    from rest_framework.exceptions import ValidationError
+
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = parse_datetime(raw)
+    except ValueError:
+        value = None
+    if value is None:
+        raise ValidationError({name: ["must be an ISO 8601 date and time, e.g. 2026-11-30T18:00:00Z"]})
+    if timezone.is_naive(value):
+        value = timezone.make_aware(value, UTC)
+    return value
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser, refusing text PostgreSQL cannot store: a lone UTF-16 surrogate (``"\\udb8e"``
+    is valid JSON, but no UTF-8) would otherwise pass validation and fail as a 500 on save."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        data = super().parse(stream, media_type, parser_context)
+        if (where := _unencodable(data)) is not None:
+            raise exceptions.ParseError(f"JSON parse error - {where or 'the body'} holds a lone surrogate "
+                                        "(\\ud800-\\udfff), which is not text.")
+        return data
+
+
+def _unencodable(value, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) that is not valid Unicode text, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{path}.{key}" if path else str(key)
+            if _unencodable(key) is not None:
+                return path or "a key"
+            if (found := _unencodable(item, name)) is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (found := _unencodable(item, f"{path}.{index}" if path else str(index))) is not None:
+                return found
+    return None

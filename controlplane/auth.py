@@ -8,15 +8,31 @@ grants, never more than its owner's role. Views declare the capability each meth
 
 from __future__ import annotations
 
+from django.conf import settings
+from django.core.cache import cache
 from django.utils import timezone
-from rest_framework import authentication, exceptions, permissions
+from rest_framework import authentication, exceptions, permissions, throttling
 
 from controlplane import roles
 from controlplane.models import ApiToken, hash_token
 
+AUTH_FAILURE_WINDOW_S = 60
+
+
+def client_address(request) -> str:
+    return request.META.get("REMOTE_ADDR") or "unknown"
+
+
+def _failure_key(request) -> str:
+    return f"auth-failures:{client_address(request)}"
+
 
 class TokenAuthentication(authentication.BaseAuthentication):
-    """``Authorization: Bearer nw_…``. Sets ``request.auth`` to the ApiToken."""
+    """``Authorization: Bearer nw_…``. Sets ``request.auth`` to the ApiToken.
+
+    An address that fails ``AUTH_FAILURES_PER_MINUTE`` times is answered 429 for the rest of the
+    minute, whatever it sends: guessing tokens is slow, and a locked-out address learns nothing.
+    """
 
     keyword = "Bearer"
 
@@ -24,6 +40,17 @@ class TokenAuthentication(authentication.BaseAuthentication):
         header = authentication.get_authorization_header(request).split()
         if not header or header[0].lower() != self.keyword.lower().encode():
             return None
+        limit = settings.NIGHTWATCH["AUTH_FAILURES_PER_MINUTE"]
+        if (cache.get(_failure_key(request)) or 0) >= limit:
+            raise exceptions.Throttled(AUTH_FAILURE_WINDOW_S, detail=f"Too many failed authentications from "
+                                                                     f"this address (limit {limit} a minute).")
+        try:
+            return self._authenticate(header)
+        except exceptions.AuthenticationFailed:
+            _count_failure(request)
+            raise
+
+    def _authenticate(self, header):
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Malformed Authorization header: expected 'Bearer <token>'.")
         try:
@@ -45,6 +72,36 @@ class TokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request):
         return self.keyword
+
+
+def _count_failure(request) -> None:
+    key = _failure_key(request)
+    if not cache.add(key, 1, timeout=AUTH_FAILURE_WINDOW_S):
+        try:
+            cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.add(key, 1, timeout=AUTH_FAILURE_WINDOW_S)
+
+
+class AgentThrottle(throttling.SimpleRateThrottle):
+    """Per node token: a runaway agent (a retry loop, a replayed spool) cannot flood the ingest path."""
+
+    scope = "agent"
+
+    def get_cache_key(self, request, view):
+        token = getattr(request, "auth", None)
+        if not isinstance(token, ApiToken):
+            return None
+        return self.cache_format % {"scope": self.scope, "ident": f"token-{token.pk}"}
+
+
+class RegisterThrottle(throttling.SimpleRateThrottle):
+    """Per address: bootstrap tokens are one-time, but guessing them should still be slow."""
+
+    scope = "register"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": self.scope, "ident": client_address(request)}
 
 
 def capabilities(request) -> set[str]:

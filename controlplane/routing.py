@@ -1,3 +1,11 @@
 """WebSocket routes; each app contributes its consumers here."""
 
-websocket_urlpatterns: list = []
+from django.urls import path
+
+from dashboard import consumers
+
+websocket_urlpatterns: list = [
+    path("ws/dashboard/overview/", consumers.OverviewConsumer.as_asgi()),
+    path("ws/dashboard/jobs/<int:job_id>/", consumers.JobConsumer.as_asgi()),
+    path("ws/dashboard/nodes/", consumers.NodesConsumer.as_asgi()),
+]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dj_database_url
 
+from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
 from controlplane.env import env_bool, env_int, env_list, env_secret, env_str
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
@@ -63,10 +64,14 @@ INSTALLED_APPS = [
     "jobs",
     "nodes",
     "checkpoints",
+    "alerts",
+    "dashboard",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.middleware.RequestContextMiddleware",
+    "controlplane.middleware.ApiBoundaryMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -121,8 +126,11 @@ REDIS_URL = env_str("REDIS_URL")
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+    # redis-py 8 times a read out after 5 s by default, exactly channels-redis's BZPOPMIN wait: an idle
+    # consumer's receive then fails with TimeoutError and its WebSocket dies. Give reads more room.
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                    "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]}}
     }
 else:
     # kombu's filesystem transport: a directory both the web process and the worker can reach.
@@ -144,6 +152,16 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# Keep LOGGING below (JSON lines with job/node ids) in the worker too, instead of Celery's own format.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# The cache holds rate-limit counters: in Redis when there is one, so that every web process
+# counts together; otherwise per process.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": "nightwatch"}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 # Periodic one-shots. The sweeper finds hung generations and finishes recoveries a dead worker
 # left half-done; its period bounds how late a hang is noticed after its progress deadline.
 SWEEP_INTERVAL_S = float(env_str("NIGHTWATCH_SWEEP_INTERVAL_S", "2"))
@@ -151,6 +169,7 @@ CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
     **NODES_BEAT_SCHEDULE,
     **CHECKPOINTS_BEAT_SCHEDULE,
+    **ALERTS_BEAT_SCHEDULE,
 }
 
 # --- Auth, API ------------------------------------------------------------------------------
@@ -158,7 +177,9 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -167,11 +188,16 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.auth.Requires"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["controlplane.api.JSONParser"],
     "DEFAULT_PAGINATION_CLASS": "controlplane.api.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "controlplane.problems.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.schema.AutoSchema",
+    # Per node token on the agent endpoints, per address on registration (controlplane.auth).
+    "DEFAULT_THROTTLE_RATES": {
+        "agent": env_str("NIGHTWATCH_AGENT_RATE", "1200/min"),
+        "register": env_str("NIGHTWATCH_REGISTER_RATE", "60/min"),
+    },
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
@@ -183,7 +209,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    "ENUM_NAME_OVERRIDES": {"CheckpointStateEnum": "checkpoints.choices.CheckpointState"},
+    "ENUM_NAME_OVERRIDES": {"CheckpointStateEnum": "checkpoints.choices.CheckpointState",
+                            "IncidentKindEnum": "jobs.choices.IncidentKind",
+                            "IncidentStateEnum": "jobs.choices.IncidentState",
+                            "AlertSeverityEnum": "alerts.choices.Severity"},
 }
 
 # --- Static files, i18n ---------------------------------------------------------------------
@@ -192,6 +221,10 @@ STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
 if not PRODUCTION:
     STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root
 STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
+# The dashboard's chart library, installed by `npm ci` from dashboard/frontend/package-lock.json.
+UPLOT_DIST = BASE_DIR / "dashboard" / "frontend" / "node_modules" / "uplot" / "dist"
+if UPLOT_DIST.is_dir():
+    STATICFILES_DIRS.append(("vendor/uplot", UPLOT_DIST))
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
@@ -209,6 +242,8 @@ USE_TZ = True
 # --- Security -------------------------------------------------------------------------------
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
+# Sent with every API and /metrics response (controlplane.middleware): they are data, never pages.
+NIGHTWATCH_API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 4 * 1024 * 1024)
@@ -226,14 +261,28 @@ if PRODUCTION:
 SILENCED_SYSTEM_CHECKS = env_list("SILENCED_SYSTEM_CHECKS")
 
 # --- Logging --------------------------------------------------------------------------------
+# JSON lines (controlplane.logs) carrying job, generation, node and incident ids; LOG_FORMAT=plain for people.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+                   "json": {"()": "controlplane.logs.ControlPlaneJsonFormatter", "service": "control-plane"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": env_str("LOG_FORMAT", "json")}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
+
+# --- Email (alert channels send through Django's mail backend) -----------------------------
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend" if env_str("EMAIL_HOST")
+                        else "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_secret("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "nightwatch@localhost")
 
 # --- Nightwatch -----------------------------------------------------------------------------
 NIGHTWATCH = {
@@ -265,4 +314,52 @@ NIGHTWATCH = {
     # Blamed this many times within the window, a node is a lemon: drained until cleared.
     "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),
     "LEMON_WINDOW_S": env_int("NIGHTWATCH_LEMON_WINDOW_S", 7 * 24 * 3600),
+    # Paging (alerts app, docs/alerting.md): follow-ups of one alert at most once per interval;
+    # notifications (never pages) capped per channel and hour; delivery retries with backoff.
+    "ALERTS": {
+        "UPDATE_INTERVAL_S": env_int("NIGHTWATCH_ALERTS_UPDATE_INTERVAL_S", 300),
+        "CHANNEL_MAX_PER_HOUR": env_int("NIGHTWATCH_ALERTS_CHANNEL_MAX_PER_HOUR", 60),
+        "MAX_ATTEMPTS": env_int("NIGHTWATCH_ALERTS_MAX_ATTEMPTS", 6),
+        "RETRY_BASE_S": env_int("NIGHTWATCH_ALERTS_RETRY_BASE_S", 10),
+        "RETRY_MAX_S": env_int("NIGHTWATCH_ALERTS_RETRY_MAX_S", 600),
+        "REDISPATCH_GRACE_S": env_int("NIGHTWATCH_ALERTS_REDISPATCH_GRACE_S", 60),
+        # Plain-http webhook URLs (fine on a private network, and for the tests' loopback receiver).
+        "ALLOW_HTTP": env_bool("NIGHTWATCH_ALERTS_ALLOW_HTTP", not PRODUCTION),
+    },
+    # Efficiency watch (alerts.efficiency): MFU margin, utilisation floor, downtime ceiling, prices.
+    "EFFICIENCY": {
+        "MFU_MARGIN": float(env_str("NIGHTWATCH_MFU_MARGIN", "0.2")),
+        "CPU_PEAK_TFLOPS": float(env_str("NIGHTWATCH_CPU_PEAK_TFLOPS", "0.1")),
+        "GPU_UTILIZATION_MIN_PCT": float(env_str("NIGHTWATCH_GPU_UTILIZATION_MIN_PCT", "50")),
+        "UTILIZATION_WINDOW_S": env_int("NIGHTWATCH_UTILIZATION_WINDOW_S", 300),
+        "DOWNTIME_RATIO_MAX": float(env_str("NIGHTWATCH_DOWNTIME_RATIO_MAX", "0.05")),
+        "DOWNTIME_MIN_WALL_S": env_int("NIGHTWATCH_DOWNTIME_MIN_WALL_S", 600),
+        "DEFAULT_PRICE_PER_GPU_HOUR": float(env_str("NIGHTWATCH_PRICE_PER_GPU_HOUR", "2.0")),
+        "POOL_PRICES": {},  # pool -> price per GPU-hour; PoolPrice rows (admin, API) take precedence
+        "CURRENCY": env_str("NIGHTWATCH_CURRENCY", "USD"),
+    },
+    # Slurm transport (docs/slurm.md): off unless enabled; then Slurm nodes are mirrored and
+    # jobs placed on them run as batch jobs.
+    "SLURM": {
+        "ENABLED": env_bool("NIGHTWATCH_SLURM_ENABLED", False),
+        "CLUSTER": env_str("NIGHTWATCH_SLURM_CLUSTER", "default"),
+        "PARTITION": env_str("NIGHTWATCH_SLURM_PARTITION") or None,
+        # Directory of the Slurm client commands; empty = found on PATH.
+        "BIN_DIR": env_str("NIGHTWATCH_SLURM_BIN_DIR"),
+        # Seconds one Slurm command may take before it counts as "Slurm is down".
+        "COMMAND_TIMEOUT_S": env_int("NIGHTWATCH_SLURM_COMMAND_TIMEOUT_S", 30),
+        # The longest back-off between tries while the controller does not answer.
+        "MAX_BACKOFF_S": env_int("NIGHTWATCH_SLURM_MAX_BACKOFF_S", 300),
+        # The interpreter with torch on the compute nodes, and the directory entrypoints resolve in.
+        "PYTHON": env_str("NIGHTWATCH_SLURM_PYTHON") or None,
+        "WORKDIR": env_str("NIGHTWATCH_SLURM_WORKDIR") or None,
+        # Batch output, read back for exit evidence (a directory shared with the nodes).
+        "LOG_DIR": env_str("NIGHTWATCH_SLURM_LOG_DIR", str(VAR_DIR / "slurm")),
+        # Extra sbatch options, e.g. "--account=ml,--qos=high".
+        "SBATCH_ARGS": env_list("NIGHTWATCH_SLURM_SBATCH_ARGS"),
+    },
+    # Failed token authentications one address may make per minute before it is answered 429.
+    "AUTH_FAILURES_PER_MINUTE": env_int("NIGHTWATCH_AUTH_FAILURES_PER_MINUTE", 30),
+    # /metrics: a token with the view capability, or a scraper from one of these networks (CIDRs).
+    "METRICS_NETWORKS": env_list("NIGHTWATCH_METRICS_NETWORKS"),
 }

@@ -3,21 +3,28 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from controlplane import health
+from controlplane.metrics import metrics_view
 from controlplane.problems import json_problem_view
+from controlplane.tokens import TokenRotate
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", metrics_view, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),
+    path("api/v1/tokens/rotate", TokenRotate.as_view(), name="token-rotate"),
     path("api/v1/", include("jobs.api.urls")),
     path("api/v1/", include("nodes.api.urls")),
     path("api/v1/", include("checkpoints.api.urls")),
-    path("", include("jobs.urls")),
+    path("api/v1/", include("alerts.api.urls")),
+    path("", include("dashboard.urls")),
 ]
 
+handler400 = "controlplane.urls.bad_request"
+handler403 = "controlplane.urls.forbidden"
 handler404 = "controlplane.urls.not_found"
 handler500 = "controlplane.urls.server_error"
 
@@ -36,3 +43,21 @@ def server_error(request):
     from django.views.defaults import server_error as default
 
     return default(request)
+
+
+def bad_request(request, exception=None):
+    """Django-level 400s (an unknown Host header, a malformed request) under /api/ as problem details."""
+    if request.path.startswith("/api/"):
+        return json_problem_view(400, "bad-request", "The request is malformed or its Host is not allowed.")(request)
+    from django.views.defaults import bad_request as default
+
+    return default(request, exception)
+
+
+def forbidden(request, exception=None):
+    if request.path.startswith("/api/"):
+        return json_problem_view(403, "permission_denied", "Forbidden.")(request)
+    from django.views.defaults import permission_denied
+
+    return permission_denied(request, exception)
+

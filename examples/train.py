@@ -80,7 +80,25 @@ class Faults:
             loss = loss * 1e6
         if self.rank == self.args.perturb_loss_rank:
             loss = loss * self.args.perturb_factor
+        if self.ordered_nan(step):
+            loss = loss * math.nan
         return loss
+
+    def ordered_nan(self, step: int) -> bool:
+        """A one-shot NaN ordered while the job runs (bench/chaos.py) through ``--fault-file``: the
+        file holds ``{"nan_at_step": N, "rank": R}`` and fires on rank R at step N or the first step
+        after it. Firing renames it to ``PATH.done``, so a resumed run does not fire it again."""
+        path = self.args.fault_file
+        if not path or not os.path.exists(path):
+            return False
+        try:
+            order = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return False  # being replaced right now: look again next step
+        if int(order.get("rank", 0)) != self.rank or step < int(order.get("nan_at_step", 0)):
+            return False
+        os.replace(path, f"{path}.done")
+        return True
 
     def maybe_raise(self, step: int) -> None:
         if step == self.args.raise_at and self.rank == self.args.fault_rank:
@@ -203,6 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     faults.add_argument("--perturb-factor", type=float, default=3.0)
     faults.add_argument("--crash-at", type=int, help="SIGKILL --crash-rank mid-step (first attempt only)")
     faults.add_argument("--crash-rank", type=int, default=1)
+    faults.add_argument("--fault-file", help="a one-shot fault ordered at run time: {\"nan_at_step\": N, \"rank\": R}")
     faults.add_argument("--raise-at", type=int, help="raise the same exception at this step on --fault-rank, "
                                                       "on every attempt (a deterministic bug)")
     return parser.parse_args(argv)

@@ -3,7 +3,8 @@
 ``start_generation`` is the one way a job gets processes: the first launch, an automatic
 restart, an approved resume and a rollback all end here, inside one transaction that bumps the
 generation (the fencing token), records which nodes run it and from which checkpoint, and queues
-one launch command per node — so either all of that happened or none of it.
+its launch through the nodes' transport (``nodes.transports``: one command per agent, or one
+Slurm batch job) — so either all of that happened or none of it.
 """
 
 from __future__ import annotations
@@ -47,13 +48,32 @@ def checkpoint_dir(job: Job) -> str:
 
 
 def candidates(job: Job) -> list[Node]:
-    """Nodes that may take this job now: active (not drained, not a lemon), usably healthy, and
-    not running another job's live generation."""
+    """Nodes that may take this job now: active (not drained, not a lemon), usably healthy,
+    reachable by a transport that can launch, and not running another job's live generation."""
+    from nodes.transports import TRANSPORTS
+
     busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True).exclude(job=job)
     return list(
-        Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE)
+        Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE,
+                            transport__in=list(TRANSPORTS))
         .exclude(pk__in=busy.values("nodes"))
     )
+
+
+def one_transport(pool: list[Node], *, previous: set[str], nnodes: int) -> list[Node]:
+    """The candidates of the one transport this generation will use: a generation runs entirely
+    on agents or entirely as one Slurm job. The previous generation's transport comes first, then
+    the first (in ``TRANSPORTS`` order) with enough nodes, then the largest."""
+    from nodes.transports import TRANSPORTS
+
+    groups = {kind: [n for n in pool if n.transport == kind] for kind in TRANSPORTS}
+    before = {n.transport for n in pool if n.hostname in previous}
+
+    def rank(kind: str) -> tuple:
+        short = len(groups[kind]) < nnodes
+        return kind not in before, short, -len(groups[kind]) if short else 0
+
+    return groups[min(groups, key=rank)]  # min() keeps TRANSPORTS order among equals
 
 
 @dataclass(frozen=True)
@@ -74,9 +94,10 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     2. Restore point: the checkpoint given (a rollback), else the newest one of the active
        branch that re-verifies on disk now.
     3. In one transaction: enter ``initializing`` (bumps the generation), record the generation,
-       queue one launch command per node, and stamp open incidents as relaunched.
+       queue its launch through the nodes' one transport (a command per agent, or a Slurm batch
+       job), and stamp open incidents as relaunched.
     """
-    from nodes import services as node_services
+    from nodes import transports
 
     job.refresh_from_db()
     policy = job.recovery_policy or {}
@@ -84,6 +105,7 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     previous = set(
         Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname", flat=True)
     )
+    pool = one_transport(pool, previous=previous, nnodes=job.nnodes)
     placement = place([Candidate(n.hostname, n.is_spare, n.hostname in previous) for n in pool],
                       nnodes=job.nnodes, allow_shrink=bool(policy.get("allow_shrink")))
     if not placement.ok:
@@ -119,12 +141,10 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
             progress_deadline=now + timedelta(seconds=STARTUP_TIMEOUT_S), quiesce_deadline=None,
             relaunch_after=None, pause_requested_at=None,
         )
-        for rank, node in enumerate(nodes):
-            node_services.enqueue_command(
-                node, "launch", job=job, generation=number,
-                idempotency_key=f"launch:{job.pk}:{number}:{node.pk}",
-                payload=_launch_payload(job, number, rank, nodes, checkpoint),
-            )
+        # The nodes' transport queues the launch: agent commands, or one Slurm batch job.
+        transports.for_nodes(nodes).launch(transports.Launch(
+            job=job, generation=number, nodes=nodes,
+            payloads=[_launch_payload(job, number, rank, nodes, checkpoint) for rank in range(len(nodes))]))
         Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=True).update(
             relaunched_at=now
         )

@@ -173,16 +173,16 @@ HUNG_GRACE_S = 2.0
 
 
 def stop_generation(job: Job, *, reason: str, grace_s: float = 10.0) -> None:
-    """Queue a stop of the current generation on each of its nodes that has not confirmed yet."""
-    from nodes import services as node_services
+    """Queue a stop of the current generation on each of its nodes that has not confirmed yet,
+    through the nodes' transport (stop commands to agents, or ``scancel`` of the Slurm job)."""
+    from nodes import transports
 
     generation = Generation.objects.filter(job=job, number=job.generation).first()
     if generation is None:
         return
-    for node in generation.nodes.exclude(hostname__in=generation.stopped_nodes):
-        node_services.enqueue_command(node, "stop", job=job, generation=generation.number,
-                                      idempotency_key=f"stop:{job.pk}:{generation.number}:{node.pk}",
-                                      payload={"grace_s": grace_s, "reason": reason[:500]})
+    remaining = list(generation.nodes.exclude(hostname__in=generation.stopped_nodes))
+    if remaining:
+        transports.for_nodes(remaining).stop(job, generation.number, remaining, grace_s=grace_s, reason=reason)
 
 
 def _open_incident(job: Job) -> Incident | None:

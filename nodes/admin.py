@@ -1,6 +1,15 @@
 from django.contrib import admin
 
-from nodes.models import GPU, AgentEventRecord, Node, NodeCommand, NodePairBandwidth
+from nodes.models import (
+    GPU,
+    AgentEventRecord,
+    Node,
+    NodeCommand,
+    NodePairBandwidth,
+    SlurmAllocation,
+    SlurmController,
+    SlurmNodeMirror,
+)
 
 
 class GPUInline(admin.TabularInline):
@@ -49,3 +58,34 @@ class NodePairBandwidthAdmin(admin.ModelAdmin):
     list_display = ["source", "peer", "mbps", "expected_mbps", "ok", "measured_at"]
     list_filter = ["ok"]
     list_select_related = ["source", "peer"]
+
+
+@admin.register(SlurmController)
+class SlurmControllerAdmin(admin.ModelAdmin):
+    list_display = ["cluster", "reachable", "last_contact_at", "failing_since", "consecutive_failures", "retry_after"]
+    readonly_fields = ["reachable", "last_error", "last_contact_at", "failing_since", "consecutive_failures",
+                       "retry_after"]
+
+
+@admin.register(SlurmAllocation)
+class SlurmAllocationAdmin(admin.ModelAdmin):
+    """One generation as one Slurm batch job; written only by the Slurm transport."""
+
+    list_display = ["job", "generation", "state", "slurm_job_id", "slurm_state", "exit_code", "submitted_at",
+                    "ended_at"]
+    list_filter = ["state", "slurm_state"]
+    search_fields = ["job__name", "slurm_job_id"]
+    list_select_related = ["job"]
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(SlurmNodeMirror)
+class SlurmNodeMirrorAdmin(admin.ModelAdmin):
+    list_display = ["node", "slurm_state", "slurm_reason", "slurm_reason_by", "agreed_drained", "seen_at"]
+    search_fields = ["node__hostname", "slurm_reason"]
+    list_select_related = ["node"]
+
+    def has_change_permission(self, request, obj=None):
+        return False  # the mirror is what Slurm said; drains go through nodes.services

@@ -6,9 +6,11 @@ interval after its deadline; ``expires`` drops a sweep that waited in the queue 
 
 from __future__ import annotations
 
-from controlplane.env import env_int
+from controlplane.env import env_bool, env_int, env_str
 
 HEARTBEAT_SWEEP_S = float(env_int("NIGHTWATCH_HEARTBEAT_INTERVAL_S", 5))
+#: How often Slurm's job and node states are read (each read is one squeue / sinfo call).
+SLURM_POLL_S = float(env_str("NIGHTWATCH_SLURM_POLL_INTERVAL_S", "2"))
 
 BEAT_SCHEDULE: dict = {
     "nodes-expire-heartbeats": {
@@ -22,3 +24,11 @@ BEAT_SCHEDULE: dict = {
         "options": {"expires": 3600},
     },
 }
+
+if env_bool("NIGHTWATCH_SLURM_ENABLED", False):
+    BEAT_SCHEDULE |= {
+        "nodes-slurm-jobs": {"task": "nodes.tasks.poll_slurm_jobs", "schedule": SLURM_POLL_S,
+                             "options": {"expires": 2 * SLURM_POLL_S}},
+        "nodes-slurm-nodes": {"task": "nodes.tasks.mirror_slurm_nodes", "schedule": 5 * SLURM_POLL_S,
+                              "options": {"expires": 10 * SLURM_POLL_S}},
+    }

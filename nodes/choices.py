@@ -61,3 +61,12 @@ CommandState.OPEN = frozenset({CommandState.PENDING, CommandState.DELIVERED})
 CommandState.FINAL = frozenset({CommandState.ACKED, CommandState.REFUSED, CommandState.FAILED, CommandState.EXPIRED})
 #: The agent's ``CommandAck.status`` -> the state it leaves the command in.
 CommandState.FROM_ACK = {"done": CommandState.ACKED, "refused": CommandState.REFUSED, "failed": CommandState.FAILED}
+
+
+class SlurmAllocationState(models.TextChoices):
+    SUBMITTING = "submitting", "to be submitted (sbatch not yet accepted)"
+    QUEUED = "queued", "submitted (pending or running in Slurm)"
+    ENDED = "ended", "ended (its exit was reported)"
+
+
+SlurmAllocationState.OPEN = frozenset({SlurmAllocationState.SUBMITTING, SlurmAllocationState.QUEUED})

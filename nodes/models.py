@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 from django.utils import timezone
 
-from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
+from nodes.choices import CommandKind, CommandState, Health, Schedulability, SlurmAllocationState, Transport
 
 
 class Node(models.Model):
@@ -213,3 +213,91 @@ class NodePairBandwidth(models.Model):
 
     def __str__(self):
         return f"{self.source_id}->{self.peer_id}: {self.mbps} MB/s ({'ok' if self.ok else 'slow'})"
+
+
+# --- Slurm (``nodes.transports.slurm``) ------------------------------------------------------------
+
+class SlurmController(models.Model):
+    """Whether Slurm's controller answered lately: the degraded state operators see when it does not.
+
+    One row per configured cluster. ``retry_after`` is the back-off of the periodic one-shots: a
+    controller that is down is asked again only after it, so a dead Slurm costs one timed-out call
+    per back-off period, never a crash loop.
+    """
+
+    cluster = models.CharField(max_length=64, unique=True)
+    reachable = models.BooleanField(default=True)
+    last_error = models.TextField(blank=True)
+    last_contact_at = models.DateTimeField(null=True, blank=True)
+    failing_since = models.DateTimeField(null=True, blank=True)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    retry_after = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"slurm {self.cluster}: {'reachable' if self.reachable else 'unreachable'}"
+
+
+class SlurmAllocation(models.Model):
+    """One generation of a job as one Slurm batch job: what was asked, Slurm's id, how it ended.
+
+    Keyed by (job, generation): the generation is the fencing token, so a resubmission is always
+    a new generation and a new row — Slurm's own requeue (which would restart from scratch) is off.
+    Created in the transaction that starts the generation; ``sbatch`` runs after the commit.
+    """
+
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="slurm_allocations")
+    generation = models.PositiveIntegerField()
+    state = models.CharField(max_length=12, choices=SlurmAllocationState.choices,
+                             default=SlurmAllocationState.SUBMITTING, db_index=True)
+    hostnames = models.JSONField(default=list, help_text="The nodes placement chose, in rank order.")
+    excluded = models.JSONField(default=list, blank=True, help_text="Nodes passed to --exclude.")
+    payload = models.JSONField(default=dict, help_text="The validated launch payload the script is built from.")
+    script = models.TextField(blank=True, help_text="The batch script as submitted (holds no secret).")
+    output_path = models.CharField(max_length=1000, blank=True)
+    slurm_job_id = models.PositiveBigIntegerField(null=True, blank=True, db_index=True)
+    slurm_state = models.CharField(max_length=32, blank=True)
+    slurm_reason = models.CharField(max_length=200, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True, help_text="The batch script's exit status.")
+    exit_signal = models.PositiveSmallIntegerField(null=True, blank=True)
+    # The hooks of this generation report with this token; revoked when the generation ends.
+    token = models.ForeignKey("controlplane.ApiToken", null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    submitted_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancel_sent_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, help_text="Why the last sbatch/scancel for it failed.")
+
+    class Meta:
+        ordering = ["job", "generation"]
+        constraints = [models.UniqueConstraint(fields=["job", "generation"], name="slurmallocation_job_generation")]
+
+    def __str__(self):
+        return f"job {self.job_id} gen {self.generation} -> slurm {self.slurm_job_id or '?'} ({self.state})"
+
+    @property
+    def job_name(self) -> str:
+        """The Slurm job name: how a resubmission after a lost answer finds the job it already made."""
+        return f"nw-{self.job_id}-g{self.generation}"
+
+
+class SlurmNodeMirror(models.Model):
+    """What Slurm last said about a node, and the drain state both sides last agreed on.
+
+    ``agreed_drained`` is the memory that prevents ping-pong: a side whose drain state differs
+    from it changed since, and its change is copied to the other side; then both agree again.
+    """
+
+    node = models.OneToOneField(Node, on_delete=models.CASCADE, related_name="slurm")
+    slurm_state = models.CharField(max_length=32, blank=True)
+    slurm_flags = models.JSONField(default=list, blank=True)
+    slurm_reason = models.TextField(blank=True)
+    slurm_reason_by = models.CharField(max_length=64, blank=True)
+    agreed_drained = models.BooleanField(default=False)
+    seen_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+
+    def __str__(self):
+        return f"{self.node.hostname}: slurm {self.slurm_state} {'+'.join(self.slurm_flags)}"

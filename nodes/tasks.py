@@ -30,3 +30,48 @@ def prune_telemetry() -> int:
     if deleted:
         log.info("pruned %d old GPU samples", deleted)
     return deleted
+
+
+# --- Slurm (nodes.transports.slurm): each swallows nothing but never crash-loops: Slurm being
+# down is recorded and backed off inside the one-shots. ------------------------------------------
+
+def _slurm_enabled() -> bool:
+    from django.conf import settings
+
+    return bool(settings.NIGHTWATCH["SLURM"]["ENABLED"])
+
+
+@shared_task(ignore_result=True)
+def submit_slurm_job(allocation_id: int) -> bool:
+    """After the commit that started a generation on Slurm nodes: sbatch it (re-driven by the poll)."""
+    from nodes.transports.slurm import launch
+
+    return launch.submit(allocation_id)
+
+
+@shared_task(ignore_result=True)
+def cancel_slurm_job(allocation_id: int) -> bool:
+    """After the commit that asked a Slurm generation to stop: scancel it (re-driven by the poll)."""
+    from nodes.transports.slurm import launch
+
+    return launch.cancel(allocation_id)
+
+
+@shared_task(ignore_result=True)
+def poll_slurm_jobs() -> int:
+    """Beat: read Slurm's job states; report the generations that ended to the orchestrator."""
+    if not _slurm_enabled():
+        return 0
+    from nodes.transports.slurm import watch
+
+    return watch.poll_jobs()
+
+
+@shared_task(ignore_result=True)
+def mirror_slurm_nodes() -> int:
+    """Beat: reconcile the Slurm nodes' states and drains with their Node rows."""
+    if not _slurm_enabled():
+        return 0
+    from nodes.transports.slurm import mirror
+
+    return mirror.mirror_nodes()

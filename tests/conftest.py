@@ -31,6 +31,15 @@ class Cast:
     job: object
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (``item.rep_call``): fixtures that start real
+    processes print their logs when the test failed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 @pytest.fixture
 def cast(db):
     from django.contrib.auth.models import Group, User

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
 
+from agents import jsonlog
 from agents.agent.config import ConfigError, load_config
 from agents.agent.daemon import Agent
 
@@ -18,8 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"nightwatch-agent: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # JSON lines carrying this node's hostname (and job/generation where bound); NIGHTWATCH_LOG_FORMAT=plain
+    # for reading at a terminal.
+    jsonlog.configure(config.log_level.upper(), service="agent", node=config.hostname,
+                      fmt=os.environ.get("NIGHTWATCH_LOG_FORMAT", "json"))
     agent = Agent(config)
 
     def request_stop(signum: int, frame: FrameType | None) -> None:

@@ -84,7 +84,7 @@ class Hooks:
                  shuffle: bool = True, max_grad_norm: float | None = None,
                  guards: GuardSettings | None = None, async_save: bool = True,
                  loader_options: Mapping[str, Any] | None = None, tokens_per_sample: int = 0,
-                 env: Environment | None = None):
+                 flops_per_token: float | None = None, env: Environment | None = None):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.max_grad_norm = max_grad_norm
@@ -114,6 +114,8 @@ class Hooks:
                          use_async=async_save, on_commit=self._committed, on_failure=self._save_failed)
             if self.ckpt_dir else None)
         self._resume()
+        self.parameter_count = parameter_count(model)
+        self._report_model(flops_per_token)
         self.sampler = GlobalCursorSampler(len(dataset), batch_size, rank=self.topology.rank,
                                            world_size=self.topology.world_size, seed=seed, shuffle=shuffle,
                                            start_cursor=self.data_cursor, skip=self.env.skip_data)
@@ -306,12 +308,27 @@ class Hooks:
                                  {"previous": progress.world_size, "current": self.topology.world_size,
                                   "data_cursor": progress.data_cursor})
 
+    def _report_model(self, flops_per_token: float | None) -> None:
+        """Once per process: what the control plane needs for MFU (FLOPs per token defaults to
+        6 × parameters there; pass ``flops_per_token`` for a sharded or unusual model)."""
+        detail: dict[str, Any] = {"parameters": self.parameter_count, "tokens_per_sample": self.tokens_per_sample}
+        if flops_per_token:
+            detail["flops_per_token"] = float(flops_per_token)
+        self.telemetry.event(self.step_count, "model", f"model: {self.parameter_count:,} parameters, "
+                             f"{self.tokens_per_sample} tokens per sample", detail, level=logging.DEBUG)
+
     def _committed(self, commit: Commit) -> None:
         self.telemetry.checkpoint_committed(commit, self.config_hash)
 
     def _save_failed(self, path: str, step: int, error: BaseException) -> None:
         self.telemetry.event(step, "checkpoint_failed", f"checkpoint {path} failed: {error}",
                              {"path": path, "error": str(error)[:500]}, level=logging.ERROR)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of the model as this rank holds it (shared and tied ones once). Under DDP that is
+    the whole model; under FSDP/tensor parallelism it is a shard: pass ``flops_per_token`` then."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def config_fingerprint(model: torch.nn.Module, config: Mapping[str, Any] | None) -> str:

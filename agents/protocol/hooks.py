@@ -47,6 +47,7 @@ EVENT_KINDS = (
     "checkpoint_failed",    # detail: path, error
     "pause_ack",            # detail: checkpoint
     "data_skipped",         # detail: from, to (global sample cursor; a rollback's skip range)
+    "model",                # detail: parameters, flops_per_token (when overridden), tokens_per_sample
 )
 
 _JOB = {"max_len": 128}

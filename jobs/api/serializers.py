@@ -145,6 +145,36 @@ class IncidentSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class IncidentSummarySerializer(serializers.ModelSerializer):
+    """An incident in a job's live status: what happened and what was decided, without evidence."""
+
+    generation = serializers.IntegerField(source="generation.number", read_only=True, allow_null=True)
+
+    class Meta:
+        model = Incident
+        fields = ["id", "generation", "kind", "classification", "state", "decision", "detected_at", "resolved_at"]
+        read_only_fields = fields
+
+
+class JobStatusSerializer(serializers.Serializer):
+    """What a CI pipeline polls while it waits: state, step, generation, open incidents."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    state = serializers.CharField()
+    terminal = serializers.BooleanField(help_text="completed, failed or cancelled: nothing more will happen.")
+    needs_human = serializers.BooleanField(help_text="Paused: waits for an operator to resume, approve or roll back.")
+    pause_reason = serializers.CharField(allow_blank=True)
+    generation = serializers.IntegerField()
+    restart_count = serializers.IntegerField()
+    last_step = serializers.IntegerField(allow_null=True)
+    last_step_at = serializers.DateTimeField(allow_null=True)
+    state_changed_at = serializers.DateTimeField()
+    ettr = serializers.FloatField(help_text="Goodput so far: productive time / wall time.")
+    open_incidents = serializers.IntegerField()
+    recent_incidents = IncidentSummarySerializer(many=True, help_text="The five most recent, newest first.")
+
+
 class GoodputSerializer(serializers.Serializer):
     ettr = serializers.FloatField(help_text="Productive training time / wall time.")
     wall_s = serializers.FloatField()

@@ -5,6 +5,7 @@ from jobs.api import views
 urlpatterns = [
     path("jobs", views.JobListCreate.as_view(), name="job-list"),
     path("jobs/<int:pk>", views.JobDetail.as_view(), name="job-detail"),
+    path("jobs/<int:pk>/status", views.JobStatus.as_view(), name="job-status"),
     path("jobs/<int:pk>/events", views.JobEvents.as_view(), name="job-events"),
     path("jobs/<int:pk>/cancel", views.JobCancel.as_view(), name="job-cancel"),
     path("jobs/<int:pk>/pause", views.JobPause.as_view(), name="job-pause"),
@@ -15,4 +16,6 @@ urlpatterns = [
     path("jobs/<int:pk>/generations", views.JobGenerations.as_view(), name="job-generations"),
     path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),
     path("jobs/<int:pk>/control", views.JobControl.as_view(), name="job-control"),
+    path("incidents", views.IncidentList.as_view(), name="incident-list"),
+    path("incidents/<int:pk>", views.IncidentDetail.as_view(), name="incident-detail"),
 ]

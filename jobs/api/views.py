@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import generics, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -12,7 +12,15 @@ from rest_framework.views import APIView
 from agents.protocol import dump
 from agents.protocol import hooks as hooks_protocol
 from controlplane import roles
-from controlplane.api import IDEMPOTENCY_HEADER, idempotent, parse_wire, require_node_of_job
+from controlplane.api import (
+    IDEMPOTENCY_HEADER,
+    choices_param,
+    datetime_param,
+    idempotent,
+    int_param,
+    parse_wire,
+    require_node_of_job,
+)
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from jobs import services
@@ -22,34 +30,74 @@ from jobs.api.serializers import (
     GenerationSerializer,
     GoodputSerializer,
     IncidentSerializer,
+    IncidentSummarySerializer,
     JobSerializer,
     JobSpecSerializer,
+    JobStatusSerializer,
     ReasonSerializer,
     RollbackSerializer,
 )
+from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.models import Event, Generation, Incident, Job
 from jobs.state import TransitionError
 
+_JOB_FILTERS = [
+    OpenApiParameter("state", str, description="Comma-separated job states, e.g. running,paused."),
+    OpenApiParameter("name", str, description="Exact job name."),
+    OpenApiParameter("created_by", str, description="Exact actor label of the launch, e.g. token:ci-main(ci-bot)."),
+    OpenApiParameter("since", str, description="Only jobs created at or after this ISO 8601 time."),
+]
+_INCIDENT_FILTERS = [
+    OpenApiParameter("job", int, description="Only this job's incidents."),
+    OpenApiParameter("kind", str, description="Comma-separated kinds: " + ", ".join(IncidentKind.values)),
+    OpenApiParameter("state", str, description="open or resolved (comma-separated)."),
+    OpenApiParameter("decision", str, description="Comma-separated decisions: " + ", ".join(Decision.values)),
+    OpenApiParameter("node", str, description="Only incidents that involve this node (hostname)."),
+    OpenApiParameter("since", str, description="Only incidents detected at or after this ISO 8601 time."),
+]
 
+
+def filter_incidents(incidents, params):
+    if (job := int_param(params, "job", minimum=1)) is not None:
+        incidents = incidents.filter(job_id=job)
+    for name, allowed in (("kind", IncidentKind.values), ("state", IncidentState.values),
+                          ("decision", Decision.values)):
+        if (values := choices_param(params, name, allowed)) is not None:
+            incidents = incidents.filter(**{f"{name}__in": values})
+    if node := params.get("node"):
+        incidents = incidents.filter(nodes__hostname=node).distinct()
+    if (since := datetime_param(params, "since")) is not None:
+        incidents = incidents.filter(detected_at__gte=since)
+    return incidents
+
+
+@extend_schema_view(get=extend_schema(parameters=_JOB_FILTERS))
 class JobListCreate(generics.ListCreateAPIView):
-    """List jobs (filter with ``?state=``), or launch one."""
+    """List jobs, newest first (filters below), or launch one."""
 
     required = {"GET": roles.VIEW, "POST": roles.LAUNCH}
     serializer_class = JobSerializer
 
     def get_queryset(self):
-        jobs = Job.objects.all()
-        if state := self.request.query_params.get("state"):
-            jobs = jobs.filter(state__in=state.split(","))
-        if name := self.request.query_params.get("name"):
-            jobs = jobs.filter(name=name)
+        params = self.request.query_params
+        jobs = Job.objects.order_by("-created_at", "-pk")
+        if (states := choices_param(params, "state", JobState.values)) is not None:
+            jobs = jobs.filter(state__in=states)
+        for name in ("name", "created_by"):
+            if value := params.get(name):
+                jobs = jobs.filter(**{name: value})
+        if (since := datetime_param(params, "since")) is not None:
+            jobs = jobs.filter(created_at__gte=since)
         return jobs
 
     @extend_schema(
         request=JobSpecSerializer,
-        responses={201: JobSerializer},
+        responses={201: JobSerializer,
+                   422: OpenApiResponse(description="The Idempotency-Key is empty, longer than 200 characters, "
+                                                    "or was used before with a different body.")},
         parameters=[OpenApiParameter(IDEMPOTENCY_HEADER, str, OpenApiParameter.HEADER,
-                                     description="Retries with the same key return the first response.")],
+                                     description="1-200 characters. Retries with the same key (per credential, "
+                                                 "for 24 h) return the first response without launching again.")],
     )
     def post(self, request, *args, **kwargs):
         def perform():
@@ -67,6 +115,8 @@ class JobDetail(generics.RetrieveAPIView):
     queryset = Job.objects.all()
 
 
+@extend_schema_view(get=extend_schema(parameters=[
+    OpenApiParameter("kind", str, description="Comma-separated event kinds, e.g. job.state,job.launch.")]))
 class JobEvents(generics.ListAPIView):
     """The job's audit trail, oldest first."""
 
@@ -75,7 +125,30 @@ class JobEvents(generics.ListAPIView):
 
     def get_queryset(self):
         job = get_object_or_404(Job, pk=self.kwargs["pk"])
-        return Event.objects.filter(job=job)
+        events = Event.objects.filter(job=job)
+        if kinds := self.request.query_params.get("kind"):
+            events = events.filter(kind__in=kinds.split(","))
+        return events
+
+
+class JobStatus(APIView):
+    """The job's live status in one small answer: what ``nightwatch launch --wait`` polls."""
+
+    required = roles.VIEW
+
+    @extend_schema(responses={200: JobStatusSerializer})
+    def get(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        incidents = Incident.objects.filter(job=job).select_related("generation").order_by("-detected_at", "-pk")
+        return Response(JobStatusSerializer({
+            "id": job.pk, "name": job.name, "state": job.state, "terminal": job.state in JobState.TERMINAL,
+            "needs_human": job.state == JobState.PAUSED, "pause_reason": job.pause_reason,
+            "generation": job.generation, "restart_count": job.restart_count, "last_step": job.last_step,
+            "last_step_at": job.last_step_at, "state_changed_at": job.state_changed_at,
+            "ettr": services.goodput_of(job).ettr,
+            "open_incidents": incidents.filter(state=IncidentState.OPEN).count(),
+            "recent_incidents": IncidentSummarySerializer(incidents[:5], many=True).data,
+        }).data)
 
 
 class JobCancel(APIView):
@@ -189,16 +262,42 @@ class JobRollback(_Action):
                              force=data["force"])
 
 
+@extend_schema_view(get=extend_schema(parameters=[p for p in _INCIDENT_FILTERS if p.name != "job"]))
 class JobIncidents(generics.ListAPIView):
+    """The job's incidents, newest first, with their evidence and timings."""
+
     required = roles.VIEW
     serializer_class = IncidentSerializer
 
     def get_queryset(self):
         job = get_object_or_404(Job, pk=self.kwargs["pk"])
-        return Incident.objects.filter(job=job).select_related("generation").prefetch_related("nodes")
+        incidents = Incident.objects.filter(job=job).select_related("generation").prefetch_related("nodes")
+        return filter_incidents(incidents.order_by("-detected_at", "-pk"), self.request.query_params)
+
+
+@extend_schema_view(get=extend_schema(parameters=_INCIDENT_FILTERS))
+class IncidentList(generics.ListAPIView):
+    """Incidents of every job (and of no job, e.g. a node going bad while idle), newest first."""
+
+    required = roles.VIEW
+    serializer_class = IncidentSerializer
+
+    def get_queryset(self):
+        incidents = Incident.objects.select_related("generation").prefetch_related("nodes")
+        return filter_incidents(incidents.order_by("-detected_at", "-pk"), self.request.query_params)
+
+
+class IncidentDetail(generics.RetrieveAPIView):
+    """One incident with its evidence (exit codes, log tails, the rule that matched) and timings."""
+
+    required = roles.VIEW
+    serializer_class = IncidentSerializer
+    queryset = Incident.objects.select_related("generation").prefetch_related("nodes")
 
 
 class JobGenerations(generics.ListAPIView):
+    """The job's generations (launches), oldest first: nodes, resume point, how each ended."""
+
     required = roles.VIEW
     serializer_class = GenerationSerializer
 

@@ -12,6 +12,15 @@ class GPUSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class FleetGPUSerializer(GPUSerializer):
+    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+    node_id = serializers.IntegerField(read_only=True)
+
+    class Meta(GPUSerializer.Meta):
+        fields = ["node", "node_id", *GPUSerializer.Meta.fields]
+        read_only_fields = fields
+
+
 class NodeSerializer(serializers.ModelSerializer):
     gpus = GPUSerializer(many=True, read_only=True)
 

@@ -4,6 +4,7 @@ from nodes.api import views
 
 urlpatterns = [
     path("nodes", views.NodeList.as_view(), name="node-list"),
+    path("gpus", views.GPUList.as_view(), name="gpu-list"),
     path("nodes/<int:pk>", views.NodeDetail.as_view(), name="node-detail"),
     path("nodes/<int:pk>/drain", views.NodeDrain.as_view(), name="node-drain"),
     path("nodes/<int:pk>/undrain", views.NodeUndrain.as_view(), name="node-undrain"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import exceptions, generics, permissions, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -18,28 +18,66 @@ from rest_framework.views import APIView
 from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
 from controlplane import roles
-from controlplane.api import parse_wire
-from controlplane.auth import actor_label, calling_node
+from controlplane.api import choices_param, parse_wire
+from controlplane.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
 from controlplane.problems import Conflict
 from jobs.state import StaleGeneration
 from nodes import services
-from nodes.api.serializers import DrainSerializer, HealthCheckRequestSerializer, NodeCommandSerializer, NodeSerializer
-from nodes.choices import CommandState
-from nodes.models import Node, NodeCommand
+from nodes.api.serializers import (
+    DrainSerializer,
+    FleetGPUSerializer,
+    HealthCheckRequestSerializer,
+    NodeCommandSerializer,
+    NodeSerializer,
+)
+from nodes.choices import CommandState, Health, Schedulability
+from nodes.models import GPU, Node, NodeCommand
+
+_HEALTH = OpenApiParameter("health", str, description="Comma-separated: " + ", ".join(Health.values))
 
 
+@extend_schema_view(get=extend_schema(parameters=[
+    _HEALTH,
+    OpenApiParameter("schedulability", str, description="Comma-separated: " + ", ".join(Schedulability.values)),
+    OpenApiParameter("spare", bool, description="Only spares (true) or only non-spares (false)."),
+    OpenApiParameter("hostname", str, description="Exact hostname."),
+]))
 class NodeList(generics.ListAPIView):
-    """Nodes with their GPUs; filter with ``?health=`` and ``?schedulability=``."""
+    """Nodes with their GPUs, by hostname (filters below)."""
 
     required = roles.VIEW
     serializer_class = NodeSerializer
 
     def get_queryset(self):
-        nodes = Node.objects.prefetch_related("gpus")
-        for name in ("health", "schedulability"):
-            if value := self.request.query_params.get(name):
-                nodes = nodes.filter(**{f"{name}__in": value.split(",")})
+        params = self.request.query_params
+        nodes = Node.objects.prefetch_related("gpus").order_by("hostname")
+        for name, allowed in (("health", Health.values), ("schedulability", Schedulability.values)):
+            if (values := choices_param(params, name, allowed)) is not None:
+                nodes = nodes.filter(**{f"{name}__in": values})
+        if (spare := params.get("spare")) is not None:
+            if spare not in ("true", "false"):
+                raise exceptions.ValidationError({"spare": ["use true or false"]})
+            nodes = nodes.filter(is_spare=spare == "true")
+        if hostname := params.get("hostname"):
+            nodes = nodes.filter(hostname=hostname)
         return nodes
+
+
+@extend_schema_view(get=extend_schema(parameters=[_HEALTH, OpenApiParameter("node", str, description="Hostname.")]))
+class GPUList(generics.ListAPIView):
+    """Every GPU of the fleet with its health and latest sample, by node and index."""
+
+    required = roles.VIEW
+    serializer_class = FleetGPUSerializer
+
+    def get_queryset(self):
+        params = self.request.query_params
+        gpus = GPU.objects.select_related("node").order_by("node__hostname", "index")
+        if (values := choices_param(params, "health", Health.values)) is not None:
+            gpus = gpus.filter(health__in=values)
+        if node := params.get("node"):
+            gpus = gpus.filter(node__hostname=node)
+        return gpus
 
 
 class NodeDetail(generics.RetrieveAPIView):
@@ -100,6 +138,8 @@ class NodeHealthCheck(APIView):
         return Response(NodeCommandSerializer(command).data, status=status.HTTP_202_ACCEPTED)
 
 
+@extend_schema_view(get=extend_schema(parameters=[
+    OpenApiParameter("state", str, description="Comma-separated: " + ", ".join(CommandState.values))]))
 class NodeCommands(generics.ListAPIView):
     """The node's command queue, newest first; filter with ``?state=pending,delivered``."""
 
@@ -152,6 +192,7 @@ class AgentEndpoint(WireErrors, APIView):
     """Agent capability, the token's own node (``node_id`` in the URL), a bounded body."""
 
     required = roles.AGENT
+    throttle_classes = [AgentThrottle]
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)
@@ -168,6 +209,7 @@ class AgentRegister(WireErrors, APIView):
 
     authentication_classes: list = []
     permission_classes = [permissions.AllowAny]
+    throttle_classes = [RegisterThrottle]
 
     def get_authenticate_header(self, request):
         # Without this DRF would answer a refused token with 403; a 401 needs a challenge.

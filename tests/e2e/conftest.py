@@ -29,13 +29,6 @@ def cluster(transactional_db, tmp_path, request):
             print(c.dump_logs())
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    setattr(item, f"rep_{report.when}", report)
-    return report
-
-
 @pytest.fixture
 def tokens(transactional_db):
     """An operator, an on-call person, and bootstrap tokens for agents, as raw strings."""

@@ -68,9 +68,13 @@ class Command(BaseCommand):
                 children["agent"] = self._start_agent(url, env, var)
                 self._wait_for_node(children, ready_timeout)
                 job = self._launch_job(steps)
+            # The dashboard opens on the demo job's page: its chart, breaker banner and recoveries.
+            dashboard = f"{url}/jobs/{job.pk}/" if not no_job else f"{url}/"
             self.stdout.write(self.style.SUCCESS(
-                f"\nNightwatch is up: {url}/  (log in as 'demo' with password {password})\n"
-                f"API docs: {url}/api/docs/   readiness: {url}/readyz\nCtrl-C stops everything.\n"
+                f"\nNightwatch is up. Open the dashboard: {dashboard}\n"
+                f"  log in as 'demo' (on-call) with password {password}\n"
+                f"Overview: {url}/   nodes: {url}/nodes/   API docs: {url}/api/docs/   readiness: {url}/readyz\n"
+                "Ctrl-C stops everything.\n"
             ))
             next_fault = time.monotonic() + fault_every
             while not stop["now"]:

@@ -1,0 +1,336 @@
+"""``nightwatch`` (or ``python -m agents.cli``): launch, watch and steer jobs from CI and terminals.
+
+Exit codes, so that a pipeline can act on the outcome of ``launch --wait``:
+
+====  =====================================================================
+0     the job completed (or the command did what was asked)
+1     the job failed
+2     usage error, or the job spec was refused (each problem with its line)
+3     the job is paused and needs a human (approve, roll back or cancel it)
+4     the job was cancelled
+5     error: the control plane refused the request or could not be reached
+6     ``--timeout`` passed while waiting
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from agents.cli import spec as specs
+from agents.cli.client import ApiError, Client
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PAUSED, EXIT_CANCELLED, EXIT_ERROR, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5, 6
+OUTCOME = {"completed": EXIT_OK, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED, "paused": EXIT_PAUSED}
+#: CI systems' run identifiers: a retried pipeline step reuses the launch instead of starting another
+CI_RUN_VARIABLES = ("NIGHTWATCH_RUN_ID", "GITHUB_RUN_ID", "CI_PIPELINE_ID", "BUILD_ID", "BUILDKITE_BUILD_ID")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    token = args.token or os.environ.get("NIGHTWATCH_TOKEN")
+    token_file = args.token_file or os.environ.get("NIGHTWATCH_TOKEN_FILE")
+    if not token and token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            return _fail(f"cannot read the token file {token_file}: {exc.strerror}", EXIT_USAGE)
+    if not token:
+        return _fail("no token: set NIGHTWATCH_TOKEN (or NIGHTWATCH_TOKEN_FILE, --token, --token-file)", EXIT_USAGE)
+    client = Client(args.url, token, timeout=args.http_timeout)
+    try:
+        return args.handler(client, args)
+    except ApiError as exc:
+        return _fail(_describe(exc), EXIT_ERROR)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_ERROR)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+def launch(client: Client, args) -> int:
+    try:
+        spec = specs.load(args.spec)
+    except specs.SpecError as exc:
+        return _fail(f"the job spec is invalid:\n{exc}", EXIT_USAGE)
+    key = args.idempotency_key or _ci_key(spec)
+    headers = {"Idempotency-Key": key} if key else {}
+    try:
+        job = client.post("/jobs", spec.body, headers=headers)
+    except ApiError as exc:
+        if exc.status == 400 and exc.errors:
+            problems = [specs.Problem(spec.locate(e.get("field", "")), e.get("field", ""), e.get("reason", ""))
+                        for e in exc.errors]
+            return _fail(f"the control plane refused the job spec:\n{specs.SpecError(spec.path, problems)}",
+                         EXIT_USAGE)
+        raise
+    _say(args, f"launched job {job['id']} ({job['name']})", job)
+    if not args.wait:
+        return EXIT_OK
+    return wait(client, job["id"], args)
+
+
+def wait(client: Client, job_id: int, args) -> int:
+    """Poll the job's status, print each change (state, generation, step, incidents), and turn the
+    end into an exit code. A paused job ends the wait: it needs a person, not more patience."""
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    shown_line, seen_incidents = None, set()
+    while True:
+        status = client.get(f"/jobs/{job_id}/status")
+        for incident in reversed(status["recent_incidents"]):
+            key = (incident["id"], incident["state"], incident["decision"])
+            if key not in seen_incidents:
+                seen_incidents.add(key)
+                print(f"  incident {incident['id']}: {incident['kind']} ({incident['classification'] or '-'}) "
+                      f"→ {incident['decision'] or 'deciding'}, {incident['state']}", flush=True)
+        line = _progress(status)
+        if line != shown_line:
+            print(line, flush=True)
+            shown_line = line
+        if status["state"] in OUTCOME:
+            if status["state"] == "paused":
+                print(f"job {job_id} is paused and needs a human: {status['pause_reason'] or 'no reason given'}\n"
+                      f"  resume with `nightwatch approve {job_id} --reason …`, roll back with "
+                      f"`nightwatch rollback {job_id} --to CKPT --reason …`", flush=True)
+            return OUTCOME[status["state"]]
+        if deadline is not None and time.monotonic() > deadline:
+            return _fail(f"job {job_id} is still {status['state']} after {args.timeout:g} s", EXIT_TIMEOUT)
+        time.sleep(args.poll)
+
+
+def _progress(status: dict) -> str:
+    step = status["last_step"] if status["last_step"] is not None else "-"
+    return (f"[{time.strftime('%H:%M:%S')}] job {status['id']} {status['state']} · generation {status['generation']}"
+            f" · step {step} · restarts {status['restart_count']} · open incidents {status['open_incidents']}"
+            f" · ettr {status['ettr']:.2f}")
+
+
+def status(client: Client, args) -> int:
+    if args.job is None:
+        jobs = client.list("/jobs", limit=args.limit, state=args.state)
+        if args.json:
+            print(json.dumps(jobs, indent=2))
+            return EXIT_OK
+        _table(["ID", "NAME", "STATE", "GEN", "STEP", "RESTARTS", "CREATED"],
+               [[j["id"], j["name"], j["state"], j["generation"], _dash(j["last_step"]), j["restart_count"],
+                 j["created_at"][:19]] for j in jobs])
+        return EXIT_OK
+    current = client.get(f"/jobs/{args.job}/status")
+    if args.json:
+        print(json.dumps(current, indent=2))
+    else:
+        print(_progress(current))
+        if current["pause_reason"]:
+            print(f"  paused: {current['pause_reason']}")
+        for incident in current["recent_incidents"]:
+            print(f"  incident {incident['id']} gen {_dash(incident['generation'])}: {incident['kind']} → "
+                  f"{incident['decision'] or 'deciding'} ({incident['state']}, "
+                  f"detected {incident['detected_at'][:19]})")
+    return EXIT_OK
+
+
+def logs(client: Client, args) -> int:
+    """Incident evidence (exit codes, the error line, log tails) for the job, oldest first."""
+    incidents = client.list(f"/jobs/{args.job}/incidents", limit=args.limit)
+    if args.incident is not None:
+        incidents = [i for i in incidents if i["id"] == args.incident]
+        if not incidents:
+            return _fail(f"job {args.job} has no incident {args.incident}", EXIT_ERROR)
+    if args.json:
+        print(json.dumps(incidents, indent=2))
+        return EXIT_OK
+    if not incidents:
+        print(f"job {args.job}: no incidents")
+    for incident in reversed(incidents):
+        print(f"=== incident {incident['id']} · generation {_dash(incident['generation'])} · {incident['kind']} · "
+              f"{incident['decision'] or 'deciding'} · {incident['state']}")
+        print(f"    {incident['classification'] or ''}")
+        for stamp in ("fault_at", "detected_at", "quiesced_at", "relaunched_at", "first_step_at", "resolved_at"):
+            if incident.get(stamp):
+                print(f"    {stamp:<14} {incident[stamp]}")
+        if incident["nodes"]:
+            print(f"    nodes          {', '.join(incident['nodes'])}")
+        _evidence(incident.get("evidence") or {}, args.tail)
+    return EXIT_OK
+
+
+def _evidence(evidence: dict, tail: int, indent: str = "    ") -> None:
+    for name, value in evidence.items():
+        if name == "log_tail" and isinstance(value, list):
+            print(f"{indent}log tail (last {min(tail, len(value))} lines):")
+            for line in value[-tail:]:
+                print(f"{indent}  | {line}")
+        elif isinstance(value, dict) and name in ("detail", "evidence"):
+            _evidence(value, tail, indent)
+        elif value not in (None, "", [], {}):
+            print(f"{indent}{name:<14} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+
+
+def drain(client: Client, args) -> int:
+    node = _node(client, args.node)
+    verb = "undrain" if args.command == "undrain" else "drain"
+    answer = client.post(f"/nodes/{node['id']}/{verb}", {"reason": args.reason})
+    _say(args, f"node {answer['hostname']}: {answer['schedulability']} (health {answer['health']})", answer)
+    return EXIT_OK
+
+
+def job_action(client: Client, args) -> int:
+    body: dict = {"reason": args.reason}
+    if args.command in ("approve", "rollback"):
+        body["force"] = args.force
+    if args.command == "rollback":
+        body["checkpoint"] = args.to
+        if args.skip_data:
+            body["skip_data"] = list(args.skip_data)
+    job = client.post(f"/jobs/{args.job}/{args.command}", body)
+    _say(args, f"job {job['id']} ({job['name']}): {job['state']}", job)
+    return EXIT_OK
+
+
+def checkpoints(client: Client, args) -> int:
+    rows = client.list(f"/jobs/{args.job}/checkpoints", limit=args.limit, state=args.state)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    _table(["ID", "STEP", "GEN", "STATE", "PERMANENT", "PARENT", "SIZE", "CREATED", "LOCATION"],
+           [[c["id"], c["step"], _dash(c["generation"]), c["state"], "yes" if c["permanent"] else "",
+             _dash(c["parent"]), _size(c["size_bytes"]), c["created_at"][:19], c["location"]] for c in rows])
+    return EXIT_OK
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def _ci_key(spec) -> str | None:
+    """With a CI run id in the environment: the same run + the same spec = the same launch."""
+    for name in CI_RUN_VARIABLES:
+        if os.environ.get(name):
+            digest = hashlib.sha256(json.dumps(spec.body, sort_keys=True).encode()).hexdigest()[:16]
+            return f"{name}:{os.environ[name]}:{digest}"[:200]
+    return None
+
+
+def _node(client: Client, ref: str) -> dict:
+    if ref.isdigit():
+        return client.get(f"/nodes/{ref}")
+    found = client.list("/nodes", hostname=ref)
+    if not found:
+        raise ApiError(404, "Not Found", f"no node with hostname {ref!r}")
+    return found[0]
+
+
+def _skip_range(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise argparse.ArgumentTypeError("expected START:END sample indices with START < END, e.g. 1000:2000")
+    return int(start), int(end)
+
+
+def _describe(exc: ApiError) -> str:
+    lines = [str(exc)]
+    lines += [f"  {e.get('field') or 'body'}: {e.get('reason')}" for e in exc.errors
+              if e.get("reason") and e.get("reason") not in exc.detail]
+    return "\n".join(lines)
+
+
+def _say(args, text: str, payload) -> None:
+    print(json.dumps(payload, indent=2) if args.json else text, flush=True)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"nightwatch: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"
+
+
+def _table(header: list[str], rows: list[list]) -> None:
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nightwatch", description="Launch, watch and steer Nightwatch jobs.",
+                                     allow_abbrev=False,
+                                     epilog="Exit codes: 0 completed, 1 failed, 2 usage or invalid spec, 3 paused "
+                                            "(needs a human), 4 cancelled, 5 error, 6 timeout.")
+    parser.add_argument("--url", default=os.environ.get("NIGHTWATCH_URL", "http://127.0.0.1:8000"),
+                        help="control plane URL (env NIGHTWATCH_URL)")
+    parser.add_argument("--token", help="API token (env NIGHTWATCH_TOKEN); prefer the environment or a file")
+    parser.add_argument("--token-file", help="file holding the API token (env NIGHTWATCH_TOKEN_FILE)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--http-timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("launch", help="launch a job from a YAML spec")
+    p.add_argument("spec", help="job spec file (YAML)")
+    p.add_argument("--wait", action="store_true", help="wait for the outcome, showing progress")
+    p.add_argument("--timeout", type=float, default=0, help="with --wait: give up after this many seconds")
+    p.add_argument("--poll", type=float, default=2.0, help="with --wait: seconds between status polls")
+    p.add_argument("--idempotency-key", help="retries with the same key never launch twice "
+                                             "(default: derived from the CI run id, when there is one)")
+    p.set_defaults(handler=launch)
+
+    p = sub.add_parser("status", help="list jobs, or show one job's live status")
+    p.add_argument("job", nargs="?", type=int)
+    p.add_argument("--state", help="with no JOB: comma-separated states to list")
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(handler=status)
+
+    p = sub.add_parser("logs", help="incident evidence and log tails of a job")
+    p.add_argument("job", type=int)
+    p.add_argument("--incident", type=int, help="only this incident")
+    p.add_argument("--tail", type=int, default=40, help="log lines per incident")
+    p.add_argument("--limit", type=int, default=100, help="newest incidents to show")
+    p.set_defaults(handler=logs)
+
+    for verb, text in (("drain", "take a node out of scheduling"), ("undrain", "put a node back into scheduling")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("node", help="hostname or id")
+        p.add_argument("--reason", required=True, help="recorded in the audit log")
+        p.set_defaults(handler=drain)
+
+    for verb, text in (("approve", "approve resuming a paused job (on-call)"),
+                       ("pause", "checkpoint and pause a job"), ("cancel", "cancel a job"),
+                       ("rollback", "resume a paused job from an earlier verified checkpoint")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("job", type=int)
+        p.add_argument("--reason", required=True, help="recorded in the audit log")
+        if verb in ("approve", "rollback"):
+            p.add_argument("--force", action="store_true",
+                           help="resume although a node of the old generation never confirmed its ranks stopped")
+        if verb == "rollback":
+            p.add_argument("--to", type=int, required=True, metavar="CKPT", help="checkpoint id")
+            p.add_argument("--skip-data", type=_skip_range, metavar="A:B", help="global sample range to skip")
+        p.set_defaults(handler=job_action)
+
+    p = sub.add_parser("checkpoints", help="a job's checkpoints, newest first")
+    p.add_argument("job", type=int)
+    p.add_argument("--state", help="comma-separated: committed, verified, corrupt, deleted")
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(handler=checkpoints)
+    for command in sub.choices.values():  # --json after the command works too
+        command.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The alerts app listens to the jobs app's append-only log, without the jobs app knowing.
+
+Receivers run inside the transaction that wrote the row (the state machine's, the
+orchestrator's), so they only filter cheaply and enqueue a task after commit: a rolled-back
+transition never alerts, and alerting never slows a transition down or makes it fail (``robust``:
+a broker that is down is logged; the sweeper raises what was missed).
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models.signals import post_save
+from django.dispatch import receiver
+
+from jobs.models import Event, Incident
+
+#: Event kinds that can raise or clear an alert (see ``alerts.services.evaluate_event``).
+WATCHED_EVENTS = frozenset({"job.state", "node.drain", "node.blame", "node.undrain", "node.lemon_cleared",
+                            "checkpoint.verify"})
+
+
+@receiver(post_save, sender=Event, dispatch_uid="alerts.event_saved")
+def on_event_saved(sender, instance: Event, created: bool, **kwargs):
+    if not created or instance.kind not in WATCHED_EVENTS:
+        return
+    if instance.kind == "checkpoint.verify" and instance.new_state != "corrupt" and not _corrupt_alert_firing(instance):
+        return  # the common case, a checkpoint verified: nothing to raise, nothing to clear
+    from alerts.tasks import evaluate_event
+
+    pk = instance.pk
+    transaction.on_commit(lambda: evaluate_event.delay(pk), robust=True)
+
+
+@receiver(post_save, sender=Incident, dispatch_uid="alerts.incident_saved")
+def on_incident_saved(sender, instance: Incident, **kwargs):
+    """Created (a new fault) or saved again (further evidence, a manual close): re-evaluate."""
+    from alerts.tasks import evaluate_incident
+
+    pk = instance.pk
+    transaction.on_commit(lambda: evaluate_incident.delay(pk), robust=True)
+
+
+def _corrupt_alert_firing(event: Event) -> bool:
+    from alerts.choices import AlertState, Rule
+    from alerts.models import Alert
+
+    return Alert.objects.filter(job_id=event.job_id, rule=Rule.CHECKPOINT_CORRUPT, state=AlertState.FIRING).exists()

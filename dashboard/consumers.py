@@ -1,0 +1,132 @@
+"""WebSocket consumers of the dashboard: thin — authenticate, join groups, forward, never write.
+
+Each page opens one socket: ``/ws/dashboard/overview/``, ``/ws/dashboard/jobs/<id>/`` or
+``/ws/dashboard/nodes/``. On every (re)connect the consumer sends a snapshot of the whole page,
+so a browser that lost its connection for a while shows what changed meanwhile; after that it
+forwards the relay's pushes (``dashboard.relay``), re-rendering the changed sections for its
+own person (action buttons depend on the role).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from controlplane import roles
+from dashboard import events, queries
+from dashboard import sections as page_sections
+from dashboard.relay import RELAY
+from jobs.models import Job
+
+#: Close codes: not signed in; signed in without the view capability; no such job.
+UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = 4401, 4403, 4404
+#: Rendered sections per (message, page, job, capabilities): one render per push, not one per browser.
+_RENDERED: OrderedDict = OrderedDict()
+_RENDERED_MAX = 256
+_IN_FLIGHT: dict = {}
+
+
+class DashboardConsumer(AsyncJsonWebsocketConsumer):
+    page: str = ""
+
+    async def connect(self):
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=UNAUTHENTICATED)
+            return
+        self.caps = await database_sync_to_async(page_sections.capabilities_of)(user)
+        if roles.VIEW not in self.caps:
+            await self.close(code=FORBIDDEN)
+            return
+        self.job_id = None
+        if self.page == "job":
+            self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
+            if not await database_sync_to_async(Job.objects.filter(pk=self.job_id).exists)():
+                await self.close(code=NOT_FOUND)
+                return
+        self.groups_joined = [events.job_group(self.job_id)] if self.job_id else [events.CLUSTER_GROUP]
+        for group in self.groups_joined:
+            await self.channel_layer.group_add(group, self.channel_name)
+        await self.accept()
+        await RELAY.attach()
+        self.attached = True
+        await self.send_json(await database_sync_to_async(self._snapshot)())
+
+    async def disconnect(self, code):
+        for group in getattr(self, "groups_joined", []):
+            await self.channel_layer.group_discard(group, self.channel_name)
+        if getattr(self, "attached", False):
+            RELAY.detach()
+
+    async def receive_json(self, content, **kwargs):
+        """The browser may ask for a fresh snapshot (e.g. after its tab slept)."""
+        if content.get("type") == "snapshot":
+            await self.send_json(await database_sync_to_async(self._snapshot)())
+
+    async def dashboard_push(self, message):
+        points = message["points"] if self.page == "job" and message.get("job") == self.job_id else []
+        html, chart = {}, None
+        if any(n in page_sections.PAGES[self.page] or n == "chart" for n in message["sections"]):
+            if points:  # the chart's new points must not wait for a render
+                await self.send_json(events.update_frame(points=points, html={}, chart=None,
+                                                         relayed_at=message["relayed_at"]))
+                points = []
+            html, chart = await self._rendered(message)
+        if points or html or chart:
+            await self.send_json(events.update_frame(points=points, html=html, chart=chart,
+                                                     relayed_at=message["relayed_at"]))
+
+    async def _rendered(self, message: dict) -> tuple[dict, dict | None]:
+        """The message's sections as this person sees them: rendered once per process (the first
+        consumer renders, the others of the same page, job and role await that render)."""
+        key = (message["id"], self.page, self.job_id, self.caps)
+        if key in _RENDERED:
+            return _RENDERED[key]
+        in_flight = _IN_FLIGHT.get(key)
+        if in_flight is not None:
+            return await asyncio.shield(in_flight)
+        future = _IN_FLIGHT[key] = asyncio.get_running_loop().create_future()
+        try:
+            result = await database_sync_to_async(self._render)(message)
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: the awaiting consumers re-raise it, no "never retrieved" noise
+            raise
+        finally:
+            _IN_FLIGHT.pop(key, None)
+        future.set_result(result)
+        _RENDERED[key] = result
+        while len(_RENDERED) > _RENDERED_MAX:
+            _RENDERED.popitem(last=False)
+        return result
+
+    # --- rendering (sync, ORM) ----------------------------------------------------------------------
+    def _job(self) -> Job | None:
+        return Job.objects.filter(pk=self.job_id).first() if self.job_id else None
+
+    def _snapshot(self) -> dict:
+        job = self._job()
+        html = page_sections.render(self.page, None, self.caps, job)
+        return events.snapshot_frame(self.page, html, queries.chart(job) if job else None)
+
+    def _render(self, message: dict) -> tuple[dict, dict | None]:
+        names = [n for n in message["sections"] if n in page_sections.PAGES[self.page]]
+        job = self._job()
+        html = page_sections.render(self.page, names, self.caps, job) if names else {}
+        chart = queries.chart(job) if job is not None and "chart" in message["sections"] else None
+        return html, chart
+
+
+class OverviewConsumer(DashboardConsumer):
+    page = "overview"
+
+
+class JobConsumer(DashboardConsumer):
+    page = "job"
+
+
+class NodesConsumer(DashboardConsumer):
+    page = "nodes"

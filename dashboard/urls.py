@@ -1,0 +1,19 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+    path("login/", auth_views.LoginView.as_view(template_name="dashboard/login.html"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
+    path("jobs/<int:pk>/approve", views.approve_resume, name="job-approve"),
+    path("jobs/<int:pk>/pause", views.pause, name="job-pause"),
+    path("jobs/<int:pk>/rollback", views.rollback, name="job-rollback"),
+    path("nodes/", views.nodes, name="nodes"),
+    path("nodes/<int:pk>/drain", views.drain, name="node-drain"),
+    path("nodes/<int:pk>/undrain", views.undrain, name="node-undrain"),
+]

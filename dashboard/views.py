@@ -1,0 +1,145 @@
+"""The dashboard's pages and its action endpoints.
+
+Pages render every section with the same templates the live updates use (``dashboard.sections``).
+Actions parse → authorise by capability (``controlplane.roles``) → call the same service the API
+calls → answer JSON; the service writes the audit row (``jobs.models.Event``) and the relay pushes
+the result to every open page. Errors are RFC 9457 problem details, like the API's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from django.contrib.auth.decorators import login_required
+from django.db import transaction
+from django.http import HttpResponseForbidden, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_POST
+
+from checkpoints.models import Checkpoint
+from checkpoints.services import CheckpointError
+from controlplane import roles
+from controlplane.auth import actor_label
+from controlplane.problems import CONTENT_TYPE, problem
+from dashboard import sections
+from dashboard.relay import RELAY
+from jobs import services as job_services
+from jobs.models import Job
+from jobs.state import TransitionError
+from nodes import services as node_services
+from nodes.models import Node
+
+REASON_MAX = 500
+
+
+class ActionRefused(Exception):
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(detail)
+        self.status, self.code, self.detail = status, code, detail
+
+
+def _problem(request, status: int, code: str, detail: str) -> JsonResponse:
+    from http import HTTPStatus
+
+    body = problem(status, HTTPStatus(status).phrase, detail, code=code, instance=request.path)
+    return JsonResponse(body, status=status, content_type=CONTENT_TYPE)
+
+
+# --- pages ----------------------------------------------------------------------------------------
+
+def _page(request, page: str, template: str, job: Job | None = None, **extra):
+    caps = sections.capabilities_of(request.user)
+    if roles.VIEW not in caps:
+        return HttpResponseForbidden("Your role does not include viewing the dashboard.")
+    html = sections.render(page, None, caps, job)
+    return render(request, template, {"html": html, "page": page, "job": job, "can": sections.can(caps), **extra})
+
+
+@login_required
+def overview(request):
+    return _page(request, "overview", "dashboard/overview.html")
+
+
+@login_required
+def job_detail(request, pk: int):
+    return _page(request, "job", "dashboard/job.html", job=get_object_or_404(Job, pk=pk))
+
+
+@login_required
+def nodes(request):
+    return _page(request, "nodes", "dashboard/nodes.html")
+
+
+# --- actions --------------------------------------------------------------------------------------
+
+def action(capability: str):
+    """POST only, CSRF-checked (Django's middleware), signed in, holding ``capability``, with a
+    reason; the view's ``TransitionError`` becomes a 409 and its message the problem's detail."""
+
+    def decorate(view):
+        @require_POST
+        @functools.wraps(view)
+        def wrapper(request, *args, **kwargs):
+            if not request.user.is_authenticated:
+                return _problem(request, 401, "not_authenticated", "Sign in first.")
+            if capability not in sections.capabilities_of(request.user):
+                return _problem(request, 403, "permission_denied",
+                                f"This action needs the '{capability}' capability, which your role does not grant.")
+            reason = (request.POST.get("reason") or "").strip()
+            if not reason:
+                return _problem(request, 400, "invalid", "reason: say why (it goes into the audit log).")
+            if len(reason) > REASON_MAX:
+                return _problem(request, 400, "invalid", f"reason: at most {REASON_MAX} characters.")
+            try:
+                message = view(request, *args, reason=reason, actor=actor_label(request), **kwargs)
+            except ActionRefused as refused:
+                return _problem(request, refused.status, refused.code, refused.detail)
+            except (TransitionError, CheckpointError) as exc:
+                return _problem(request, exc.http_status, "conflict", str(exc))
+            transaction.on_commit(RELAY.poke)  # the services committed: push now, not at the next turn
+            return JsonResponse({"ok": True, "message": message})
+
+        return wrapper
+
+    return decorate
+
+
+@action(roles.APPROVE)
+def approve_resume(request, pk: int, *, reason: str, actor: str) -> str:
+    job = get_object_or_404(Job, pk=pk)
+    generation = job_services.approve_resume(job, actor=actor, reason=reason, force=request.POST.get("force") == "1")
+    return f"{job.name}: resume approved, generation {generation.number} launching"
+
+
+@action(roles.OPERATE)
+def pause(request, pk: int, *, reason: str, actor: str) -> str:
+    job = job_services.pause_job(get_object_or_404(Job, pk=pk), actor=actor, reason=reason)
+    return f"{job.name}: pausing (checkpoint, then stop)"
+
+
+@action(roles.OPERATE)
+def rollback(request, pk: int, *, reason: str, actor: str) -> str:
+    job = get_object_or_404(Job, pk=pk)
+    raw = request.POST.get("checkpoint", "")
+    checkpoint = Checkpoint.objects.filter(pk=int(raw), job=job).first() if raw.isdigit() else None
+    if checkpoint is None:
+        raise ActionRefused(400, "invalid", f"checkpoint: job {job.pk} has no checkpoint {raw!r}.")
+    generation = job_services.rollback_to(job, checkpoint, actor=actor, reason=reason,
+                                          force=request.POST.get("force") == "1")
+    return f"{job.name}: rolled back to step {checkpoint.step}; generation {generation.number} starts a new branch"
+
+
+@action(roles.DRAIN)
+def drain(request, pk: int, *, reason: str, actor: str) -> str:
+    node = get_object_or_404(Node, pk=pk)
+    if not node_services.drain_node(node, actor=actor, reason=reason):
+        raise ActionRefused(409, "conflict", f"{node.hostname} is already {node.schedulability}.")
+    return f"{node.hostname}: {node.schedulability}"
+
+
+@action(roles.DRAIN)
+def undrain(request, pk: int, *, reason: str, actor: str) -> str:
+    node = get_object_or_404(Node, pk=pk)
+    if not node_services.undrain_node(node, actor=actor, reason=reason):
+        raise ActionRefused(409, "conflict", f"{node.hostname} is not drained.")
+    return f"{node.hostname}: back in scheduling"

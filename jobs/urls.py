@@ -1,7 +1,0 @@
-from django.urls import path
-
-from jobs import views
-
-urlpatterns = [
-    path("", views.overview, name="overview"),
-]

@@ -1,0 +1,102 @@
+"""The ``nightwatch`` commands against a live control plane (Django's live server thread on the test
+database): what they print, what they change, and their exit codes."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.cli.__main__ import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def run(live_server, world, capsys, monkeypatch):
+    monkeypatch.delenv("NIGHTWATCH_TOKEN", raising=False)
+    for name in ("GITHUB_RUN_ID", "CI_PIPELINE_ID", "BUILD_ID", "BUILDKITE_BUILD_ID", "NIGHTWATCH_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def invoke(caller: str | None, *args: str):
+        token = ["--token", world.cast.tokens[caller]] if caller else []
+        code = main(["--url", live_server.url, *token, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return invoke
+
+
+def test_reading_commands(run, world):
+    job = world.cast.job.pk
+    code, out, _ = run("viewer", "status")
+    assert code == EXIT_OK and "llama-tiny" in out and "stuck" in out and out.startswith("ID")
+    code, out, _ = run("viewer", "status", str(world.paused_job.pk))
+    assert code == EXIT_OK and " paused · " in out and "circuit breaker open" in out
+    code, out, _ = run("viewer", "logs", str(job))
+    assert code == EXIT_OK and "crash" in out and "  | Killed" in out and "gpu-01" in out
+    code, out, _ = run("viewer", "checkpoints", str(job))
+    assert code == EXIT_OK and "verified" in out and str(world.checkpoint.pk) in out
+    code, out, _ = run("viewer", "status", str(job), "--json")
+    assert code == EXIT_OK and '"recent_incidents"' in out
+
+
+def test_drain_and_undrain_by_hostname_are_audited(run, world):
+    from jobs.models import Event
+
+    code, out, _ = run("operator", "drain", "gpu-01", "--reason", "fan noise")
+    assert code == EXIT_OK and "gpu-01: drain" in out
+    world.cast.node1.refresh_from_db()
+    assert world.cast.node1.schedulability in ("draining", "drained")
+    code, out, _ = run("operator", "undrain", str(world.cast.node1.pk), "--reason", "fan replaced")
+    assert code == EXIT_OK and "gpu-01: active" in out
+    assert Event.objects.filter(node=world.cast.node1, reason="fan noise").exists()
+    code, _, err = run("viewer", "drain", "gpu-01", "--reason", "no")
+    assert code == EXIT_ERROR and "403" in err and "'drain' capability" in err
+
+
+def test_refusals_name_the_field_and_the_line(run, world, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: tiny\nentrypoint: examples/train.py\nrecovery_policy:\n  max_restarts: 5000\n")
+    code, _, err = run("ci", "launch", str(spec))
+    assert code == EXIT_USAGE
+    assert f"{spec}:4: recovery_policy.max_restarts: Ensure this value is less than or equal to 1000." in err
+    code, _, err = run("ci", "rollback", str(world.paused_job.pk), "--to", str(world.checkpoint.pk),
+                       "--reason", "r", "--skip-data", "10:20")
+    assert code == EXIT_ERROR and "403" in err  # a CI token launches and reads; it does not roll back
+    code, _, err = run("operator", "rollback", str(world.paused_job.pk), "--to", str(world.checkpoint.pk),
+                       "--reason", "r")
+    assert code == EXIT_ERROR and f"has no checkpoint {world.checkpoint.pk}" in err
+    with pytest.raises(SystemExit) as usage:
+        run("operator", "rollback", "1", "--to", "2", "--reason", "r", "--skip-data", "20:10")
+    assert usage.value.code == EXIT_USAGE
+
+
+def test_launch_once_per_ci_run(run, world, tmp_path, monkeypatch):
+    from jobs.models import Job
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: from-ci\nentrypoint: examples/train.py\nargs: [--steps, 4]\n")
+    monkeypatch.setenv("GITHUB_RUN_ID", "981")
+    first = run("ci", "launch", str(spec))
+    again = run("ci", "launch", str(spec))
+    assert first[0] == again[0] == EXIT_OK and "launched job" in first[1]
+    assert first[1] == again[1]
+    assert Job.objects.filter(name="from-ci").count() == 1
+
+
+def test_credentials(run, monkeypatch, live_server):
+    code, _, err = run(None, "status")
+    assert code == EXIT_USAGE and "NIGHTWATCH_TOKEN" in err
+    monkeypatch.setenv("NIGHTWATCH_TOKEN", "nw_wrong-token-value")
+    code, _, err = run(None, "status")
+    assert code == EXIT_ERROR and "401" in err and "nw_wrong" not in err
+
+
+def test_waiting_gives_up_at_the_timeout(run, tmp_path):
+    """No agent runs here, so the job stays pending: ``--timeout`` ends the wait with exit code 6."""
+    from agents.cli.__main__ import EXIT_TIMEOUT
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: never-placed\nentrypoint: examples/train.py\n")
+    code, out, err = run("ci", "launch", str(spec), "--wait", "--timeout", "0.5", "--poll", "0.2")
+    assert code == EXIT_TIMEOUT, out + err
+    assert " pending · generation 0 · step - " in out and "still pending after 0.5 s" in err

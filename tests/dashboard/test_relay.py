@@ -1,0 +1,148 @@
+"""The relay and the consumers: committed rows become pushes to the right groups, coalesced, and
+each browser gets a snapshot on connect and sections rendered for its own role."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from agents.protocol import hooks as wire
+
+pytestmark = pytest.mark.django_db
+
+
+def report_batch(job, steps, *, ranks=(0, 1), spike_at=(), skipped_at=()):
+    return wire.ReportBatch(job=str(job.pk), generation=job.generation, reports=[
+        wire.StepReport(job=str(job.pk), generation=job.generation, rank=rank, step=step, loss=3.0 - step * 0.01 + rank,
+                        grad_norm=1.5, world_size=len(ranks), data_cursor=step * 8, samples=4,
+                        phases={"input": 0.01, "compute": 0.05 * (2 if rank == 1 and step % 2 else 1),
+                                "optimizer": 0.02},
+                        spike=step in spike_at, skipped=step in skipped_at, time=time.time())
+        for step in steps for rank in ranks])
+
+
+@pytest.fixture
+def running_job(cast):
+    from jobs import services
+
+    services.start_job(cast.job, actor="test")
+    cast.job.refresh_from_db()
+    return cast.job
+
+
+class Sent(list):
+    async def __call__(self, group, message):
+        self.append((group, message))
+
+
+def test_reports_and_events_reach_the_job_and_cluster_groups(running_job, cast):
+    from dashboard.relay import Relay
+    from jobs import services
+    from nodes.services import drain_node
+
+    relay, sent = Relay(min_gap_s=0, lease=False), Sent()
+    relay.mark_now()
+    services.record_reports(running_job, report_batch(running_job, [1, 2, 3], spike_at={2}), actor="node:gpu-01")
+    drain_node(cast.node2, actor="user:otto", reason="fan")
+    relay.collect()
+    async_to_sync(relay.flush)(sent)
+    by_group = {group: message for group, message in sent}
+    job_message = by_group[f"job.{running_job.pk}"]
+    assert [(p["step"], p["rank"], p["spike"]) for p in job_message["points"]] == [(1, 0, False), (2, 0, True),
+                                                                                   (3, 0, False)]
+    # The first step moved the job to running: a state event, so the banner, timeline and chart markers refresh.
+    assert {"banner", "timeline", "summary", "skew", "chart"} <= set(job_message["sections"])
+    assert {"jobs", "grid", "health"} <= set(by_group["cluster"]["sections"])
+    relay.collect()
+    sent.clear()
+    async_to_sync(relay.flush)(sent)
+    assert sent == []  # nothing new, nothing sent
+
+
+def test_a_fast_reporter_is_coalesced_to_a_few_messages_a_second(running_job):
+    from dashboard.relay import Relay
+    from jobs import services
+
+    relay, sent = Relay(min_gap_s=0.25, lease=False), Sent()
+    relay.mark_now()
+    for step in range(1, 11):  # ten report batches within a tenth of a second
+        services.record_reports(running_job, report_batch(running_job, [step], ranks=(0,)), actor="node:gpu-01")
+        relay.collect()
+        async_to_sync(relay.flush)(sent, now=1000 + step / 100)
+    job_messages = [m for g, m in sent if g == f"job.{running_job.pk}"]
+    assert len(job_messages) == 1  # the first went at once; the rest wait for the group's next turn
+    async_to_sync(relay.flush)(sent, now=1000.2)
+    assert len([m for g, m in sent if g == f"job.{running_job.pk}"]) == 1
+    async_to_sync(relay.flush)(sent, now=1000.3)
+    job_messages = [m for g, m in sent if g == f"job.{running_job.pk}"]
+    assert len(job_messages) == 2
+    assert [p["step"] for m in job_messages for p in m["points"]] == list(range(1, 11))
+
+
+def test_one_web_process_relays_at_a_time(settings):
+    """With Redis, the relays of several web processes share one lease: duplicates never reach browsers."""
+    from dashboard.relay import Relay
+
+    assert settings.REDIS_URL, "this test needs REDIS_URL"
+    first, second = Relay(), Relay()
+    try:
+        assert first._lead() and not second._lead()
+        first._release()
+        assert second._lead()
+    finally:
+        first._release()
+        second._release()
+
+
+def _communicator(path, user):
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.routing import websocket_urlpatterns
+
+    communicator = WebsocketCommunicator(URLRouter(websocket_urlpatterns), path)
+    communicator.scope["user"] = user
+    return communicator
+
+
+@pytest.mark.django_db(transaction=True)
+def test_consumers_refuse_strangers_and_snapshot_on_connect(running_job, cast):
+    from django.contrib.auth.models import AnonymousUser, User
+
+    from dashboard.relay import RELAY
+
+    nobody = User.objects.create_user("nobody")
+
+    async def scenario():
+        for user, code in [(AnonymousUser(), 4401), (nobody, 4403)]:
+            communicator = _communicator("/ws/dashboard/overview/", user)
+            connected, close_code = await communicator.connect()
+            assert not connected and close_code == code
+        communicator = _communicator("/ws/dashboard/jobs/999999/", cast.viewer)
+        assert (await communicator.connect()) == (False, 4404)
+
+        communicator = _communicator(f"/ws/dashboard/jobs/{running_job.pk}/", cast.viewer)
+        connected, _ = await communicator.connect()
+        assert connected
+        snapshot = await communicator.receive_json_from(timeout=10)
+        assert snapshot["type"] == "snapshot" and snapshot["page"] == "job"
+        assert set(snapshot["html"]) == {"summary", "banner", "skew", "timeline", "incidents", "lineage"}
+        assert snapshot["chart"]["job"] == running_job.pk
+        # A push to the job's group comes back as an update with the sections rendered for a viewer.
+        from channels.layers import get_channel_layer
+
+        await get_channel_layer().group_send(f"job.{running_job.pk}", {
+            "type": "dashboard.push", "id": "test-1", "job": running_job.pk, "sections": ["summary", "grid"],
+            "points": [{"step": 9, "generation": 1, "rank": 0, "loss": 1.0, "grad_norm": None, "spike": False,
+                        "skipped": False, "nan": False}], "relayed_at": time.time()})
+        points = await communicator.receive_json_from(timeout=10)  # first, not waiting for the render
+        assert points["type"] == "update" and points["points"][0]["step"] == 9 and points["html"] == {}
+        update = await communicator.receive_json_from(timeout=10)
+        assert update["type"] == "update" and list(update["html"]) == ["summary"] and update["points"] == []
+        assert 'class="act' not in update["html"]["summary"]
+        await communicator.disconnect()
+        await RELAY.stop()
+
+    async_to_sync(scenario)()

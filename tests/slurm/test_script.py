@@ -1,0 +1,61 @@
+"""The batch script and sbatch options of a generation (pure: no Slurm needed)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from agents.protocol import agent as wire
+from nodes.transports.slurm import script
+
+
+def payload(**overrides):
+    raw = {"script": "examples/train.py", "nnodes": 2, "nproc_per_node": 4, "node_rank": 0,
+           "rdzv_endpoint": "gpu-01:29400", "rdzv_id": "nw-7-g3", "args": ["--lr", "1e-3"],
+           "nccl_env": {"NCCL_IB_HCA": "mlx5_0"}, "hooks_url": "http://cp:8000", "ckpt_dir": "/ckpt/job-7",
+           "resume_from": "/ckpt/job-7/step-00000100", "skip_data": [[10, 20]], **overrides}
+    return wire.parse_command_payload(wire.Command(id="0", kind="launch", idempotency_key="k", job="7", generation=3,
+                                                   payload=raw))
+
+
+def render(p=None, **kwargs):
+    return script.render(job="7", generation=3, payload=p or payload(), hostnames=["gpu-01", "gpu-02"],
+                         excluded=["gpu-09"], python="/opt/venv/bin/python", workdir="/srv/code",
+                         output_path="/logs/g3.out", spool_dir="/logs/g3-spool", partition="train", **kwargs)
+
+
+def test_the_options_pin_the_placement_exclude_kept_out_nodes_and_turn_slurms_requeue_off():
+    batch = render(extra_options=["--account=ml"])
+    assert batch.options == [
+        "--job-name=nw-7-g3", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu-01,gpu-02", "--exclusive",
+        "--no-requeue", "--output=/logs/g3.out", "--chdir=/srv/code",
+        "--export=PATH,LANG,SLURM_CONF,NIGHTWATCH_TOKEN", "--exclude=gpu-09", "--partition=train", "--account=ml"]
+
+
+def test_the_script_sets_the_hooks_environment_as_the_agent_does_and_holds_no_token():
+    text = render().script
+    for line in ["export NIGHTWATCH_URL=http://cp:8000", "export NIGHTWATCH_JOB=7", "export NIGHTWATCH_GENERATION=3",
+                 "export NIGHTWATCH_CKPT_DIR=/ckpt/job-7", "export NIGHTWATCH_RESUME_FROM=/ckpt/job-7/step-00000100",
+                 "export NIGHTWATCH_SPOOL_DIR=/logs/g3-spool", "export NIGHTWATCH_SKIP_DATA=10-20",
+                 "export NCCL_IB_HCA=mlx5_0", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]:
+        assert line in text.splitlines()
+    assert "TOKEN" not in text
+    assert '--rdzv-endpoint="$rdzv_host":29400' in text and "--max-restarts=0" in text
+    assert "srun --export=ALL" in text and "--kill-on-bad-exit=1" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # it parses
+
+
+def test_hostile_arguments_stay_single_words():
+    nasty = ["$(touch /tmp/pwned)", "a b; rm -rf /", "`id`", "it's"]
+    text = render(payload(args=nasty)).script
+    last = text.rstrip("\n").splitlines()[-1]
+    assert shlex.split(last) == ["examples/train.py", *nasty]
+
+
+@pytest.mark.parametrize("bad", ["gpu-01,gpu-02", "gpu 1", "-x", "gpu[1-2]", ""])
+def test_a_node_name_that_is_not_one_name_is_refused(bad):
+    with pytest.raises(ValueError, match="not a single Slurm node name"):
+        script.render(job="7", generation=3, payload=payload(), hostnames=[bad], excluded=[], python="python",
+                      workdir="/w", output_path="/o", spool_dir="/s")
