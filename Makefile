@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 $(INSTALLED): pyproject.toml dashboard/frontend/package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[server,train,dev]'
+	$(BIN)/pip install -q -e '.[server,train,dev,bench]'
 	# The dashboard's chart library (uPlot), exactly as locked; served by Django as static files.
 	cd dashboard/frontend && npm ci --no-audit --no-fund
 	touch $@
@@ -39,15 +39,11 @@ test: $(INSTALLED) system-deps services lint
 	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
 # Every benchmark of bench/ in sequence (see ../shared/BENCHMARKS.md), then the report under
-# docs/benchmarks/. The plots need the `bench` extra (matplotlib), installed here only.
+# docs/benchmarks/ (its plots use the `bench` extra, matplotlib, which the tests of the report need too).
 BENCHMARKS := ckpt_blocking hook_overhead ingest recovery live_push chaos
 BENCH_ARGS ?=
 
-$(VENV)/.bench-installed: $(INSTALLED)
-	$(BIN)/pip install -q -e '.[server,train,dev,bench]'
-	touch $@
-
-bench: $(VENV)/.bench-installed services
+bench: $(INSTALLED) services
 	set -e; for name in $(BENCHMARKS); do \
 		if [ -f bench/$$name.py ]; then echo "== bench.$$name $(BENCH_ARGS)"; $(BIN)/python -m bench.$$name $(BENCH_ARGS); \
 		else echo "== bench.$$name: not in this checkout, skipped"; fi; \
