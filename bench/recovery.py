@@ -61,6 +61,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agents.supervisor import WARM_RESPAWN_DELAY_S
 from bench._common import arguments, emit, median, spread
 from tests.e2e.cluster import wait_for
 
@@ -367,6 +368,10 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, kee
     tail = Tail(work, ("samples/rank*.jsonl",))
     try:
         wait_for(lambda: reached(tail, FAULT_STEP), timeout=120, what=f"job {job_id} to train step {FAULT_STEP}")
+        # Steady state, as when a fault comes hours into a run: the node has its warm launcher back
+        # (the agent starts a new one WARM_RESPAWN_DELAY_S after a launch used the previous one).
+        launched = Generation.objects.get(job_id=job_id, number=1).started_at.timestamp()
+        wait_for(lambda: time.time() - launched >= WARM_RESPAWN_DELAY_S + 2, timeout=30, what="steady state")
         checkpoint = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
                                 .order_by("-step").first(), timeout=60, what="a verified checkpoint")
         victim = wait_for(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
@@ -392,10 +397,10 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int, *, kee
             "checkpoint_step": checkpoint.step, "detected": True,
             "detection_s": round(at["detected"], 3), "recovery_s": round(first[0] - fault_at, 3),
             "quiesced_s": round(at["quiesced"], 3), "relaunched_s": round(at["relaunched"], 3),
-            # A torchrun started before the fault is the agent's warm launcher, handed the relaunch.
-            "warm_launcher": bool(restarted and restarted["torchrun"] and restarted["torchrun"] < fault_at),
+            # A torchrun that existed before the relaunch is the agent's warm launcher, handed it.
+            "warm_launcher": bool(restarted and restarted["torchrun"] and restarted["torchrun"] < relaunched),
             "torchrun_spawned_s": round(restarted["torchrun"] - fault_at, 3)
-            if restarted and restarted["torchrun"] and restarted["torchrun"] >= fault_at else None,
+            if restarted and restarted["torchrun"] and restarted["torchrun"] >= relaunched else None,
             "workers_spawned_s": round(restarted["workers"] - fault_at, 3) if restarted else None,
             "first_step_reported_s": round(reported[0].timestamp() - fault_at, 3) if reported else None,
             "first_step_received_s": round(generation.first_step_at.timestamp() - fault_at, 3),
