@@ -54,6 +54,7 @@ class NightwatchCollector:
         started = time.monotonic()
         now = timezone.now()
         yield from self._jobs(now)
+        yield from self._efficiency(now)
         yield from self._incidents(now)
         yield from self._fleet(now)
         yield from self._checkpoints(now)
@@ -109,6 +110,33 @@ class NightwatchCollector:
                 step.add_metric([label], job.last_step)
             state.add_metric([label, job.state], 1)
         yield from (ettr, wall, productive, badput, restarts, step, state)
+
+    def _efficiency(self, now):
+        """MFU, throughput, downtime and cost of the jobs still running (``alerts.efficiency``): a
+        finished job's figures no longer change, and the API keeps them."""
+        from alerts import efficiency
+        from jobs.choices import JobState
+
+        mfu = GaugeMetricFamily("nightwatch_job_mfu_ratio", "Model FLOPs utilisation: achieved / peak FLOPs of "
+                                "the job's accelerators.", labels=["job"])
+        tokens = GaugeMetricFamily("nightwatch_job_tokens_per_second", "Training throughput.", labels=["job"])
+        downtime = GaugeMetricFamily("nightwatch_job_downtime_ratio", "Detection, restart and paused time / wall "
+                                     "time.", labels=["job"])
+        cost = GaugeMetricFamily("nightwatch_job_cost", "Cost so far (GPU-hours × the node pool's price, in "
+                                 f"{settings.NIGHTWATCH['EFFICIENCY']['CURRENCY']}).", labels=["job"])
+        wasted = GaugeMetricFamily("nightwatch_job_cost_wasted", "Cost of the wall time lost, by badput kind.",
+                                   labels=["job", "kind"])
+        for job in self.reported_jobs(now):
+            if job.state in JobState.TERMINAL:
+                continue
+            label, figures = str(job.pk), efficiency.snapshot(job)
+            for family, value in ((mfu, figures["mfu"]), (tokens, figures["tokens_per_s"]),
+                                  (downtime, figures["downtime_ratio"]), (cost, figures["cost"]["total"])):
+                if value is not None:
+                    family.add_metric([label], value)
+            for kind, value in sorted(figures["cost"]["wasted"].items()):
+                wasted.add_metric([label, kind], value)
+        yield from (mfu, tokens, downtime, cost, wasted)
 
     # --- incidents --------------------------------------------------------------------------------
     def _incidents(self, now):

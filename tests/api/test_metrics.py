@@ -96,3 +96,33 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist(scraped):
     exposed = set(re.findall(r"^(nightwatch_[a-z_]+)", scraped, re.MULTILINE))
     # queue metrics exist only with Redis (REDIS_URL), as in the test runs
     assert queried <= exposed, sorted(queried - exposed)
+
+
+def test_efficiency_and_cost_of_running_jobs_are_exported(world, api):
+    """MFU, throughput and cost per badput kind come from ``alerts.efficiency`` (issue 10), for
+    jobs that still run; a finished job's figures stay in the API only."""
+    from alerts import efficiency
+    from jobs.models import StepMetric, TrainingEvent
+
+    job = world.cast.job
+    job.accelerator, job.generation, job.state = "cpu", 1, "running"
+    job.save()
+    now = timezone.now()
+    TrainingEvent.objects.create(job=job, generation=1, rank=0, step=0, kind="model", key="0:0:0:model:1",
+                                 message="model", detail={"parameters": 1_000_000}, reported_at=now)
+    StepMetric.objects.bulk_create([
+        StepMetric(job=job, generation=1, rank=rank, step=step, loss=2.0, world_size=2, data_cursor=8 * step,
+                   samples=4, tokens=128, phases={"compute": 0.2, "input": 0.05}, reported_at=now)
+        for step in range(1, 21) for rank in (0, 1)])
+
+    values = samples(api(world.cast.tokens["viewer"]).get("/metrics").content.decode())
+    figures = efficiency.snapshot(job)
+
+    assert figures["mfu"] is not None
+    assert values[f'nightwatch_job_mfu_ratio{{job="{job.pk}"}}'] == pytest.approx(figures["mfu"])
+    assert values[f'nightwatch_job_tokens_per_second{{job="{job.pk}"}}'] == pytest.approx(256 / 0.25)
+    assert f'nightwatch_job_cost{{job="{job.pk}"}}' in values
+    assert {k for k in values if k.startswith(f'nightwatch_job_cost_wasted{{job="{job.pk}"')} == {
+        f'nightwatch_job_cost_wasted{{job="{job.pk}",kind="{kind}"}}' for kind in figures["cost"]["wasted"]}
+    # A paused job is not finished: its figures are exported too.
+    assert f'nightwatch_job_cost{{job="{world.paused_job.pk}"}}' in values

@@ -36,6 +36,21 @@ def test_every_page_renders_for_a_viewer_without_any_button(signed_in, cast):
     assert "circuit breaker open" in viewer.get(f"/jobs/{job.pk}/").content.decode()
 
 
+def test_the_job_page_shows_mfu_and_cost(signed_in, cast, settings, time_machine):
+    """Cost so far and the part of it wasted to badput, from the efficiency watch (issue 10)."""
+    from django.utils import timezone
+
+    from alerts import efficiency
+
+    job = pause_for_breaker(cast.job)
+    time_machine.move_to(timezone.now(), tick=False)  # the cost grows with wall time: one instant
+    figures = efficiency.snapshot(job)
+    body = signed_in(cast.viewer).get(f"/jobs/{job.pk}/").content.decode()
+    currency = settings.NIGHTWATCH["EFFICIENCY"]["CURRENCY"]
+    assert f'<dd id="job-cost">{figures["cost"]["total"]:.2f} {currency}' in body
+    assert '<dd id="job-mfu">' in body
+
+
 def test_buttons_follow_the_role(signed_in, cast):
     job = pause_for_breaker(cast.job)
     operator_page = signed_in(cast.operator).get(f"/jobs/{job.pk}/").content.decode()
