@@ -116,9 +116,10 @@ def gpu_utilization(job, nodes) -> float | None:
     return float(mean) if mean is not None else None
 
 
-def snapshot(job) -> dict:
+def snapshot(job, goodput=None) -> dict:
     """Every efficiency figure of ``job`` as plain numbers (None where unknown). What the API
-    shows and what a metrics exporter can publish as gauges."""
+    shows and what a metrics exporter can publish as gauges. ``goodput``: the job's
+    ``goodput_of`` result when the caller has it already (it is the expensive part)."""
     from alerts.models import EfficiencyTarget
     from jobs.services import goodput_of
 
@@ -133,7 +134,7 @@ def snapshot(job) -> dict:
     peak_tflops = (sum(p * job.nproc_per_node for p in peaks) if nodes and None not in peaks else None)
     mfu = (math_.mfu(speed, fpt, peak_tflops * 1e12)
            if speed and fpt and peak_tflops and steps >= MIN_STEPS else None)
-    goodput = goodput_of(job)
+    goodput = goodput if goodput is not None else goodput_of(job)
     badput = dict(goodput.badput_s)
     downtime_s = sum(badput.get(kind, 0.0) for kind in DOWNTIME_KINDS)
     rate = math_.hourly_rate((job.nproc_per_node, price_of(node)) for node in nodes)

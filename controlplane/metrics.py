@@ -51,10 +51,15 @@ class NightwatchCollector:
     """One scrape = a handful of queries over jobs, incidents, nodes, GPUs and checkpoints."""
 
     def collect(self):
+        from jobs.services import goodput_of
+
         started = time.monotonic()
         now = timezone.now()
-        yield from self._jobs(now)
-        yield from self._efficiency(now)
+        # Goodput is the expensive part of a job's figures: computed once, used by both families.
+        jobs = self.reported_jobs(now)
+        goodputs = {job.pk: goodput_of(job, now=now) for job in jobs}
+        yield from self._jobs(jobs, goodputs)
+        yield from self._efficiency(jobs, goodputs)
         yield from self._incidents(now)
         yield from self._fleet(now)
         yield from self._checkpoints(now)
@@ -74,11 +79,10 @@ class NightwatchCollector:
         return list(Job.objects.filter(~Q(state__in=JobState.TERMINAL) | Q(state_changed_at__gte=recent))
                     .order_by("-created_at")[:METRICS_MAX_JOBS])
 
-    def _jobs(self, now):
+    def _jobs(self, reported, goodputs):
         from jobs.choices import JobState
         from jobs.goodput import KINDS
         from jobs.models import Job
-        from jobs.services import goodput_of
 
         by_state = dict(Job.objects.values_list("state").annotate(n=Count("pk")))
         jobs = GaugeMetricFamily("nightwatch_jobs", "Jobs by state.", labels=["state"])
@@ -97,9 +101,9 @@ class NightwatchCollector:
                                        labels=["job"])
         step = GaugeMetricFamily("nightwatch_job_last_step", "The newest step reported by the job.", labels=["job"])
         state = GaugeMetricFamily("nightwatch_job_state", "1 for the job's current state.", labels=["job", "state"])
-        for job in self.reported_jobs(now):
+        for job in reported:
             label = str(job.pk)
-            result = goodput_of(job, now=now)
+            result = goodputs[job.pk]
             ettr.add_metric([label], result.ettr)
             wall.add_metric([label], result.wall_s)
             productive.add_metric([label], result.productive_s)
@@ -111,7 +115,7 @@ class NightwatchCollector:
             state.add_metric([label, job.state], 1)
         yield from (ettr, wall, productive, badput, restarts, step, state)
 
-    def _efficiency(self, now):
+    def _efficiency(self, reported, goodputs):
         """MFU, throughput, downtime and cost of the jobs still running (``alerts.efficiency``): a
         finished job's figures no longer change, and the API keeps them."""
         from alerts import efficiency
@@ -126,10 +130,10 @@ class NightwatchCollector:
                                  f"{settings.NIGHTWATCH['EFFICIENCY']['CURRENCY']}).", labels=["job"])
         wasted = GaugeMetricFamily("nightwatch_job_cost_wasted", "Cost of the wall time lost, by badput kind.",
                                    labels=["job", "kind"])
-        for job in self.reported_jobs(now):
+        for job in reported:
             if job.state in JobState.TERMINAL:
                 continue
-            label, figures = str(job.pk), efficiency.snapshot(job)
+            label, figures = str(job.pk), efficiency.snapshot(job, goodputs[job.pk])
             for family, value in ((mfu, figures["mfu"]), (tokens, figures["tokens_per_s"]),
                                   (downtime, figures["downtime_ratio"]), (cost, figures["cost"]["total"])):
                 if value is not None:

@@ -90,7 +90,7 @@ def job_summary(job: Job) -> dict:
     goodput = goodput_of(job)
     last_checkpoint = Checkpoint.objects.filter(job=job).order_by("-created_at").first()
     return {"job": job, "goodput": goodput, "ettr": goodput.ettr if goodput.wall_s > 0 else None,
-            "efficiency": efficiency.snapshot(job),
+            "efficiency": efficiency.snapshot(job, goodput),
             "badput": sorted(((k, v) for k, v in goodput.badput_s.items() if v > 0), key=lambda kv: -kv[1]),
             "last_checkpoint": last_checkpoint,
             "checkpoint_age": timezone.now() - last_checkpoint.created_at if last_checkpoint else None}
