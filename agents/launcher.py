@@ -8,9 +8,12 @@ waiting per node and hands it the next generation's command line instead.
 
 Protocol, over the standard input the supervisor gave it (never anything else):
 
-- one JSON line ``{"args": [...], "env": {...}, "cwd": "..."}``; the process then *becomes*
-  ``python -m torch.distributed.run ARGS`` with exactly that environment and directory, running the
-  module as ``__main__`` so its behaviour, output and exit status are a cold start's;
+- one JSON line ``{"args": [...], "env": {...}, "cwd": "...", "output": "/path/torchrun.log"}``;
+  the process then *becomes* ``python -m torch.distributed.run ARGS`` with exactly that
+  environment and directory, its standard output and error appended to ``output`` (the
+  generation's log, which the supervisor tails: never a pipe to the agent, which would break if
+  the agent died), running the module as ``__main__`` so its behaviour, output and exit status
+  are a cold start's;
 - end of input instead (the supervisor went away or does not need it): exit 0.
 
 It is started in its own session, so its process group is the generation's, as for a cold start.
@@ -30,6 +33,16 @@ import torch.distributed.run  # noqa: F401  (the point: pay for the import befor
 
 
 def _become(request: dict) -> None:
+    missing = [key for key in ("args", "env", "cwd", "output") if key not in request]
+    if missing:
+        raise ValueError(f"launch request without {', '.join(missing)}")
+    # Output first: whatever goes wrong from here on is written to the generation's log.
+    output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
     os.chdir(request["cwd"])
     os.environ.clear()  # os.environ writes through to the C environment that workers inherit
     os.environ.update(request["env"])

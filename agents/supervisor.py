@@ -6,11 +6,22 @@ completely.
   an agent restart does not forget it).
 - torchrun runs in its own session and process group with ``--max-restarts=0`` (Nightwatch
   decides restarts), the job's validated NCCL profile and the hooks' variables.
-- Its output goes to a size-rotated log; a tail is kept in memory for the exit report, and
-  the whole stream is scanned for torchrun's failure table (per-rank exit codes, first rank
-  to fail), exception lines and failure signatures.
+- Its output goes straight to a log file in the generation's directory, never to a pipe to the
+  agent: a pipe would break (EPIPE) when the agent dies or is upgraded, and take training down
+  with it. The supervisor tails the file (rotating it by copy-and-truncate, since torchrun keeps
+  it open); a tail is kept in memory for the exit report, and the whole stream is scanned for
+  torchrun's failure table (per-rank exit codes, first rank to fail), exception lines and
+  failure signatures.
+- A running generation is recorded on disk (job, generation, torchrun's pid and process start
+  time, log path), so an agent that restarts *adopts* it: it is reported as running again, its
+  end is detected by polling /proc (it is no longer our child, so its exit status is unknown and
+  derived from the log), and it can be stopped. A record whose torchrun is gone is reported as
+  exited once; a pid reused by another process is never taken for torchrun (start times differ).
 - ``stop`` sends SIGTERM to the process group, SIGKILL after the grace period, and confirms in
   /proc that every process of the generation is gone, children that left the group included.
+- Once torchrun says it is closing the worker group (a worker failed), a rank that is still there
+  after ``WORKER_CLOSE_GRACE_S`` is SIGCONT'ed and SIGKILLed: torchrun would wait 30 s for a rank
+  that cannot act on SIGTERM (a stopped one, say), and the generation is lost anyway.
 - Restarts are fast because nothing waits that need not: a warm launcher (``agents.launcher``,
   torch already imported) is handed each new generation instead of a cold interpreter, and a
   generation counts as ended as soon as torchrun has printed its failure table — by then its
@@ -27,6 +38,7 @@ import logging
 import logging.handlers
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +47,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.agent import (
     MAX_LOG_LINE,
     MAX_LOG_TAIL_LINES,
@@ -80,6 +94,10 @@ _LOG_SIGNATURES = (
     ("nccl_timeout", re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]ime(d )?out|"
                                 r"[Gg]loo.*[Tt]imed out|[Cc]ollective operation timeout")),
 )
+#: torchrun closing its worker group, which it only does once a worker failed or torchrun itself
+#: was told to stop ("Sending process 1234 closing signal SIGTERM", from
+#: torch.distributed.elastic.multiprocessing.api ``_close``).
+_CLOSING_LINE = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
 _EXIT_CODE_SIGNATURES = {EXIT_PAUSED: "paused", EXIT_STALE_GENERATION: "stale_generation",
                          EXIT_RESUME_REFUSED: "resume_refused"}
 
@@ -97,6 +115,9 @@ class OutputScan:
         self.signatures: set[str] = set()
         #: torchrun has printed its whole failure table: everything it does after that is exiting.
         self.table_complete = False
+        #: Worker pids torchrun is closing (signalling, then waiting up to 30 s for): the
+        #: generation is over once this is not empty.
+        self.closing_pids: set[int] = set()
         self._pending: tuple[int, int] | None = None
         self._in_root_cause = False
 
@@ -111,6 +132,8 @@ class OutputScan:
         if error and len(self.error_lines) < 16 and not any(e in text for e in _LAUNCHER_ERRORS):
             rank = int(rank_prefix.group(1)) if rank_prefix else None
             self.error_lines.append((rank, error.group(1)[:MAX_LOG_LINE]))
+        if closing := _CLOSING_LINE.search(line):
+            self.closing_pids.add(int(closing.group(1)))
         if _ROOT_CAUSE in line:
             self._in_root_cause = True
         elif self._in_root_cause and self.root_cause_rank is not None and _RULE.match(line):
@@ -178,6 +201,19 @@ class _Proc:
     started: int  # clock ticks after boot: tells a process from a later one with the same pid
 
 
+def _parse_stat(pid: int, raw: str) -> _Proc:
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
+    return _Proc(pid=pid, state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+
+
+def _stat(pid: int) -> _Proc | None:
+    """``pid`` as /proc shows it now; None when there is no such process."""
+    try:
+        return _parse_stat(pid, Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return None
+
+
 def _proc_table() -> dict[int, _Proc]:
     table = {}
     for entry in os.listdir("/proc"):
@@ -187,9 +223,7 @@ def _proc_table() -> dict[int, _Proc]:
             raw = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue  # exited while we looked
-        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
-        table[int(entry)] = _Proc(pid=int(entry), state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]),
-                                  started=int(fields[19]))
+        table[int(entry)] = _parse_stat(int(entry), raw)
     return table
 
 
@@ -226,15 +260,6 @@ def _exited(proc: subprocess.Popen[bytes]) -> bool:
         return True
 
 
-def _await_exit(gen: _Generation) -> None:
-    """Block until torchrun exits (without reaping it: see ``_exited``), then tell the watcher."""
-    try:
-        os.waitid(os.P_PID, gen.proc.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:  # already reaped
-        pass
-    gen.over.set()
-
-
 def _dismiss(warm: subprocess.Popen[bytes]) -> None:
     """Let an unused warm launcher go: end of input makes it exit; kill it if it does not."""
     try:
@@ -254,13 +279,27 @@ def _signal_all(procs: Iterable[_Proc], sig: int) -> None:
             pass
 
 
+def _derived_exit_code(scan: OutputScan) -> int | None:
+    """torchrun's exit status when it was not our child (adopted), so nobody could wait for it.
+
+    After printing its failure table torchrun raises ``ChildFailedError`` out of ``main``, and
+    the interpreter exits 1; without a table the status is not known, and is not guessed."""
+    return 1 if scan.table_complete else None
+
+
 # --- the supervisor ---------------------------------------------------------------------------
 
 @dataclass
 class _Generation:
     job: str
     generation: int
-    proc: subprocess.Popen[bytes]
+    #: torchrun's pid and start time (clock ticks after boot, /proc/PID/stat): together they tell
+    #: torchrun from a later process that the kernel gave the same pid.
+    pid: int
+    pid_started: int
+    #: Our child; None for a generation adopted from an earlier agent process, which can only be
+    #: watched in /proc (its exit status goes to whoever reaps it, not to us).
+    proc: subprocess.Popen[bytes] | None
     log_path: Path
     launched: LaunchedDetail
     started_at: float
@@ -275,6 +314,60 @@ class _Generation:
     #: Set when torchrun exited or printed its failure table: the watcher can finish the generation.
     over: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
+    #: Set by the watcher once the family is gone: the log reader reads to the end and stops.
+    output_done: threading.Event = field(default_factory=threading.Event)
+    #: When torchrun was first seen closing its worker group (monotonic clock); None before.
+    closing_since: float | None = None
+    #: Wall-clock end of a generation that ended while no agent watched it (from its log's mtime).
+    ended_at: float | None = None
+
+    def torchrun_present(self) -> bool:
+        """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then
+        is walking the tree below it and its process group safe."""
+        if self.proc is not None:
+            return self.proc.returncode is None  # reaped: its pid may belong to someone else by now
+        now = _stat(self.pid)
+        return now is not None and now.started == self.pid_started
+
+    def torchrun_exited(self) -> bool:
+        if self.proc is not None:
+            return _exited(self.proc)
+        now = _stat(self.pid)
+        return now is None or now.started != self.pid_started or now.state == "Z"
+
+
+def _await_exit(gen: _Generation) -> None:
+    """Block until torchrun exits, then tell the watcher. Our child is waited for without being
+    reaped (see ``_exited``); an adopted one is polled in /proc."""
+    if gen.proc is not None:
+        try:
+            os.waitid(os.P_PID, gen.proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # already reaped
+            pass
+    else:
+        while not gen.torchrun_exited():
+            time.sleep(ADOPTED_POLL_S)
+    gen.over.set()
+
+
+def _record_path(records_dir: Path, job: str, generation: int) -> Path:
+    return records_dir / f"{job}@{generation}.json"  # "@" cannot occur in a job id (ID_PATTERN)
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """A running-generation record, checked field by field: a torn or foreign file must not make
+    the agent adopt (and later signal) an arbitrary pid."""
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    for name, kind in (("job", str), ("generation", int), ("pid", int), ("pid_started", int),
+                       ("log_path", str), ("started_at", (int, float)), ("launched", dict)):
+        if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
+            raise ValueError(f"field {name!r} is missing or not {kind}")
+    if record["pid"] < 2 or record["generation"] < 0:
+        raise ValueError(f"pid {record['pid']} / generation {record['generation']} out of range")
+    record["launched"] = parse(LaunchedDetail, record["launched"])
+    return record
 
 
 #: Command line of the warm launcher; it only replaces the default torchrun, not a custom one.
@@ -282,6 +375,15 @@ WARM_LAUNCHER = (sys.executable, "-m", "agents.launcher")
 #: A new warm launcher is started this long after the last one was used, not at once: its
 #: imports would compete for CPU with the workers the launch just started.
 WARM_RESPAWN_DELAY_S = 5.0
+#: How long a rank may take to act on torchrun's SIGTERM once torchrun closes the worker group
+#: (a worker failed); after that it is killed rather than waited for (torchrun waits 30 s).
+WORKER_CLOSE_GRACE_S = 2.0
+#: The watcher's tick: how late the family is refreshed and a lingering rank noticed.
+WATCH_TICK_S = 0.25
+#: How often the log is read when there was nothing new, and an adopted torchrun's liveness checked.
+LOG_POLL_S = 0.05
+ADOPTED_POLL_S = 0.2
+_READ_CHUNK = 65536
 
 
 class Supervisor:
@@ -303,6 +405,9 @@ class Supervisor:
         self._running: dict[str, _Generation] = {}
         self._fence_path = self.work_dir / "generations.json"
         self._newest: dict[str, int] = json.loads(self._fence_path.read_text()) if self._fence_path.exists() else {}
+        #: One record per generation that runs (see ``adopt``).
+        self._records_dir = self.work_dir / "running"
+        self._records_dir.mkdir(exist_ok=True)
         if self._warm_enabled:
             self._start_warm()
 
@@ -315,6 +420,57 @@ class Supervisor:
             out.append(RunningGeneration(job=gen.job, generation=gen.generation, started_at=gen.started_at,
                                          pids=sorted(p.pid for p in _alive(gen.seen))))
         return out
+
+    def adopt(self) -> list[RunningGeneration]:
+        """Take back the generations that an earlier process of the agent started here; those now running.
+
+        The agent can die (SIGKILL, OOM, an upgrade) while its generations run on in their own
+        sessions. A record whose torchrun still runs — same pid *and* same start time, so a pid
+        the kernel reused is never taken for it — is watched again: it is listed by ``running``,
+        its end is reported through ``on_exit`` and ``stop`` works on it. A record whose torchrun
+        is gone is reported as exited, with what its log says, and removed. Call it once, before
+        the first launch, when ``on_exit`` can take reports.
+        """
+        records = []
+        for path in sorted(self._records_dir.glob("*.json")):
+            try:
+                records.append(_read_record(path))
+            except (OSError, ValueError, ProtocolError) as exc:
+                log.error("ignoring the unreadable generation record %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+        adopted = []
+        for record in sorted(records, key=lambda r: r["generation"]):
+            job, generation = record["job"], record["generation"]
+            now = _stat(record["pid"])
+            alive = now is not None and now.started == record["pid_started"] and now.state != "Z"
+            gen = _Generation(job=job, generation=generation, pid=record["pid"], pid_started=record["pid_started"],
+                              proc=None, log_path=Path(record["log_path"]), launched=record["launched"],
+                              started_at=record["started_at"],
+                              started_monotonic=time.monotonic() - max(0.0, time.time() - record["started_at"]))
+            with self._lock:
+                superseded = self._running.get(job)
+                if alive:
+                    self._running[job] = gen
+                if generation > self._newest.get(job, -1):
+                    self._newest[job] = generation
+                    self._save_fences()
+            if alive:
+                adopted.append(gen)
+                log.info("job %s generation %d: adopted torchrun pid %d, still running; log %s", job, generation,
+                         gen.pid, gen.log_path)
+            else:
+                try:
+                    gen.ended_at = max(gen.started_at, gen.log_path.stat().st_mtime)
+                except OSError:
+                    gen.ended_at = gen.started_at
+                log.warning("job %s generation %d: torchrun pid %d ended while no agent watched it", job,
+                            generation, gen.pid)
+            threading.Thread(target=self._watch, args=(gen,), name=f"watch-{job}-{generation}", daemon=True).start()
+            if alive and superseded is not None:  # one active generation per job, as in launch()
+                log.warning("job %s: adopted generation %d supersedes generation %d; stopping it", job,
+                            generation, superseded.generation)
+                self._terminate(superseded, self._default_grace_s)
+        return [r for r in self.running() if any(r.job == g.job and r.generation == g.generation for g in adopted)]
 
     def launch(self, job: str, generation: int, payload: LaunchPayload) -> LaunchedDetail:
         """Start torchrun for ``generation`` (idempotent for the generation already running)."""
@@ -330,22 +486,33 @@ class Supervisor:
             self.stop(job, current.generation, self._default_grace_s)
         gen_dir = self.work_dir / "jobs" / job / f"generation-{generation}"
         gen_dir.mkdir(parents=True, exist_ok=True)
+        log_path = gen_dir / "torchrun.log"
         command = self._command(payload)
         env = self._environment(job, generation, payload, nccl_env, gen_dir)
         cwd = str(payload.workdir or gen_dir)
-        proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd)
-        warm = proc is not None
-        if proc is None:
-            proc = subprocess.Popen(  # an argument list, never a shell
-                command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop signals all of it at once
-        launched = LaunchedDetail(pid=proc.pid, log_path=str(gen_dir / "torchrun.log"), command=command, warm=warm)
-        gen = _Generation(job=job, generation=generation, proc=proc, log_path=gen_dir / "torchrun.log",
-                          launched=launched, started_at=time.time(), started_monotonic=time.monotonic())
+        # A fresh file for this launch (the reader starts at its beginning), appended to by torchrun.
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd, log_path)
+            warm = proc is not None
+            if proc is None:
+                proc = subprocess.Popen(  # an argument list, never a shell
+                    command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                    stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop signals all of it at once
+        finally:
+            os.close(log_fd)
+        started = _stat(proc.pid)  # our child, not reaped before the watcher does it: still in /proc
+        if started is None:
+            raise RuntimeError(f"job {job} generation {generation}: torchrun pid {proc.pid} is not in /proc")
+        launched = LaunchedDetail(pid=proc.pid, log_path=str(log_path), command=command, warm=warm)
+        gen = _Generation(job=job, generation=generation, pid=proc.pid, pid_started=started.started, proc=proc,
+                          log_path=log_path, launched=launched, started_at=time.time(),
+                          started_monotonic=time.monotonic())
         with self._lock:
             self._running[job] = gen
             self._newest[job] = generation
             self._save_fences()
+        self._save_record(gen)
         threading.Thread(target=self._watch, args=(gen,), name=f"watch-{job}-{generation}", daemon=True).start()
         log.info("job %s generation %d: torchrun started (%s), pid %d, log %s", job, generation,
                  "warm" if warm else "cold", proc.pid, gen.log_path)
@@ -359,18 +526,7 @@ class Supervisor:
             gen = self._running.get(job)
         if gen is None or gen.generation != generation:
             return None
-        gen.requested_stop = True
-        self._refresh_family(gen)
-        _signal_all(_alive(gen.seen), signal.SIGTERM)
-        if not self._wait_gone(gen, grace_s):
-            log.warning("job %s generation %d: still running %.0f s after SIGTERM; sending SIGKILL",
-                        job, generation, grace_s)
-            self._kill_family(gen)
-        if not self._wait_gone(gen, 10.0):
-            survivors = sorted(p.pid for p in _alive(gen.seen))
-            raise RuntimeError(f"job {job} generation {generation}: processes {survivors} survived SIGKILL")
-        gen.ended.wait(timeout=30)
-        return gen.report
+        return self._terminate(gen, grace_s)
 
     def shutdown(self, grace_s: float | None = None) -> None:
         with self._lock:
@@ -394,13 +550,17 @@ class Supervisor:
             if self._closed or self._warm is not None:
                 return
             try:
-                self._warm = subprocess.Popen(
-                    WARM_LAUNCHER, cwd=self.work_dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True)
+                # Until it is handed a generation (and its log), what it prints goes to a file of
+                # its own: a pipe to the agent would break if the agent died.
+                with open(self.work_dir / "warm-launcher.log", "ab") as output:
+                    self._warm = subprocess.Popen(
+                        WARM_LAUNCHER, cwd=self.work_dir, env=env, stdin=subprocess.PIPE, stdout=output,
+                        stderr=subprocess.STDOUT, start_new_session=True)
             except OSError:
                 log.exception("cannot start a warm launcher; generations start cold")
 
-    def _hand_to_warm(self, args: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes] | None:
+    def _hand_to_warm(self, args: list[str], env: dict[str, str], cwd: str,
+                      log_path: Path) -> subprocess.Popen[bytes] | None:
         """The warm launcher, now running ``args``; None when there is none ready (start cold)."""
         if not self._warm_enabled:
             return None
@@ -415,8 +575,9 @@ class Supervisor:
                 log.warning("the warm launcher had exited (%s); starting this generation cold", warm.returncode)
             return None
         assert warm.stdin is not None  # started with stdin=PIPE
+        request = {"args": args, "env": env, "cwd": cwd, "output": str(log_path)}
         try:
-            warm.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd}).encode() + b"\n")
+            warm.stdin.write(json.dumps(request).encode() + b"\n")
             warm.stdin.close()
         except OSError:
             log.warning("the warm launcher did not take the launch; starting this generation cold")
@@ -441,6 +602,25 @@ class Supervisor:
         tmp.write_text(json.dumps(self._newest))
         os.replace(tmp, self._fence_path)
 
+    def _save_record(self, gen: _Generation) -> None:
+        """Write ``gen``'s record atomically (and durably: it must survive the crash it is for)."""
+        path = _record_path(self._records_dir, gen.job, gen.generation)
+        record = {"job": gen.job, "generation": gen.generation, "pid": gen.pid, "pid_started": gen.pid_started,
+                  "log_path": str(gen.log_path), "started_at": gen.started_at, "launched": dump(gen.launched)}
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            log.exception("job %s generation %d: cannot record it; an agent restart would not adopt it",
+                          gen.job, gen.generation)
+
+    def _drop_record(self, gen: _Generation) -> None:
+        _record_path(self._records_dir, gen.job, gen.generation).unlink(missing_ok=True)
+
     def _command(self, p: LaunchPayload) -> list[str]:
         command = [*self._torchrun, f"--nnodes={p.nnodes}", f"--nproc-per-node={p.nproc_per_node}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}",
@@ -463,63 +643,157 @@ class Supervisor:
         return env
 
     def _watch(self, gen: _Generation) -> None:
-        pump = threading.Thread(target=self._pump_output, args=(gen,), name=f"log-{gen.job}", daemon=True)
-        pump.start()
+        reader = threading.Thread(target=self._read_output, args=(gen,), name=f"log-{gen.job}", daemon=True)
+        reader.start()
         threading.Thread(target=_await_exit, args=(gen,), name=f"exit-{gen.job}", daemon=True).start()
-        while not gen.over.wait(0.5):
+        while not gen.over.wait(WATCH_TICK_S):
             self._refresh_family(gen)
-        if not _exited(gen.proc):
+            self._end_doomed_workers(gen)
+        if not gen.torchrun_exited():
             log.info("job %s generation %d: torchrun printed its failure table; not waiting for it to exit",
                      gen.job, gen.generation)
         # torchrun is done; whatever of its family is left (torchrun tearing down, a rank that
         # ignored SIGTERM, a grandchild that setsid'd away) belongs to a finished generation.
         self._kill_family(gen)
-        gen.proc.wait()  # reap only now: see _exited
-        pump.join(timeout=5.0)
-        signature, error_line = (None, None) if gen.requested_stop else classify_exit(gen.proc.returncode, gen.scan)
+        if gen.proc is not None:
+            gen.proc.wait()  # reap only now: see _exited
+        gen.output_done.set()  # nothing of the family writes any more: read the log to its end
+        reader.join(timeout=5.0)
+        exit_code = gen.proc.returncode if gen.proc is not None else _derived_exit_code(gen.scan)
+        signature, error_line = (None, None) if gen.requested_stop else classify_exit(exit_code, gen.scan)
+        runtime_s = (max(0.0, gen.ended_at - gen.started_at) if gen.ended_at is not None
+                     else time.monotonic() - gen.started_monotonic)
         gen.report = ExitReport(
-            exit_code=gen.proc.returncode, ranks=sorted(gen.scan.ranks.values(), key=lambda r: r.rank),
+            exit_code=exit_code, ranks=sorted(gen.scan.ranks.values(), key=lambda r: r.rank),
             root_cause_rank=gen.scan.root_cause_rank, signature=signature, error_line=error_line,
             log_tail=list(gen.tail), log_path=str(gen.log_path),
-            requested_stop=gen.requested_stop, runtime_s=time.monotonic() - gen.started_monotonic)
+            requested_stop=gen.requested_stop, runtime_s=runtime_s)
         with self._lock:
             if self._running.get(gen.job) is gen:
                 del self._running[gen.job]
-        log.info("job %s generation %d: torchrun exited %s (%s)", gen.job, gen.generation, gen.proc.returncode,
+        log.info("job %s generation %d: torchrun exited %s (%s)", gen.job, gen.generation, exit_code,
                  "stopped" if gen.requested_stop else signature or "success")
         try:  # before `ended`: whoever waits on stop() finds the exit already reported
             self._on_exit(gen.job, gen.generation, gen.report)
         except Exception:
             log.exception("job %s generation %d: exit callback failed", gen.job, gen.generation)
+        # Only once reported: an agent that dies before this reports the exit again when it restarts.
+        self._drop_record(gen)
         gen.ended.set()
 
-    def _pump_output(self, gen: _Generation) -> None:
-        handler = logging.handlers.RotatingFileHandler(gen.log_path, maxBytes=self._log_max_bytes,
-                                                       backupCount=self._log_backups)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        stream = gen.proc.stdout
-        assert stream is not None  # Popen was given stdout=PIPE
-        try:
-            for raw in iter(lambda: stream.readline(65536), b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
-                gen.tail.append(line[:MAX_LOG_LINE])
-                gen.scan.feed(line)
-                if gen.scan.table_complete:
-                    gen.over.set()
-        finally:
-            handler.close()
-            stream.close()
+    def _end_doomed_workers(self, gen: _Generation) -> None:
+        """Kill the ranks torchrun is still waiting for, ``WORKER_CLOSE_GRACE_S`` after it began
+        closing the worker group.
+
+        torchrun SIGTERMs the surviving ranks when one fails and waits up to 30 s for them; a rank
+        that is stopped (SIGSTOP, a debugger) or hung in the kernel cannot act on it, and the
+        exit, with its root cause, would reach the control plane only then. The generation is
+        lost already, so nothing is gained by waiting. Only torchrun's own children named in its
+        closing lines are killed (SIGCONT first, so that a stopped one is not left half-dead);
+        torchrun then records them and prints its failure table, root cause unchanged.
+        """
+        if gen.requested_stop or not gen.scan.closing_pids:
+            return  # a requested stop has its own grace period
+        now = time.monotonic()
+        if gen.closing_since is None:
+            gen.closing_since = now
+            return
+        if now - gen.closing_since < WORKER_CLOSE_GRACE_S:
+            return
+        table = _proc_table()
+        doomed = [proc for pid in list(gen.scan.closing_pids)
+                  if (proc := table.get(pid)) is not None and proc.ppid == gen.pid and proc.state != "Z"]
+        if doomed:
+            log.warning("job %s generation %d: ranks %s still there %.0f s after torchrun began closing the worker "
+                        "group; killing them", gen.job, gen.generation, sorted(p.pid for p in doomed),
+                        now - gen.closing_since)
+            _signal_all(doomed, signal.SIGCONT)
+            _signal_all(doomed, signal.SIGKILL)
+
+    def _read_output(self, gen: _Generation) -> None:
+        """Tail torchrun's log from its beginning until the watcher says the family is gone."""
+        with open(gen.log_path, "rb") as stream:
+            pending = b""
+            while True:
+                last_round = gen.output_done.is_set()  # read before reading: nothing written earlier is missed
+                chunk = stream.read(_READ_CHUNK)
+                if chunk:
+                    pending = self._take_output(gen, pending + chunk)
+                    if stream.tell() > self._log_max_bytes:
+                        pending = self._rotate_log(gen, stream, pending)
+                    continue
+                if last_round:
+                    break
+                gen.output_done.wait(LOG_POLL_S)
+            if pending:
+                self._take_line(gen, pending)
+
+    def _take_output(self, gen: _Generation, data: bytes) -> bytes:
+        """Feed the complete lines of ``data``; the unfinished last line is returned to wait for more."""
+        *lines, rest = data.split(b"\n")
+        for raw in lines:
+            self._take_line(gen, raw)
+        if len(rest) >= _READ_CHUNK:  # a line without end in sight: take it in pieces
+            self._take_line(gen, rest)
+            rest = b""
+        return rest
+
+    @staticmethod
+    def _take_line(gen: _Generation, raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+        gen.tail.append(line[:MAX_LOG_LINE])
+        gen.scan.feed(line)
+        if gen.scan.table_complete:
+            gen.over.set()
+
+    def _rotate_log(self, gen: _Generation, stream: Any, pending: bytes) -> bytes:
+        """Move what the log holds to ``.1`` (older backups shift up) and empty the log.
+
+        torchrun keeps the file open for appending, so renaming it would only rename what torchrun
+        writes to: the content is copied and the file truncated instead (logrotate's
+        copytruncate). Whatever is written between the last read and the truncation is lost: the
+        few microseconds of two system calls.
+        """
+        position = stream.tell()
+        if self._log_backups > 0:
+            for n in range(self._log_backups - 1, 0, -1):
+                older = Path(f"{gen.log_path}.{n}")
+                if older.exists():
+                    os.replace(older, f"{gen.log_path}.{n + 1}")
+            with open(gen.log_path, "rb") as source, open(f"{gen.log_path}.1", "wb") as backup:
+                shutil.copyfileobj(_Prefix(source, position), backup)
+                late = stream.read()  # written while copying
+                backup.write(late)
+                os.truncate(gen.log_path, 0)
+        else:
+            late = stream.read()
+            os.truncate(gen.log_path, 0)
+        stream.seek(0)
+        return self._take_output(gen, pending + late)
 
     def _refresh_family(self, gen: _Generation) -> None:
-        if gen.proc.returncode is None:  # reaped: its pid may belong to someone else by now
-            gen.seen |= _family(gen.proc.pid, gen.proc.pid)
+        if gen.torchrun_present():
+            gen.seen |= _family(gen.pid, gen.pid)
+
+    def _terminate(self, gen: _Generation, grace_s: float) -> ExitReport | None:
+        gen.requested_stop = True
+        self._refresh_family(gen)
+        _signal_all(_alive(gen.seen), signal.SIGTERM)
+        if not self._wait_gone(gen, grace_s):
+            log.warning("job %s generation %d: still running %.0f s after SIGTERM; sending SIGKILL",
+                        gen.job, gen.generation, grace_s)
+            self._kill_family(gen)
+        if not self._wait_gone(gen, 10.0):
+            survivors = sorted(p.pid for p in _alive(gen.seen))
+            raise RuntimeError(f"job {gen.job} generation {gen.generation}: processes {survivors} survived SIGKILL")
+        gen.ended.wait(timeout=30)
+        return gen.report
 
     def _wait_gone(self, gen: _Generation, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
             self._refresh_family(gen)
-            if _exited(gen.proc) and not _alive(gen.seen):
+            if gen.torchrun_exited() and not _alive(gen.seen):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -528,3 +802,18 @@ class Supervisor:
     def _kill_family(self, gen: _Generation) -> None:
         self._refresh_family(gen)
         _signal_all(_alive(gen.seen), signal.SIGKILL)
+
+
+class _Prefix:
+    """The first ``size`` bytes of a binary file, as a readable file (for ``shutil.copyfileobj``)."""
+
+    def __init__(self, source: Any, size: int):
+        self._source = source
+        self._left = size
+
+    def read(self, n: int = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        data = self._source.read(self._left if n < 0 else min(n, self._left))
+        self._left -= len(data)
+        return data

@@ -62,7 +62,7 @@ def inspect_directory(path: str, *, config_hash: str | None, step: int | None, d
     if data_cursor is not None and manifest.get("data_cursor") != data_cursor:
         return Finding(False, f"the manifest's data cursor is {manifest.get('data_cursor')}, the registry "
                               f"recorded {data_cursor}")
-    problem = missing_parts(manifest, _dcp_keys(path))
+    problem = missing_parts(manifest, _dcp_keys(path, _metadata_sha256(manifest)))
     if problem:
         return Finding(False, problem)
     if load_test:
@@ -98,11 +98,41 @@ def _part_of(key: str) -> str:
     return "rng" if key.startswith(_RNG_PREFIX) else key.split(".", 1)[0]
 
 
-def _dcp_keys(path: str) -> set[str]:
+def _metadata_sha256(manifest: dict[str, Any]) -> str | None:
+    from agents.hooks.manifest import DCP_METADATA
+
+    return next((entry.get("sha256") for entry in manifest.get("files") or () if entry.get("name") == DCP_METADATA),
+                None)
+
+
+def _dcp_keys(path: str, metadata_sha256: str | None) -> frozenset[str]:
+    """The state-dict keys DCP's metadata names; parsed once per distinct metadata file.
+
+    Unpickling ``.metadata`` was over half of a warm verification (the commit-protocol check
+    unpickles it too), and recovery re-verifies the checkpoint it restores from. The commit-protocol
+    check has just proved that the file's bytes hash to ``metadata_sha256``, so keys parsed from
+    bytes with that hash are the keys of this file: the cache is keyed by content, not by path.
+    """
+    if metadata_sha256 is None:
+        return _read_dcp_keys(path)
+    cached = _DCP_KEYS_BY_SHA256.get(metadata_sha256)
+    if cached is None:
+        cached = _read_dcp_keys(path)
+        _DCP_KEYS_BY_SHA256[metadata_sha256] = cached
+        while len(_DCP_KEYS_BY_SHA256) > _DCP_KEYS_CACHE_SIZE:
+            _DCP_KEYS_BY_SHA256.pop(next(iter(_DCP_KEYS_BY_SHA256)))  # oldest first: dicts keep insertion order
+    return cached
+
+
+def _read_dcp_keys(path: str) -> frozenset[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    # The commit-protocol check already read this metadata successfully; it is small.
-    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    return frozenset(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+#: metadata sha256 -> its state-dict keys; enough for the recent checkpoints of many jobs
+_DCP_KEYS_CACHE_SIZE = 256
+_DCP_KEYS_BY_SHA256: dict[str, frozenset[str]] = {}
 
 
 def run_load_test(path: str, *, step: int | None, data_cursor: int | None, timeout_s: float) -> Finding:

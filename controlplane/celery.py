@@ -15,7 +15,9 @@ app.autodiscover_tasks()
 def preload_checkpoint_reader(**_) -> None:
     """Import torch's checkpoint reader before the pool forks, so that every child has it.
 
-    Recovery re-verifies the checkpoint it restores from; a child that has never verified one would
-    otherwise pay torch's import (seconds) in the middle of a recovery.
+    Both kinds of worker need it: the default-queue worker because recovery re-verifies the
+    checkpoint it restores from, the ``checkpoints``-queue worker (``CELERY_TASK_ROUTES``) for every
+    verification. A process that has never read a checkpoint would otherwise pay torch's import
+    (1.6–2.3 s here, far more on a loaded machine) in the middle of a recovery or a verification.
     """
     import torch.distributed.checkpoint  # noqa: F401

@@ -31,13 +31,21 @@ def env_bool(name: str, default: bool = False) -> bool:
 
 
 def env_int(name: str, default: int) -> int:
+    return _number(name, default, int, "an integer")
+
+
+def env_float(name: str, default: float) -> float:
+    return _number(name, default, float, "a number")
+
+
+def _number(name, default, cast, what):
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw)
+        return cast(raw)
     except ValueError:
-        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+        raise ImproperlyConfigured(f"{name}={raw!r} is not {what}") from None
 
 
 def env_list(name: str, default: list[str] | None = None) -> list[str]:

@@ -16,7 +16,7 @@ import dj_database_url
 
 from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
-from controlplane.env import env_bool, env_int, env_list, env_secret, env_str
+from controlplane.env import env_bool, env_float, env_int, env_list, env_secret, env_str
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -152,6 +152,11 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+# Checkpoint-side work (verification hashes every shard, replication copies them, retention deletes
+# them) takes seconds to minutes; queued in front of ``jobs.tasks.handle_exit`` it made a crash look
+# like a hang (docs/benchmarks/chaos.md, finding 3). It has its own queue and its own worker
+# (``celery worker -Q checkpoints``); failure handling keeps the default queue to itself.
+CELERY_TASK_ROUTES = {"checkpoints.tasks.*": {"queue": "checkpoints"}}
 # Keep LOGGING below (JSON lines with job/node ids) in the worker too, instead of Celery's own format.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
@@ -164,7 +169,7 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 # Periodic one-shots. The sweeper finds hung generations and finishes recoveries a dead worker
 # left half-done; its period bounds how late a hang is noticed after its progress deadline.
-SWEEP_INTERVAL_S = float(env_str("NIGHTWATCH_SWEEP_INTERVAL_S", "2"))
+SWEEP_INTERVAL_S = env_float("NIGHTWATCH_SWEEP_INTERVAL_S", 2.0)
 CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
     **NODES_BEAT_SCHEDULE,
@@ -308,9 +313,20 @@ NIGHTWATCH = {
     "EXPECTED_PEER_MBPS": env_int("NIGHTWATCH_EXPECTED_PEER_MBPS", 100),
     # How long stopping a generation may take before the job is paused and escalated.
     "QUIESCE_TIMEOUT_S": env_int("NIGHTWATCH_QUIESCE_TIMEOUT_S", 60),
+    # A new generation must report its first step within this long, or it counts as hung: the default
+    # before the job has history; with history, 3 × its slowest start, but never below the floor.
+    "STARTUP_TIMEOUT_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_S", 180),
+    "STARTUP_TIMEOUT_FLOOR_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S", 60),
     # This many nodes of running jobs lost within the window is a suspected partition.
     "PARTITION_NODES": env_int("NIGHTWATCH_PARTITION_NODES", 2),
     "PARTITION_WINDOW_S": env_int("NIGHTWATCH_PARTITION_WINDOW_S", 120),
+    # When at least this share of the nodes that heartbeat (and at least MIN_NODES of them) miss
+    # their deadline together, the control plane suspects its own ingress, not the nodes: it holds
+    # (no node turns unreachable, no job is declared hung) for up to HOLD_S, then gives up and
+    # treats them as a partition. Like Kubernetes' node controller in full disruption.
+    "FLEET_SILENCE_FRACTION": env_float("NIGHTWATCH_FLEET_SILENCE_FRACTION", 0.55),
+    "FLEET_SILENCE_MIN_NODES": env_int("NIGHTWATCH_FLEET_SILENCE_MIN_NODES", 2),
+    "FLEET_SILENCE_HOLD_S": env_int("NIGHTWATCH_FLEET_SILENCE_HOLD_S", 120),
     # Blamed this many times within the window, a node is a lemon: drained until cleared.
     "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),
     "LEMON_WINDOW_S": env_int("NIGHTWATCH_LEMON_WINDOW_S", 7 * 24 * 3600),
@@ -328,13 +344,13 @@ NIGHTWATCH = {
     },
     # Efficiency watch (alerts.efficiency): MFU margin, utilisation floor, downtime ceiling, prices.
     "EFFICIENCY": {
-        "MFU_MARGIN": float(env_str("NIGHTWATCH_MFU_MARGIN", "0.2")),
-        "CPU_PEAK_TFLOPS": float(env_str("NIGHTWATCH_CPU_PEAK_TFLOPS", "0.1")),
-        "GPU_UTILIZATION_MIN_PCT": float(env_str("NIGHTWATCH_GPU_UTILIZATION_MIN_PCT", "50")),
+        "MFU_MARGIN": env_float("NIGHTWATCH_MFU_MARGIN", 0.2),
+        "CPU_PEAK_TFLOPS": env_float("NIGHTWATCH_CPU_PEAK_TFLOPS", 0.1),
+        "GPU_UTILIZATION_MIN_PCT": env_float("NIGHTWATCH_GPU_UTILIZATION_MIN_PCT", 50),
         "UTILIZATION_WINDOW_S": env_int("NIGHTWATCH_UTILIZATION_WINDOW_S", 300),
-        "DOWNTIME_RATIO_MAX": float(env_str("NIGHTWATCH_DOWNTIME_RATIO_MAX", "0.05")),
+        "DOWNTIME_RATIO_MAX": env_float("NIGHTWATCH_DOWNTIME_RATIO_MAX", 0.05),
         "DOWNTIME_MIN_WALL_S": env_int("NIGHTWATCH_DOWNTIME_MIN_WALL_S", 600),
-        "DEFAULT_PRICE_PER_GPU_HOUR": float(env_str("NIGHTWATCH_PRICE_PER_GPU_HOUR", "2.0")),
+        "DEFAULT_PRICE_PER_GPU_HOUR": env_float("NIGHTWATCH_PRICE_PER_GPU_HOUR", 2.0),
         "POOL_PRICES": {},  # pool -> price per GPU-hour; PoolPrice rows (admin, API) take precedence
         "CURRENCY": env_str("NIGHTWATCH_CURRENCY", "USD"),
     },

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import DurationField, ExpressionWrapper, F, Max
 from django.utils import timezone
 
 from checkpoints.models import Checkpoint
@@ -31,8 +32,35 @@ from nodes.models import Node
 
 log = logging.getLogger(__name__)
 
-#: A generation must report its first step within this long, or it counts as hung.
-STARTUP_TIMEOUT_S = 180
+#: With history, a new generation may take this many times the job's slowest earlier start.
+STARTUP_HISTORY_FACTOR = 3
+
+
+def startup_timeout_s(job: Job) -> float:
+    """How long a generation of ``job`` launched now may take to report its first step before it
+    counts as hung.
+
+    A fixed start-up allowance must cover the slowest job of the cluster, so a job whose
+    generations start in seconds would sit for minutes on a rank that hung while starting. The
+    job's own history says what "too slow" means for it:
+
+    1. ``recovery_policy.startup_timeout_s``, when the job sets it.
+    2. Else, when earlier generations of the job reached their first step: 3 × the slowest of
+       those starts (launch → first step report, ``Generation.started_at`` → ``first_step_at``),
+       never below ``STARTUP_TIMEOUT_FLOOR_S`` (one quick start says little about the next, which
+       may restore a bigger checkpoint on a colder node).
+    3. Else ``STARTUP_TIMEOUT_S``.
+    """
+    configured = (job.recovery_policy or {}).get("startup_timeout_s")
+    if configured:
+        return float(configured)
+    start = ExpressionWrapper(F("first_step_at") - F("started_at"), output_field=DurationField())
+    slowest = (Generation.objects.filter(job=job, first_step_at__isnull=False)
+               .aggregate(slowest=Max(start))["slowest"])
+    if slowest is None:
+        return float(settings.NIGHTWATCH["STARTUP_TIMEOUT_S"])
+    return max(float(settings.NIGHTWATCH["STARTUP_TIMEOUT_FLOOR_S"]),
+               STARTUP_HISTORY_FACTOR * slowest.total_seconds())
 
 
 def spec_hash(job: Job) -> str:
@@ -117,6 +145,7 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     by_name = {n.hostname: n for n in pool}
     nodes = [by_name[h] for h in placement.hostnames]
     checkpoint = resume_from if resume_from is not None else restore_point(job)
+    startup_s = startup_timeout_s(job)
     now = timezone.now()
     with transaction.atomic():
         if resume is not None:
@@ -138,7 +167,7 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
                                                resumed_from=checkpoint, started_at=now)
         generation.nodes.set(nodes)
         Job.objects.filter(pk=job.pk).update(
-            progress_deadline=now + timedelta(seconds=STARTUP_TIMEOUT_S), quiesce_deadline=None,
+            progress_deadline=now + timedelta(seconds=startup_s), quiesce_deadline=None,
             relaunch_after=None, pause_requested_at=None,
         )
         # The nodes' transport queues the launch: agent commands, or one Slurm batch job.

@@ -286,7 +286,13 @@ def record_first_step(job: Job, generation: int) -> None:
 # --- periodic one-shots (beat, tests and management commands call the same functions) ---------
 
 def expire_one_progress_deadline() -> bool:
-    """The first job past its progress deadline is reported as hung; returns whether one was."""
+    """The first job past its progress deadline is reported as hung; returns whether one was.
+    Nothing is while the fleet is silent: the reports may be stuck on our side (see
+    ``nodes.services.silence``)."""
+    from nodes.services import silence
+
+    if silence.held():
+        return False
     job = (Job.objects.filter(state__in=[JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING],
                               progress_deadline__lt=timezone.now()).order_by("progress_deadline").first())
     if job is None:

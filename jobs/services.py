@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
-from django.db.models import IntegerField, Max, Value
+from django.db.models import IntegerField, Max, Q, Value
 from django.db.models.functions import Cast, Coalesce, Greatest
 from django.utils import timezone
 
@@ -52,6 +52,13 @@ DEFAULT_PROGRESS_TIMEOUT_S = 120
 #: With step history, the timeout is this many median step times, but never below the floor.
 PROGRESS_TIMEOUT_STEPS = 20
 PROGRESS_TIMEOUT_FLOOR_S = 15
+#: Hook events that mean the generation's ranks are past restoring their checkpoint (or found none
+#: and start from scratch), i.e. the training loop is about to run: ``resumed`` once a checkpoint
+#: is loaded, and ``model``, which every process reports right after that point whether it
+#: resumed or not (``agents.hooks.api.Hooks.__init__``). Both come from rank 0.
+LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
+#: The states in which the hang sweep watches the progress deadline.
+PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING)
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,43 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
              for e in fresh_events],
             ignore_conflicts=True,
         )
+        if any(e.kind in LOOP_STARTING_EVENTS for e in fresh_events):
+            end_startup(job, batch.generation, now)
         if fresh:
             _advance_progress(job, batch.generation, fresh, now, actor=actor)
     return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh))
+
+
+def end_startup(job: Job, generation: int, now) -> bool:
+    """The generation's ranks have restored (or started from scratch): bring the progress deadline
+    forward to ``now`` + the progress timeout; returns whether it moved.
+
+    The start-up allowance set at launch (``jobs.launching.startup_timeout_s``) covers process
+    start, rendezvous and the restore; once those are over, a missing first step is a hang like
+    any other, and waiting out the rest of the start-up allowance only delays its detection.
+    Compare-and-set: only the current generation's deadline moves (an event of a generation
+    fenced off meanwhile changes nothing), only in a state the hang sweep watches, and only
+    earlier (or from unset), never later.
+    """
+    deadline = now + timedelta(seconds=progress_timeout_s(job, _earlier_step_seconds(job, generation)))
+    moved = (Job.objects.filter(pk=job.pk, generation=generation, state__in=PROGRESS_WATCHED)
+             .filter(Q(progress_deadline__isnull=True) | Q(progress_deadline__gt=deadline))
+             .update(progress_deadline=deadline))
+    return bool(moved)
+
+
+def _earlier_step_seconds(job: Job, generation: int) -> list[float]:
+    """Rank 0's recent step times in the newest earlier generation that trained (the starting
+    one has none yet), for a progress timeout derived from them; none when the policy sets it."""
+    if (job.recovery_policy or {}).get("progress_timeout_s"):
+        return []
+    previous = (Generation.objects.filter(job=job, number__lt=generation, first_step_at__isnull=False)
+                .order_by("-number").values_list("number", flat=True).first())
+    if previous is None:
+        return []
+    recent = (StepMetric.objects.filter(job=job, generation=previous, rank=0)
+              .order_by("-step").values_list("phases", flat=True)[:50])
+    return [sum(p.values()) for p in recent if p]
 
 
 def _advance_progress(job: Job, generation: int, fresh: list, now, *, actor: str) -> None:

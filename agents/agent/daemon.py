@@ -92,6 +92,9 @@ class Agent:
     def run(self) -> int:
         """Until ``stop()``; the process exit status (2: registration refused)."""
         try:
+            # Generations an earlier process of this agent started run on without it: watch them
+            # again (heartbeats list them, stop commands reach them, their exits are reported).
+            self.supervisor.adopt()
             self._probe = BandwidthProbeServer(self.config.probe_host, self.config.probe_port).start()
             try:
                 creds = self._registered()

@@ -32,13 +32,13 @@ STR, INT, BOOL = "a string", "an integer", "true or false"
 CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto"), "interval_steps": INT,
                      "keep_last": INT, "permanent_every_hours": INT}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
-                   "progress_timeout_s": INT, "loss_spike_limit": INT}
+                   "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT}
 TOP_LEVEL = {"name": STR, "entrypoint": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
              "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY}
 REQUIRED = ("name", "entrypoint")
 #: may be null: the server derives the value
-NULLABLE = {"recovery_policy.progress_timeout_s"}
+NULLABLE = {"recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s"}
 
 
 @dataclass

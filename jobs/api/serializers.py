@@ -24,6 +24,10 @@ class CheckpointPolicySerializer(serializers.Serializer):
                                                      help_text="0 disables permanent checkpoints.")
 
 
+STARTUP_TIMEOUT_RANGE = ("Must be between 10 and 86400 seconds (24 h), or null to derive it from the job's "
+                         "earlier starts.")
+
+
 class RecoveryPolicySerializer(serializers.Serializer):
     max_restarts = serializers.IntegerField(min_value=0, max_value=1000, default=5,
                                             help_text="Automatic restarts allowed per window.")
@@ -34,6 +38,14 @@ class RecoveryPolicySerializer(serializers.Serializer):
     progress_timeout_s = serializers.IntegerField(min_value=5, max_value=24 * 3600, allow_null=True, default=None,
                                                   help_text="No step within this long = hang. Null: derive "
                                                             "from recent step times.")
+    startup_timeout_s = serializers.IntegerField(
+        min_value=10, max_value=24 * 3600, allow_null=True, default=None,
+        error_messages={"min_value": STARTUP_TIMEOUT_RANGE, "max_value": STARTUP_TIMEOUT_RANGE,
+                        "invalid": "A whole number of seconds is required. " + STARTUP_TIMEOUT_RANGE},
+        help_text="A new generation that reports no first step within this long is hung (the restore is "
+                  "included). Null: 3 × the job's slowest earlier start, at least NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S "
+                  "(60), or NIGHTWATCH_STARTUP_TIMEOUT_S (180) before the job has one. Once the ranks report "
+                  "that they restored (or started from scratch), progress_timeout_s applies.")
     loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000, default=3,
                                                 help_text="Consecutive loss-spike steps before pausing.")
 

@@ -313,7 +313,12 @@ def _mark_unreachable(node: Node) -> bool:
 
 
 def expire_heartbeats(limit: int = 1000) -> int:
-    """Run the one-shot until nothing is left (bounded); returns how many nodes it handled."""
+    """Run the one-shot until nothing is left (bounded); returns how many nodes it handled. Holds
+    (handles none) while the whole fleet is silent: see ``nodes.services.silence``."""
+    from nodes.services import silence
+
+    if silence.watch():
+        return 0
     done = 0
     while done < limit and expire_one_heartbeat():
         done += 1

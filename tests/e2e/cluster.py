@@ -1,10 +1,10 @@
 """A whole Nightwatch on one machine, for end-to-end tests: real processes, real services.
 
-``Cluster`` starts the control plane (daphne) and a Celery worker with embedded beat against
-the test's PostgreSQL database and a private Redis database, then node agents (``python -m
-agents.agent``) that register with one-time bootstrap tokens and run real ``torchrun``. Every
-process gets its own session so ``close()`` can kill it with all its children, and every wait is
-a poll with a deadline.
+``Cluster`` starts the control plane (daphne), a Celery worker with embedded beat and one for the
+``checkpoints`` queue against the test's PostgreSQL database and a private Redis database, then
+node agents (``python -m agents.agent``) that register with one-time bootstrap tokens and run
+real ``torchrun``. Every process gets its own session so ``close()`` can kill it with all its
+children, and every wait is a poll with a deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from tests.waiting import wait_for
 __all__ = ["Cluster", "Proc", "api", "rank_pids", "wait_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The queue ``CELERY_TASK_ROUTES`` sends checkpoint-side tasks to, and the suffix of its worker's name.
+CHECKPOINTS_QUEUE = "checkpoints"
+CHECKPOINTS_WORKER_SUFFIX = "-checkpoints"
 
 
 class Proc:
@@ -112,12 +115,29 @@ class Cluster:
             return False
 
     def start_worker(self, name: str = "worker") -> Proc:
-        proc = Proc(name, [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=solo",
-                           "--loglevel=INFO", "-n", f"{name}@%h", "-s", str(self.tmp / f"{name}-beat")],
-                    env=self.env, log_dir=self.logs)
+        """Start the default-queue worker ``name`` (with beat) and, unless one of this cluster's is still
+        running, a worker ``<name>-checkpoints`` for the ``checkpoints`` queue; wait until both are ready.
+
+        Both are solo workers, like production's separate services: checkpoint verification then never
+        sits in front of failure handling (``jobs.tasks.handle_exit``). They start side by side: the second
+        costs its memory (≈410 MiB RSS, Django + torch) and, on two busy cores, 1–3 s of start-up.
+        A restarted default worker (``start_worker("worker2")`` after killing ``worker``) reuses the
+        checkpoints worker that is still alive. Returns the default-queue worker.
+        """
+        proc = self._start_celery(name, ["-B", "-s", str(self.tmp / f"{name}-beat")])
+        started = [proc]
+        if not any(p.alive for n, p in self.procs.items() if n.endswith(CHECKPOINTS_WORKER_SUFFIX)):
+            started.append(self._start_celery(f"{name}{CHECKPOINTS_WORKER_SUFFIX}", ["-Q", CHECKPOINTS_QUEUE]))
+        for worker in started:
+            wait_for(lambda w=worker: "ready." in w.log() or not w.alive, timeout=60,
+                     what=f"celery {worker.name} to be ready")
+            assert worker.alive, worker.log()
+        return proc
+
+    def _start_celery(self, name: str, options: list[str]) -> Proc:
+        proc = Proc(name, [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo",
+                           "--loglevel=INFO", "-n", f"{name}@%h", *options], env=self.env, log_dir=self.logs)
         self.procs[name] = proc
-        wait_for(lambda: "ready." in proc.log() or not proc.alive, timeout=60, what=f"celery {name} to be ready")
-        assert proc.alive, proc.log()
         return proc
 
     # --- nodes --------------------------------------------------------------------------------
@@ -146,7 +166,7 @@ class Cluster:
         return proc
 
     def close(self) -> None:
-        # Agents first (they stop their torchruns), then the worker, then the web server.
+        # Agents first (they stop their torchruns), then the workers, then the web server.
         for name in sorted(self.procs, key=lambda n: (not n.startswith("agent"), n == "web")):
             self.procs[name].stop()
         self._kill_leftovers()

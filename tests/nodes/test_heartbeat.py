@@ -59,7 +59,9 @@ def test_a_silent_node_becomes_unreachable_after_the_deadline_and_not_before(cas
 
 
 @pytest.mark.django_db
-def test_the_task_sweeps_every_overdue_node(cast):
+def test_the_task_sweeps_every_overdue_node(cast, settings):
+    # Both nodes of this fleet silent at once would be a fleet silence (tests/nodes/test_fleet_silence.py).
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "FLEET_SILENCE_HOLD_S": 0}
     past = timezone.now() - timedelta(seconds=1)
     Node.objects.filter(pk__in=[cast.node1.pk, cast.node2.pk]).update(heartbeat_deadline=past)
     assert tasks.expire_heartbeats() == 2

@@ -1,11 +1,13 @@
 """The embedded demo: everything on this machine, nothing to install.
 
 ``make demo`` runs this. It migrates (SQLite), makes a demo on-call user, starts the ASGI server
-(daphne), a Celery worker with embedded beat on the filesystem broker, and a node agent with a
-scripted GPU; then launches the example job (a 2-rank CPU ``torchrun`` of ``examples/train.py``)
-and, every ``--fault-every`` seconds, injects a fault — a SIGKILLed rank — so a newcomer watches
-Nightwatch detect it and resume from the last verified checkpoint within a minute. Everything is
-supervised until Ctrl-C: if a part dies the demo stops rather than limping on half-alive.
+(daphne), a Celery worker with embedded beat on the filesystem broker, a second worker for the
+``checkpoints`` queue (verification, replication, retention: never in front of failure handling),
+and a node agent with a scripted GPU; then launches the example job (a 2-rank CPU ``torchrun`` of
+``examples/train.py``) and, every ``--fault-every`` seconds, injects a fault — a SIGKILLed rank — so
+a newcomer watches Nightwatch detect it and resume from the last verified checkpoint within a
+minute. Everything is supervised until Ctrl-C: if a part dies the demo stops rather than limping
+on half-alive.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Command(BaseCommand):
             "worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=solo",
                                         "--loglevel=INFO", "-n", "demo@%h", "-s", str(var / "celerybeat-schedule")],
                                        env=env),
+            # Verification, replication and retention (CELERY_TASK_ROUTES) in a worker of their own:
+            # a verification in progress never delays the handling of the fault the demo injects.
+            "checkpoint-worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker",
+                                                   "-Q", "checkpoints", "--pool=solo", "--loglevel=INFO",
+                                                   "-n", "demo-checkpoints@%h"], env=env),
         }
         stop = {"now": False}
 

@@ -1,0 +1,148 @@
+"""Fleet silence: when (nearly) every node stops heartbeating at once, suspect ourselves first.
+
+One node that misses its heartbeats is a node problem: it turns unreachable and the failure
+policy treats its jobs as partitioned (pause and escalate, never a split brain). But when most of
+the fleet goes quiet *together*, the likeliest cause is on this side: the API process died or was
+redeployed, a load balancer or the control plane's own network failed. Declaring every node
+unreachable then would pause every job in the cluster, and their ranks are most likely still
+training: the agents and the hooks buffer what they could not send and deliver it when we are back.
+
+The fleet is *silent* when at least ``FLEET_SILENCE_MIN_NODES`` nodes, and at least
+``FLEET_SILENCE_FRACTION`` of those we expect heartbeats from, are past their deadline, and no node
+at all has got a heartbeat through since the first of those deadlines ran out. The last clause
+tells our outage from a real partition: if some nodes still reach us, our ingress works and the
+silent ones are cut off on their side.
+
+So, like the Kubernetes node controller in its "full disruption" mode, the heartbeat sweeper holds:
+while the fleet is silent no node is marked unreachable and no job is declared hung (the jobs'
+sweep asks ``held()``). When contact returns, every deadline that ran out during the silence starts
+over (the nodes and hooks had no way to reach us), and the hold lasts one more heartbeat timeout so
+that buffered reports can arrive. If the silence outlasts ``FLEET_SILENCE_HOLD_S``, the hold is
+given up: the nodes turn unreachable and the partition policy pages a human as before.
+
+Each transition is one ``fleet.silence`` event (``silent`` → ``restored`` or ``given_up``); the
+newest of them is the state, so every worker and the web process read the same answer. Only the
+heartbeat sweeper writes them (one beat task), so transitions are not raced.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, Max, Min, Q
+from django.utils import timezone
+
+from jobs.models import Event
+from nodes.models import Node
+from nodes.services.fleet import heartbeat_timeout
+
+log = logging.getLogger(__name__)
+ACTOR = "system:fleet-watch"
+KIND = "fleet.silence"
+SILENT, RESTORED, GIVEN_UP = "silent", "restored", "given_up"
+
+
+@dataclass(frozen=True)
+class Silence:
+    """How many of the nodes we expect heartbeats from have missed them, and since when."""
+
+    silent: int
+    expected: int
+    since: datetime | None  # the oldest missed deadline
+    last_heard: datetime | None  # the newest heartbeat from any of them
+
+    @property
+    def is_fleet_wide(self) -> bool:
+        config = settings.NIGHTWATCH
+        return (self.silent >= config["FLEET_SILENCE_MIN_NODES"]
+                and self.silent >= config["FLEET_SILENCE_FRACTION"] * self.expected
+                and (self.last_heard is None or self.last_heard <= self.since))
+
+
+def measure(now: datetime) -> Silence:
+    """One query: nodes with a heartbeat deadline (the ones we hear from), those past it, and when
+    we last heard from any of them."""
+    overdue = Q(heartbeat_deadline__lt=now)
+    row = Node.objects.filter(heartbeat_deadline__isnull=False).aggregate(
+        expected=Count("pk"), silent=Count("pk", filter=overdue), since=Min("heartbeat_deadline", filter=overdue),
+        last_heard=Max("last_heartbeat_at"))
+    return Silence(silent=row["silent"], expected=row["expected"], since=row["since"], last_heard=row["last_heard"])
+
+
+def last_transition() -> Event | None:
+    return Event.objects.filter(kind=KIND).order_by("-created_at", "-pk").first()
+
+
+def held(now: datetime | None = None) -> bool:
+    """Whether the sweepers must hold: the fleet is silent, or contact came back less than one
+    heartbeat timeout ago (buffered reports are still arriving). Read-only."""
+    now = now or timezone.now()
+    last = last_transition()
+    if last is None:
+        return False
+    if last.new_state == SILENT:
+        return True
+    return last.new_state == RESTORED and now - last.created_at < heartbeat_timeout()
+
+
+def watch(now: datetime | None = None) -> bool:
+    """The heartbeat sweeper's first step: record a transition if there is one; returns whether
+    the sweeper must hold (mark nobody unreachable) this round."""
+    now = now or timezone.now()
+    silence = measure(now)
+    last = last_transition()
+    holding = last is not None and last.new_state == SILENT
+    if silence.is_fleet_wide:
+        hold_s = settings.NIGHTWATCH["FLEET_SILENCE_HOLD_S"]
+        silent_for = (now - silence.since).total_seconds()
+        if silent_for >= hold_s:
+            if holding:
+                _record(GIVEN_UP, now, silence,
+                        f"{silence.silent} of {silence.expected} nodes silent for {silent_for:.0f} s, longer than "
+                        f"the {hold_s} s hold: treating them as unreachable (partition policy)")
+            return False
+        if not holding:
+            _record(SILENT, now, silence,
+                    f"{silence.silent} of {silence.expected} nodes missed their heartbeats together: suspecting "
+                    f"the control plane's own ingress; holding up to {hold_s} s (no node unreachable, no job hung)")
+        return True
+    if holding:
+        _restore(now, silence, since=last.created_at)
+        return True
+    return held(now)
+
+
+def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
+    """Contact is back: deadlines that ran out while nobody could reach us start over."""
+    from jobs.choices import JobState
+    from jobs.models import Job
+
+    grace = heartbeat_timeout()
+    with transaction.atomic():
+        nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
+        jobs = 0
+        live = [JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING]
+        for job in Job.objects.filter(state__in=live, progress_deadline__lt=now + grace):
+            timeout = (job.recovery_policy or {}).get("progress_timeout_s") or 0
+            deadline = now + max(grace, timedelta(seconds=timeout))
+            jobs += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(
+                progress_deadline=deadline)
+        _record(RESTORED, now, silence,
+                f"contact restored after {(now - since).total_seconds():.0f} s of fleet silence: "
+                f"{nodes} node and {jobs} job deadline(s) start over",
+                extra={"silent_since": since.isoformat(), "deadlines_reset": {"nodes": nodes, "jobs": jobs}})
+
+
+def _record(state: str, now: datetime, silence: Silence, reason: str, extra: dict | None = None) -> None:
+    last = last_transition()
+    Event.objects.create(kind=KIND, actor=ACTOR, created_at=now, old_state=last.new_state if last else "",
+                         new_state=state, reason=reason,
+                         evidence={"silent": silence.silent, "expected": silence.expected,
+                                   "oldest_missed_deadline": silence.since.isoformat() if silence.since else None,
+                                   **(extra or {})})
+    (log.warning if state != RESTORED else log.info)("fleet silence: %s", reason)
+

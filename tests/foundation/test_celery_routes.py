@@ -1,0 +1,86 @@
+"""Which queue each task goes to, read from the Celery app's own router, and that every way the
+system runs has a worker on each queue.
+
+Checkpoint verification once sat in front of ``jobs.tasks.handle_exit`` on the only queue, and a
+crash was recorded as a hang (docs/benchmarks/chaos.md, finding 3): checkpoint-side tasks must go
+to the ``checkpoints`` queue, failure handling must stay on the default one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controlplane.celery import app
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINTS_QUEUE = "checkpoints"
+#: what a failure, a missed heartbeat or a stuck recovery is handled by
+FAILURE_HANDLING = ["jobs.tasks.handle_exit", "jobs.tasks.handle_node_health", "jobs.tasks.handle_flags",
+                    "jobs.tasks.handle_launch_refused", "jobs.tasks.confirm_stopped", "jobs.tasks.advance_job",
+                    "jobs.tasks.sweep", "nodes.tasks.expire_heartbeats"]
+
+
+@pytest.fixture(scope="module")
+def tasks() -> set[str]:
+    app.loader.import_default_modules()  # what a worker does at start: autodiscover every app's tasks
+    return {name for name in app.tasks if not name.startswith("celery.")}
+
+
+def queue_of(task_name: str) -> str:
+    return app.amqp.router.route({}, task_name)["queue"].name
+
+
+def test_every_checkpoint_task_goes_to_the_checkpoints_queue(tasks):
+    checkpoint_tasks = sorted(name for name in tasks if name.startswith("checkpoints.tasks."))
+    assert "checkpoints.tasks.verify_checkpoint" in checkpoint_tasks
+    assert "checkpoints.tasks.retention_sweep" in checkpoint_tasks
+    assert {name: queue_of(name) for name in checkpoint_tasks} == dict.fromkeys(checkpoint_tasks, CHECKPOINTS_QUEUE)
+
+
+def test_failure_handling_stays_on_the_default_queue(tasks):
+    default = app.conf.task_default_queue
+    assert default != CHECKPOINTS_QUEUE
+    assert set(FAILURE_HANDLING) <= tasks, sorted(set(FAILURE_HANDLING) - tasks)
+    assert {name: queue_of(name) for name in FAILURE_HANDLING} == dict.fromkeys(FAILURE_HANDLING, default)
+    # Nothing but checkpoint-side work leaves the default queue.
+    elsewhere = sorted(name for name in tasks if queue_of(name) != default)
+    assert all(name.startswith("checkpoints.tasks.") for name in elsewhere), elsewhere
+
+
+def test_a_delayed_verification_lands_in_the_checkpoints_queue_of_the_broker(settings):
+    """The real publish path (``.delay`` to Redis), not only the router: the message is in the
+    ``checkpoints`` list and not in the default one. The checkpoint id does not exist, so a worker
+    that took the message anyway would return quietly."""
+    import redis
+
+    from checkpoints.tasks import verify_checkpoint
+
+    if not settings.REDIS_URL:
+        pytest.fail("this test reads the broker's queues: run it with REDIS_URL (as `make test` does)")
+    client = redis.Redis.from_url(settings.REDIS_URL)
+
+    def mine(queue: str) -> list[bytes]:
+        return [raw for raw in client.lrange(queue, 0, -1) if json.loads(raw)["headers"]["id"] == sent.id]
+
+    sent = verify_checkpoint.delay(10**9)
+    try:
+        assert len(mine(CHECKPOINTS_QUEUE)) == 1
+        assert mine(app.conf.task_default_queue) == []
+    finally:
+        for queue in (CHECKPOINTS_QUEUE, app.conf.task_default_queue):
+            for raw in mine(queue):
+                client.lrem(queue, 1, raw)
+
+
+def test_the_compose_file_runs_a_worker_on_each_queue():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    commands = {name: " ".join(service["command"]) for name, service in services.items()
+                if "celery -A controlplane worker" in " ".join(service.get("command") or [])}
+    checkpoint_workers = [name for name, command in commands.items() if f"-Q {CHECKPOINTS_QUEUE}" in command]
+    default_workers = [name for name, command in commands.items() if "-Q " not in command]
+    assert checkpoint_workers and default_workers, commands
+    assert not set(checkpoint_workers) & set(default_workers)

@@ -1,0 +1,132 @@
+"""Fleet silence: the heartbeat sweeper holds when (nearly) every node goes quiet at once."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import time_machine
+from django.utils import timezone
+
+from jobs import orchestrator
+from jobs.models import Event, Job
+from nodes import services, tasks
+from nodes.choices import Health
+from nodes.models import Node
+from nodes.services import silence
+
+T0 = "2026-11-30 12:00:00Z"
+
+
+@pytest.fixture
+def fleet(cast, settings):
+    """Three nodes heartbeating every 2 s (deadline 6 s), hold 60 s; gpu-03 is a third agent."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 2, "HEARTBEAT_MISSES": 3,
+                           "FLEET_SILENCE_FRACTION": 0.55, "FLEET_SILENCE_MIN_NODES": 2, "FLEET_SILENCE_HOLD_S": 60}
+    node3 = Node.objects.create(hostname="gpu-03", address="10.0.0.3", health="healthy")
+    return [cast.node1, cast.node2, node3]
+
+
+def beat(*nodes):
+    for node in nodes:
+        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now(),
+                                               heartbeat_deadline=timezone.now() + timedelta(seconds=6))
+
+
+def transitions() -> list[str]:
+    events = Event.objects.filter(kind=silence.KIND).order_by("created_at", "pk")
+    return list(events.values_list("new_state", flat=True))
+
+
+@pytest.mark.django_db
+def test_one_silent_node_of_three_is_a_node_problem(fleet):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[1], fleet[2])
+        clock.shift(2)
+        assert tasks.expire_heartbeats() == 1
+    assert Node.objects.get(pk=fleet[0].pk).health == Health.UNREACHABLE
+    assert transitions() == []
+
+
+@pytest.mark.django_db
+def test_when_most_of_the_fleet_goes_silent_together_nobody_turns_unreachable(fleet):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[2])
+        clock.shift(2)  # two of three (67% >= 55%) past their deadline
+        assert tasks.expire_heartbeats() == 0
+        clock.shift(10)
+        assert tasks.expire_heartbeats() == 0
+        assert silence.held()
+    assert set(Node.objects.values_list("health", flat=True)) == {Health.HEALTHY}
+    assert transitions() == ["silent"]  # one event per transition, not per sweep
+    event = Event.objects.get(kind=silence.KIND)
+    assert (event.evidence["silent"], event.evidence["expected"]) == (2, 3)
+    assert "suspecting the control plane's own ingress" in event.reason
+
+
+@pytest.mark.django_db
+def test_contact_restored_restarts_the_deadlines_that_ran_out_meanwhile(fleet, cast):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        Job.objects.filter(pk=cast.job.pk).update(state="running", recovery_policy={"progress_timeout_s": 30},
+                                                  progress_deadline=timezone.now() + timedelta(seconds=8))
+        clock.shift(7)
+        assert tasks.expire_heartbeats() == 0  # all three silent: hold
+        clock.shift(20)
+        assert orchestrator.expire_one_progress_deadline() is False  # the job's deadline ran out: held
+        beat(fleet[0])  # the API is back: one agent gets through first
+        assert tasks.expire_heartbeats() == 0
+        assert transitions() == ["silent", "restored"]
+        now = timezone.now()
+        # The two still on their way get one heartbeat timeout, the job its progress timeout.
+        assert set(Node.objects.exclude(pk=fleet[0].pk).values_list("heartbeat_deadline", flat=True)) == {
+            now + timedelta(seconds=6)}
+        assert Job.objects.get(pk=cast.job.pk).progress_deadline == now + timedelta(seconds=30)
+        assert silence.held()  # buffered reports are still arriving
+        clock.shift(6.5)
+        assert not silence.held()
+        beat(fleet[0], fleet[1])  # fleet[2] never came back: after the grace it is a node problem again
+        assert tasks.expire_heartbeats() == 1
+    assert Node.objects.get(pk=fleet[2].pk).health == Health.UNREACHABLE
+    assert "restored after 20 s" in Event.objects.filter(kind=silence.KIND).last().reason
+
+
+@pytest.mark.django_db
+def test_a_silence_longer_than_the_hold_is_given_up_to_the_partition_policy(fleet):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(7)
+        assert tasks.expire_heartbeats() == 0
+        clock.shift(58)
+        assert tasks.expire_heartbeats() == 0  # 59 s past the oldest deadline: still holding
+        clock.shift(2)
+        assert tasks.expire_heartbeats() == 3
+        assert not silence.held()
+    assert transitions() == ["silent", "given_up"]
+    assert set(Node.objects.values_list("health", flat=True)) == {Health.UNREACHABLE}
+
+
+@pytest.mark.django_db
+def test_a_hold_of_zero_turns_the_watch_off(fleet, settings):
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "FLEET_SILENCE_HOLD_S": 0}
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(7)
+        assert services.expire_heartbeats() == 3
+    assert transitions() == []
+
+
+@pytest.mark.django_db
+def test_a_lone_node_is_never_a_fleet(cast, settings):
+    """Below FLEET_SILENCE_MIN_NODES there is no telling our side from the node's."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 2, "HEARTBEAT_MISSES": 3}
+    Node.objects.filter(pk=cast.node2.pk).update(heartbeat_deadline=None)
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(cast.node1)
+        clock.shift(7)
+        assert tasks.expire_heartbeats() == 1
+    assert transitions() == []
