@@ -778,7 +778,12 @@ class Supervisor:
     def _terminate(self, gen: _Generation, grace_s: float) -> ExitReport | None:
         gen.requested_stop = True
         self._refresh_family(gen)
-        _signal_all(_alive(gen.seen), signal.SIGTERM)
+        family = _alive(gen.seen)
+        _signal_all(family, signal.SIGTERM)
+        # Then SIGCONT, as systemd does when it stops a unit: a stopped process (a debugger, a
+        # SIGSTOP, a job-control accident) only acts on the pending SIGTERM once it runs again;
+        # otherwise it would sit out the whole grace period and torchrun's own wait with it.
+        _signal_all(family, signal.SIGCONT)
         if not self._wait_gone(gen, grace_s):
             log.warning("job %s generation %d: still running %.0f s after SIGTERM; sending SIGKILL",
                         gen.job, gen.generation, grace_s)

@@ -128,9 +128,12 @@ def markdown(result: dict) -> str:
         f"- **Nightwatch**: daphne + Celery worker with beat + two agents (node-b a spare); "
         f"`checkpoint_policy.interval: auto` starting at {setup['ckpt_every']} steps (the Young/Daly push runs every "
         f"5 min; `NIGHTWATCH_GPU_MTBF_HOURS={setup['gpu_mtbf_hours']}` before the job has failure history); "
-        f"`progress_timeout_s` {setup['progress_timeout_s']}, restart backoff 0 s; on-call answers a pause after "
+        f"`progress_timeout_s` {setup['progress_timeout_s']}, a start-up deadline of 3 × the job's slowest start "
+        f"but at least {setup.get('startup_floor_s', 60)} s, restart backoff 0 s, a budget of "
+        f"{setup['plain_max_restarts']} restarts an hour; on-call answers a pause after "
         f"{setup['human_response_s']:g} s by approving; a killed agent is restarted after "
-        f"{setup['agent_restart_s']:g} s; an outage lasts {setup['outage_s']:g} s",
+        f"{setup['agent_restart_s']:g} s; an outage lasts {setup['outage_s']:g} s; agents heartbeat every second "
+        f"and a node is unreachable after {setup.get('heartbeat_misses', 3)} missed",
         f"- **plain torchrun**: `--max-restarts={setup['plain_max_restarts']}`, a checkpoint every "
         f"{setup['ckpt_every']} steps, resume from the newest checkpoint in the directory that passes the hooks' "
         "manifest check (see *corrupt checkpoints* below)",

@@ -61,6 +61,9 @@ DATASET_SIZE = 200_000
 TARGET_ETTR = 0.90
 SHARD_SKIP = {"manifest.json", "COMMITTED", ".metadata"}
 POLL_S = 0.1
+#: Nightwatch side: heartbeats every second, a node unreachable after this many missed.
+HEARTBEAT_MISSES = 10
+STARTUP_FLOOR_S = 20
 
 
 def train_args(work: Path, ckpt_every: int) -> list[str]:
@@ -226,6 +229,12 @@ class NightwatchSide(Side):
         name = urllib.parse.urlsplit(self.url).path.lstrip("/")
         self.cluster = Cluster(self.work / "cluster", database_name=name, redis_db=REDIS_DB, settings={
             "DATABASE_URL": self.url, "DEBUG": "0", "NIGHTWATCH_HEARTBEAT_INTERVAL_S": "1",
+            # Unreachable after 10 s of silence (production: 3 x 5 s): longer than a restarting agent
+            # is away, as in production, where systemd restarts it within a second or two.
+            "NIGHTWATCH_HEARTBEAT_MISSES": str(HEARTBEAT_MISSES),
+            # Scaled like progress_timeout_s: a generation that starts in 3-7 s here is hung after
+            # 3 x its slowest start but not before 20 s (production floor: 60 s).
+            "NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S": str(STARTUP_FLOOR_S),
             "NIGHTWATCH_SWEEP_INTERVAL_S": "0.5", "NIGHTWATCH_GPU_MTBF_HOURS": str(self.opts.gpu_mtbf_hours)})
         self.cluster.start_web()
         self.cluster.start_worker()
@@ -239,7 +248,9 @@ class NightwatchSide(Side):
                 "accelerator": "cpu", "rdzv_port": free_port(), "args": train_args(self.work, self.opts.ckpt_every),
                 "checkpoint_policy": {"dir": str(self.work / "ckpt"), "interval": "auto",
                                       "interval_steps": self.opts.ckpt_every},
-                "recovery_policy": {"backoff_seconds": 0, "progress_timeout_s": self.opts.progress_timeout}}
+                "recovery_policy": {"backoff_seconds": 0, "progress_timeout_s": self.opts.progress_timeout,
+                                    # the same restart budget as plain torchrun's --max-restarts
+                                    "max_restarts": self.opts.max_restarts, "window_minutes": 60}}
         status, job = api(self.cluster, self.operator, "POST", "/api/v1/jobs", body)
         if status != 201:
             raise RuntimeError(f"launch refused ({status}): {job}")
@@ -374,7 +385,7 @@ class PlainSide(Side):
         env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
                     MARKER: str(self.work)})
         argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD_SIZE}", "--standalone",
-                f"--max-restarts={self.opts.plain_max_restarts}", "examples/train.py",
+                f"--max-restarts={self.opts.max_restarts}", "examples/train.py",
                 *train_args(self.work, self.opts.ckpt_every), "--ckpt-dir", str(self.work / "ckpt")]
         self.log = open(self.work / "torchrun.log", "ab")  # noqa: SIM115 - closed in stop()
         self.t0 = time.time()
@@ -421,7 +432,7 @@ class PlainSide(Side):
         detections = sorted(t - self.t0 for t in times if t is not None)
         return {"detections": [(round(d, 3), "worker_failed") for d in detections], "human_interventions": [],
                 "exited_at_s": self.exited_at and round(self.exited_at - self.t0, 2),
-                "returncode": self.proc.returncode, "max_restarts": self.opts.plain_max_restarts}
+                "returncode": self.proc.returncode, "max_restarts": self.opts.max_restarts}
 
 
 # --- one run of one side -------------------------------------------------------------------------
@@ -561,7 +572,9 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     add("--one-at-a-time", dest="together", action="store_false",
         help="run the sides one after the other instead of at the same time (twice the wall time)")
     add("--ckpt-every", type=int, default=50, help="plain torchrun's fixed interval, Nightwatch's initial one")
-    add("--plain-max-restarts", type=int, default=3, help="torchrun --max-restarts")
+    add("--max-restarts", type=int, default=30,
+        help="plain torchrun's --max-restarts and Nightwatch's restart budget per hour (the scaled run's MTBF "
+             "makes ~20 faults an hour expected: the budget is for storms beyond that)")
     add("--human-response-s", type=float, default=20.0, help="seconds before on-call answers a paused job")
     add("--agent-restart-s", type=float, default=5.0, help="seconds before a killed agent is restarted")
     add("--outage-s", type=float, help="control-plane outage length (default 10 with --quick, 30 otherwise)")
@@ -680,9 +693,11 @@ def finish(results: dict[str, list[dict]], schedule: list[F.Fault], opts: argpar
     details = {"schedule": [f.as_dict() for f in schedule], "runs": results,
                "ettr": {name: {"median": round(median(v), 4), "spread": spread(v), "runs": v}
                         for name, v in ettr.items()},
-               "setup": {"seed": opts.seed, "together": opts.together, "duration_s": opts.duration,
+               "setup": {"seed": opts.seed, "together": opts.together, "heartbeat_misses": HEARTBEAT_MISSES,
+                         "startup_floor_s": STARTUP_FLOOR_S,
+                         "duration_s": opts.duration,
                          "mtbf_s": opts.mtbf, "quick": opts.quick,
-                         "ckpt_every": opts.ckpt_every, "plain_max_restarts": opts.plain_max_restarts,
+                         "ckpt_every": opts.ckpt_every, "plain_max_restarts": opts.max_restarts,
                          "human_response_s": opts.human_response_s, "agent_restart_s": opts.agent_restart_s,
                          "outage_s": opts.outage_s, "warmup_s": opts.warmup,
                          "progress_timeout_s": opts.progress_timeout,

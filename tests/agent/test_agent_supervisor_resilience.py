@@ -132,6 +132,30 @@ def test_a_dead_rank_ends_the_generation_promptly_although_its_peer_is_stopped(
     assert not pid_alive(pids[1])
 
 
+def test_a_requested_stop_ends_a_stopped_rank_without_waiting_out_the_grace(
+        tmp_path: Path, payload: Callable[[Path], LaunchPayload], wait_until: Callable[..., Any],
+        pid_alive: Callable[[int], bool]) -> None:
+    """The control plane stops a hung generation: a SIGSTOPped rank gets SIGCONT after SIGTERM
+    (as systemd does), so it acts on the SIGTERM at once instead of being SIGKILLed after the grace."""
+    sup = Supervisor(tmp_path / "work", on_exit=lambda *_: None, default_grace_s=60.0)
+    out = tmp_path / "out"
+    pids: list[int] = []
+    try:
+        sup.launch("job", 1, payload(out))
+        wait_until(lambda: ranks_ready(out), 60, "both ranks to start")
+        pids = rank_pids(out)
+        os.kill(pids[1], signal.SIGSTOP)
+        started = time.monotonic()
+        report = sup.stop("job", 1)
+        took = time.monotonic() - started
+    finally:
+        kill_quietly(pids)
+        sup.shutdown(grace_s=2.0)
+    assert report is not None and report.requested_stop
+    assert took < 30, f"stopping took {took:.1f} s: the stopped rank sat out the 60 s grace"
+    assert not any(pid_alive(pid) for pid in pids)
+
+
 # --- the agent dies, a new one adopts the generation ---------------------------------------------
 
 @pytest.fixture
