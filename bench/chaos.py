@@ -237,7 +237,7 @@ class NightwatchSide(Side):
             "NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S": str(STARTUP_FLOOR_S),
             "NIGHTWATCH_SWEEP_INTERVAL_S": "0.5", "NIGHTWATCH_GPU_MTBF_HOURS": str(self.opts.gpu_mtbf_hours)})
         self.cluster.start_web()
-        self.cluster.start_worker()
+        self.cluster.start_worker(checkpoint_worker=True)
         self.operator, self.oncall = operator_token(), oncall_token()
         self.t0 = time.time()  # the nodes come up: the side's clock starts (the Xid is scripted from here)
         for host in ("node-a", "node-b"):
@@ -632,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{result['lost_steps']}  twice {result['trained_twice']}  skipped {result['skipped']}  "
                           f"corrupt loaded {result['corrupt_checkpoints_loaded']}  human "
                           f"{result['human_interventions_count']}", flush=True)
+            if run + 1 < opts.runs:  # the report so far: a run cut short later keeps what is done
+                finish(results, schedule, opts, time.monotonic() - started)
     except Exception:
         traceback.print_exc()
         raise SystemExit(1) from None
@@ -705,8 +707,8 @@ def finish(results: dict[str, list[dict]], schedule: list[F.Fault], opts: argpar
                          "batch_size": BATCH_SIZE, "elapsed_s": round(elapsed)}}
     primary = "nightwatch" if ettr.get("nightwatch") else next(iter(ettr))
     result = emit("chaos", metric=f"ettr_{primary}", value=round(median(ettr[primary]), 4), target=TARGET_ETTR,
-                  better="higher", unit="ratio", runs=opts.runs, spread=[round(v, 4) for v in spread(ettr[primary])],
-                  details=details)
+                  better="higher", unit="ratio", runs=len(ettr[primary]),
+                  spread=[round(v, 4) for v in spread(ettr[primary])], details=details)
     _chaos_report.write(result, Path(opts.report_dir))
 
 

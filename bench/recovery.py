@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
                           settings={"DATABASE_URL": url, "NIGHTWATCH_HEARTBEAT_INTERVAL_S": str(opts.heartbeat_s),
                                     "NIGHTWATCH_SWEEP_INTERVAL_S": str(opts.sweep_s), "DEBUG": "0"})
         cluster.start_web()
-        cluster.start_worker()
+        cluster.start_worker(checkpoint_worker=True)
         token = operator_token()
         cluster.start_agent("bench-node", bootstrap_token=bootstrap_token())
         wait_for(lambda: Node.objects.filter(hostname="bench-node", health="healthy").exists(), timeout=60,

@@ -25,7 +25,22 @@ def _meets(result: dict) -> str:
     return "yes" if ok else "**no**"
 
 
-def render(results: list[dict]) -> str:
+def carried_rows(previous: str, fresh: set[str]) -> list[str]:
+    """Rows of the previous report for benchmarks that were not rerun this time, marked as such:
+    a partial ``make bench`` (one benchmark rerun by hand) must not erase the others' last figures."""
+    rows = []
+    for line in previous.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 8 or not line.startswith("| ") or cells[0] in ("benchmark", "---") or cells[0] in fresh:
+            continue
+        command = cells[-1]
+        if not command.endswith("(not rerun)"):
+            cells[-1] = f"{command} (not rerun)"
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def render(results: list[dict], carried: list[str] = ()) -> str:
     lines = [
         "# Benchmark report",
         "",
@@ -40,12 +55,16 @@ def render(results: list[dict]) -> str:
         value = r.get("skipped") and f"skipped: {r['skipped']}" or f"{r['value']:g} {r['unit']}"
         lines.append(f"| {r['bench']} | {r['metric']} ({r['better']} is better) | {value} | {r['target']} | "
                      f"{_meets(r)} | {spread} | {r['runs']} | `{r['command']}` |")
+    lines += carried
     machines = {json.dumps(r["machine"], sort_keys=True) for r in results}
     lines += ["", "Machines:", ""]
     lines += [f"- `{m}`" for m in sorted(machines)]
     reports = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")  # e.g. chaos.md, recovery.md
     if reports:
         lines += ["", "Detailed reports: " + ", ".join(f"[{name[:-3]}]({name})" for name in reports) + "."]
+    if carried:
+        lines += ["", "Rows marked *(not rerun)* are carried over from the previous report; their machine is listed "
+                  "there, not here."]
     lines += ["", "Details (raw figures) are in each benchmark's JSON under `bench/results/` when it is rerun.", ""]
     return "\n".join(lines)
 
@@ -53,7 +72,9 @@ def render(results: list[dict]) -> str:
 def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
     DOCS.mkdir(parents=True, exist_ok=True)
-    (DOCS / "README.md").write_text(render(results))
+    target = DOCS / "README.md"
+    previous = target.read_text() if target.exists() else ""
+    target.write_text(render(results, carried_rows(previous, {r["bench"] for r in results})))
     print(f"wrote {DOCS / 'README.md'} ({len(results)} benchmarks)")
 
 

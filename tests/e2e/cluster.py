@@ -1,7 +1,7 @@
 """A whole Nightwatch on one machine, for end-to-end tests: real processes, real services.
 
-``Cluster`` starts the control plane (daphne), a Celery worker with embedded beat and one for the
-``checkpoints`` queue against the test's PostgreSQL database and a private Redis database, then
+``Cluster`` starts the control plane (daphne), a Celery worker with embedded beat (and, for the
+benchmarks, one for the ``checkpoints`` queue) against the test's PostgreSQL database and a private Redis database, then
 node agents (``python -m agents.agent``) that register with one-time bootstrap tokens and run
 real ``torchrun``. Every process gets its own session so ``close()`` can kill it with all its
 children, and every wait is a poll with a deadline.
@@ -114,19 +114,22 @@ class Cluster:
         except OSError:
             return False
 
-    def start_worker(self, name: str = "worker") -> Proc:
-        """Start the default-queue worker ``name`` (with beat) and, unless one of this cluster's is still
-        running, a worker ``<name>-checkpoints`` for the ``checkpoints`` queue; wait until both are ready.
+    def start_worker(self, name: str = "worker", *, checkpoint_worker: bool = False) -> Proc:
+        """Start the Celery worker ``name`` (with beat) and wait until it is ready; returns it.
 
-        Both are solo workers, like production's separate services: checkpoint verification then never
-        sits in front of failure handling (``jobs.tasks.handle_exit``). They start side by side: the second
-        costs its memory (≈410 MiB RSS, Django + torch) and, on two busy cores, 1–3 s of start-up.
-        A restarted default worker (``start_worker("worker2")`` after killing ``worker``) reuses the
-        checkpoints worker that is still alive. Returns the default-queue worker.
+        By default it consumes the default queue and ``checkpoints`` both (a valid deployment
+        for a small control plane, and one Django + torch process less per test cluster). With
+        ``checkpoint_worker`` (the benchmarks), checkpoint work gets a solo worker
+        ``<name>-checkpoints`` of its own, as production's separate service: verification then
+        never sits in front of failure handling (``jobs.tasks.handle_exit``). A restarted default
+        worker (``start_worker("worker2", ...)`` after killing ``worker``) reuses the checkpoints
+        worker that is still alive.
         """
-        proc = self._start_celery(name, ["-B", "-s", str(self.tmp / f"{name}-beat")])
+        queues = ["-Q", "celery"] if checkpoint_worker else ["-Q", f"celery,{CHECKPOINTS_QUEUE}"]
+        proc = self._start_celery(name, ["-B", "-s", str(self.tmp / f"{name}-beat"), *queues])
         started = [proc]
-        if not any(p.alive for n, p in self.procs.items() if n.endswith(CHECKPOINTS_WORKER_SUFFIX)):
+        if checkpoint_worker and not any(p.alive for n, p in self.procs.items()
+                                         if n.endswith(CHECKPOINTS_WORKER_SUFFIX)):
             started.append(self._start_celery(f"{name}{CHECKPOINTS_WORKER_SUFFIX}", ["-Q", CHECKPOINTS_QUEUE]))
         for worker in started:
             wait_for(lambda w=worker: "ready." in w.log() or not w.alive, timeout=60,
