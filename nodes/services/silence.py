@@ -38,7 +38,7 @@ from django.utils import timezone
 
 from jobs.models import Event
 from nodes.models import Node
-from nodes.services.fleet import heartbeat_timeout
+from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:fleet-watch"
@@ -58,19 +58,28 @@ class Silence:
     @property
     def is_fleet_wide(self) -> bool:
         config = settings.NIGHTWATCH
-        return (self.silent >= config["FLEET_SILENCE_MIN_NODES"]
+        return (self.since is not None
+                and self.silent >= config["FLEET_SILENCE_MIN_NODES"]
                 and self.silent >= config["FLEET_SILENCE_FRACTION"] * self.expected
                 and (self.last_heard is None or self.last_heard <= self.since))
 
 
 def measure(now: datetime) -> Silence:
-    """One query: nodes with a heartbeat deadline (the ones we hear from), those past it, and when
-    we last heard from any of them."""
+    """One query: nodes with a heartbeat deadline (the ones we hear from), those silent, and when
+    we last heard from any of them.
+
+    Silent is past the deadline *or within one heartbeat interval of it*: nodes that stop together
+    still pass their deadlines up to one interval apart (each beats on its own clock), and the
+    sweeper must not take the first one for a lone failure before the others have caught up."""
     overdue = Q(heartbeat_deadline__lt=now)
     row = Node.objects.filter(heartbeat_deadline__isnull=False).aggregate(
-        expected=Count("pk"), silent=Count("pk", filter=overdue), since=Min("heartbeat_deadline", filter=overdue),
-        last_heard=Max("last_heartbeat_at"))
+        expected=Count("pk"), silent=Count("pk", filter=Q(heartbeat_deadline__lt=now + _interval())),
+        since=Min("heartbeat_deadline", filter=overdue), last_heard=Max("last_heartbeat_at"))
     return Silence(silent=row["silent"], expected=row["expected"], since=row["since"], last_heard=row["last_heard"])
+
+
+def _interval() -> timedelta:
+    return timedelta(seconds=heartbeat_interval_s())
 
 
 def last_transition() -> Event | None:

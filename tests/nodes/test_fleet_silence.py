@@ -69,6 +69,20 @@ def test_when_most_of_the_fleet_goes_silent_together_nobody_turns_unreachable(fl
 
 
 @pytest.mark.django_db
+def test_nodes_that_stop_together_pass_their_deadlines_apart_and_are_still_one_silence(fleet):
+    """Each agent beats on its own clock: the first deadline runs out up to one interval before
+    the others, and that node must not be taken for a lone failure."""
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(fleet[0])
+        clock.shift(1.5)
+        beat(fleet[1], fleet[2])  # then all three stop
+        clock.shift(4.6)  # fleet[0] 0.1 s past its deadline, the others 1.4 s short of theirs
+        assert tasks.expire_heartbeats() == 0
+    assert set(Node.objects.values_list("health", flat=True)) == {Health.HEALTHY}
+    assert transitions() == ["silent"]
+
+
+@pytest.mark.django_db
 def test_contact_restored_restarts_the_deadlines_that_ran_out_meanwhile(fleet, cast):
     with time_machine.travel(T0, tick=False) as clock:
         beat(*fleet)
