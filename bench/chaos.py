@@ -110,7 +110,7 @@ class Side:
             self._scan_commits()
 
     def _scan_commits(self) -> None:
-        for marker in (self.work / "ckpt").glob("**/COMMITTED"):
+        for marker in committed_markers(self.work / "ckpt"):
             key = str(marker.parent)
             if key not in self.commits:
                 try:
@@ -183,9 +183,26 @@ class Side:
         return [Record.parse(seen, r) for seen, r in self.tail.samples()]
 
 
+def committed_markers(root: Path) -> list[Path]:
+    """Every ``COMMITTED`` marker under ``root``. Checkpoint retention deletes directories while
+    we walk, so a walk that loses a directory under its feet is simply made again."""
+    for _ in range(5):
+        try:
+            return list(root.glob("**/COMMITTED"))
+        except FileNotFoundError:
+            continue
+    return []
+
+
 def corrupt_newest(root: Path) -> dict | None:
     """Flip 64 bytes in the middle of the biggest shard of the newest committed checkpoint."""
-    committed = sorted(root.glob("**/COMMITTED"), key=lambda p: p.stat().st_mtime)
+    committed = []
+    for marker in committed_markers(root):
+        try:
+            committed.append((marker.stat().st_mtime, marker))
+        except FileNotFoundError:  # deleted by retention since the walk
+            continue
+    committed = [marker for _, marker in sorted(committed)]
     if not committed:
         return None
     directory = committed[-1].parent
