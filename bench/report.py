@@ -63,8 +63,8 @@ def render(results: list[dict], carried: list[str] = ()) -> str:
     if reports:
         lines += ["", "Detailed reports: " + ", ".join(f"[{name[:-3]}]({name})" for name in reports) + "."]
     if carried:
-        lines += ["", "Rows marked *(not rerun)* are carried over from the previous report; their machine is listed "
-                  "there, not here."]
+        lines += ["", "Rows marked *(not rerun)* are carried over from the previous report (this file's git "
+                  "history says when and on which machine)."]
     lines += ["", "Details (raw figures) are in each benchmark's JSON under `bench/results/` when it is rerun.", ""]
     return "\n".join(lines)
 
