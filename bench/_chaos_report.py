@@ -41,7 +41,7 @@ def plot(result: dict, path: Path) -> None:
     sides = list(runs)
     figure, axes = plt.subplots(len(sides), 1, figsize=(11, 3.4 * len(sides)), sharex=True, squeeze=False)
     for ax, side in zip(axes[:, 0], sides, strict=True):
-        run = runs[side][0]
+        run = runs[side][-1]
         for i, piece in enumerate(pieces(run["timeline"])):
             t, step = zip(*piece, strict=True)
             ax.plot(t, step, lw=1.4, color="black", marker="." if len(piece) == 1 else None,
@@ -56,7 +56,7 @@ def plot(result: dict, path: Path) -> None:
         for item in run.get("human_interventions", []):
             ax.axvline(item["approved_at_s"], color="grey", ls="--", lw=1)
         ax.set_title(f"{LABELS.get(side, side)}: ETTR {run['ettr']:.1%}, lost steps {run['lost_steps']}, "
-                     f"human interventions {run['human_interventions_count']}  (run 1)", fontsize=10)
+                     f"human interventions {run['human_interventions_count']}  ({_newest(runs[side])})", fontsize=10)
         ax.set_ylabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", ncol=2)
@@ -86,6 +86,10 @@ def _fate(fault: dict) -> str:
     return "; ".join(w for w in words if w)
 
 
+def _newest(rows: list) -> str:
+    return "the run" if len(rows) == 1 else f"run {len(rows)}, the newest"
+
+
 def _p(figure: dict | None) -> str:
     return f"{figure['p50']:.1f} / {figure['max']:.1f}" if figure else "—"
 
@@ -102,6 +106,8 @@ def _median(rows: list[dict], key: str) -> str:
 def markdown(result: dict) -> str:
     details = result["details"]
     setup, runs = details["setup"], details["runs"]
+    run_info = details.get("run_info", [])
+    newest = _newest(next(iter(runs.values())))
     machine = result["machine"]
     quick = setup["quick"]
     lines = [
@@ -114,11 +120,12 @@ def markdown(result: dict) -> str:
         "",
     ]
     if quick:
-        lines += ["> **Quick run on a shared machine**: one short run per side (not the 30-minute, three-run "
+        lines += ["> **Quick run on a shared machine**: short runs (not the 30-minute, three-run "
                   "report the issue asks for). Other sessions' tests and benchmarks were running at the same "
                   "time, so the absolute times are noisy.", ""]
     lines += [
-        f"- **Command**: `{result['command']}` ({setup['elapsed_s']} s in all)",
+        f"- **Command**: `{result['command']}` ({setup['elapsed_s']} s in all); the runs reported, each with "
+        "its commit and command, are listed under *Runs* below",
         f"- **Machine**: {machine.get('nproc')} CPUs, {machine.get('memory_gib')} GiB, Python {machine.get('python')}, "
         f"torch {machine.get('torch')}",
         f"- **Run**: {setup['duration_s']:g} s of wall time per side, faults with a mean time between failures of "
@@ -151,14 +158,25 @@ def markdown(result: dict) -> str:
             ("human interventions", "human_interventions_count")]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(_median(runs[s], key) for s in runs) + " |")
-    lines += ["", "Detection / recovery per fault kind, seconds, p50 / max over the faults of run 1 "
+    if run_info:
+        lines += ["", "### Runs", "", "The spread above is over these runs: every run made with exactly these settings "
+                  "(`bench/results/chaos-runs/`), the newest "
+                  f"{len(run_info)}, whichever invocation made them.", "",
+                  "| run | finished (UTC) | commit | command | wall time, s | "
+                  + " | ".join(f"{LABELS.get(s, s)} ETTR" for s in runs) + " |",
+                  "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in runs) + " |"]
+        for number, info in enumerate(run_info, 1):
+            lines.append(f"| {number} | {info['finished_at'].replace('+00:00', '')} | `{info['commit']}` | "
+                         f"`{info['command']}` | {info['elapsed_s']} | "
+                         + " | ".join(f"{info['ettr'][s]:.4f}" if s in info["ettr"] else "—" for s in runs) + " |")
+    lines += ["", f"Detection / recovery per fault kind, seconds, p50 / max over the faults of {newest} "
               "(detected and recovered counts of applied faults):", "",
               "| fault | " + " | ".join(f"{LABELS.get(s, s)} detection | recovery" for s in runs) + " |",
               "| --- | " + " | ".join("--- | ---" for _ in runs) + " |"]
     for kind in F.KINDS:
         cells = []
         for side in runs:
-            info = runs[side][0]["by_kind"].get(kind)
+            info = runs[side][-1]["by_kind"].get(kind)
             if not info:
                 cells.append("— | —")
             elif not info["injected"]:
@@ -171,8 +189,8 @@ def markdown(result: dict) -> str:
               "| at, s | kind | target |", "| --- | --- | --- |"]
     lines += [f"| {f['at']:.1f} | {f['kind']} | {f['target']} |" for f in details["schedule"]]
     for side in runs:
-        run = runs[side][0]
-        lines += ["", f"### What happened: {LABELS.get(side, side)} (run 1)", "",
+        run = runs[side][-1]
+        lines += ["", f"### What happened: {LABELS.get(side, side)} ({newest})", "",
                   "| at, s | kind | applied | detection, s | recovery, s | resumed from step | note |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for fault in run["faults"]:

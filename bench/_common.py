@@ -61,6 +61,11 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def command_line(bench: str) -> str:
+    """How this benchmark was started, as a reader would retype it."""
+    return " ".join([Path(sys.executable).name, "-m", f"bench.{bench}", *sys.argv[1:]])
+
+
 def emit(bench: str, *, metric: str, value: float | None, target: float | None, better: str, unit: str,
          runs: int, spread: list[float] | None, details: dict[str, Any], skipped: str | None = None) -> dict[str, Any]:
     """Print the result as the last line of output and save it under bench/results/."""
@@ -68,8 +73,7 @@ def emit(bench: str, *, metric: str, value: float | None, target: float | None, 
         raise ValueError("better must be 'lower' or 'higher'")
     result: dict[str, Any] = {"bench": bench, "metric": metric, "value": value, "target": target,
                               "better": better, "unit": unit, "runs": runs, "spread": spread,
-                              "details": details, "machine": machine(),
-                              "command": " ".join([Path(sys.executable).name, "-m", f"bench.{bench}", *sys.argv[1:]])}
+                              "details": details, "machine": machine(), "command": command_line(bench)}
     if skipped:
         result["skipped"] = skipped
     RESULTS.mkdir(parents=True, exist_ok=True)

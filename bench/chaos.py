@@ -25,6 +25,10 @@ Writes ``bench/results/chaos.json`` and ``docs/benchmarks/chaos.md`` + ``chaos.p
 
 ``--quick``: one run of 180 s, MTBF 30 s (about 4 minutes with start-up). Full: three runs of 30
 minutes, MTBF 3 minutes (about 95 minutes; ``make bench`` runs one, ``make bench-chaos`` three).
+Every finished run is kept under ``bench/results/chaos-runs/`` (``bench/_chaos_runs.py``) and the
+report covers the newest ``--spread`` (3) runs made with exactly the same settings, whichever
+invocation made them: ``make bench``'s one run and a later ``--runs 2`` report a spread over three
+(``--fresh``: this invocation's runs only).
 Needs PostgreSQL and Redis: ``BENCH_DATABASE_URL`` (default ``postgres://postgres@127.0.0.1:5432/nightwatch_bench_chaos``;
 created, migrated and emptied: the name must contain "bench") and ``BENCH_CHAOS_REDIS_DB``
 (default 10, flushed).
@@ -46,8 +50,9 @@ import traceback
 import urllib.parse
 from pathlib import Path
 
+from bench import _chaos_runs
 from bench import _faults as F
-from bench._common import emit, median, spread
+from bench._common import command_line, emit, median, spread
 from bench._goodput import Record, account, percentiles, stream_positions
 from bench.recovery import MARKER  # the variable bench.recovery.marked() looks for
 
@@ -599,6 +604,10 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     add("--gpu-mtbf-hours", type=int, default=1, help="NIGHTWATCH_GPU_MTBF_HOURS: the MTBF assumed before history")
     add("--report-dir", default=str(ROOT / "docs" / "benchmarks"), help="where chaos.md and chaos.png go")
     add("--keep-logs", action="store_true", help="keep the temporary directory (logs) and say where")
+    add("--spread", type=int, default=3,
+        help="report the newest this many runs made with exactly these settings, earlier invocations' "
+             "included (kept under bench/results/chaos-runs/; default 3); this invocation's runs always count")
+    add("--fresh", action="store_true", help="report only this invocation's runs")
     opts = parser.parse_args(argv)
     opts.runs = opts.runs or (1 if opts.quick else 3)
     opts.seed = opts.seed if opts.seed is not None else (44 if opts.quick else 1)
@@ -606,6 +615,8 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     opts.mtbf = opts.mtbf or (30.0 if opts.quick else 180.0)
     opts.outage_s = opts.outage_s or (10.0 if opts.quick else 30.0)
     opts.sides = [s.strip() for s in opts.sides.split(",") if s.strip()]
+    if opts.runs < 1 or opts.spread < 1:
+        parser.error("--runs and --spread take a whole number of runs, at least 1")
     unknown = set(opts.sides) - {"nightwatch", "torchrun"}
     if unknown or not opts.sides:
         parser.error(f"--sides takes nightwatch and/or torchrun, not {sorted(unknown) or 'nothing'}")
@@ -635,22 +646,25 @@ def main(argv: list[str] | None = None) -> None:
         django.setup()
     base = Path(tempfile.mkdtemp(prefix="nightwatch-bench-chaos-"))
     (base / "schedule.json").write_text(json.dumps([f.as_dict() for f in schedule], indent=1))
-    results: dict[str, list[dict]] = {s: [] for s in opts.sides}
+    mine = Invocation(opts)
     try:
         for run in range(opts.runs):
+            run_started = time.monotonic()
             sides = [NightwatchSide(base, opts, schedule, url) if name == "nightwatch" else PlainSide(base, opts)
                      for name in opts.sides]
             batches = [sides] if opts.together else [[side] for side in sides]
+            results: dict[str, dict] = {}
             for batch in batches:
                 print(f"run {run + 1}/{opts.runs}: {' and '.join(s.name for s in batch)}", flush=True)
                 for side, result in zip(batch, play_together(batch, schedule, opts.duration), strict=True):
-                    results[side.name].append(result)
+                    results[side.name] = result
                     print(f"run {run + 1}/{opts.runs} {side.name:10} ETTR {result['ettr']:.3f}  lost steps "
                           f"{result['lost_steps']}  twice {result['trained_twice']}  skipped {result['skipped']}  "
                           f"corrupt loaded {result['corrupt_checkpoints_loaded']}  human "
                           f"{result['human_interventions_count']}", flush=True)
+            mine.keep(results, time.monotonic() - run_started)
             if run + 1 < opts.runs:  # the report so far: a run cut short later keeps what is done
-                finish(results, schedule, opts, time.monotonic() - started)
+                finish(mine, schedule, opts, time.monotonic() - started)
     except Exception:
         traceback.print_exc()
         raise SystemExit(1) from None
@@ -664,7 +678,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"logs kept in {base}", file=sys.stderr)
         else:
             shutil.rmtree(base, ignore_errors=True)
-    finish(results, schedule, opts, time.monotonic() - started)
+    finish(mine, schedule, opts, time.monotonic() - started)
 
 
 def play_together(sides: list[Side], schedule: list[F.Fault], duration_s: float) -> list[dict]:
@@ -705,23 +719,58 @@ def play_together(sides: list[Side], schedule: list[F.Fault], duration_s: float)
     return [r for r in results if r is not None]
 
 
-def finish(results: dict[str, list[dict]], schedule: list[F.Fault], opts: argparse.Namespace, elapsed: float) -> None:
+def conditions(opts: argparse.Namespace) -> dict:
+    """Everything that shapes a run: runs are only reported together when these are equal."""
+    return {"seed": opts.seed, "sides": opts.sides, "together": opts.together, "heartbeat_misses": HEARTBEAT_MISSES,
+            "startup_floor_s": STARTUP_FLOOR_S, "duration_s": opts.duration, "mtbf_s": opts.mtbf,
+            "quick": opts.quick, "ckpt_every": opts.ckpt_every, "plain_max_restarts": opts.max_restarts,
+            "human_response_s": opts.human_response_s, "agent_restart_s": opts.agent_restart_s,
+            "outage_s": opts.outage_s, "warmup_s": opts.warmup, "progress_timeout_s": opts.progress_timeout,
+            "gpu_mtbf_hours": opts.gpu_mtbf_hours, "step_s": STEP_S, "world_size": WORLD_SIZE,
+            "batch_size": BATCH_SIZE}
+
+
+class Invocation:
+    """This invocation's finished runs, each also kept on disk (``bench/_chaos_runs.py``)."""
+
+    def __init__(self, opts: argparse.Namespace):
+        self.setup = conditions(opts)
+        self.command = command_line("chaos")
+        self.revision = _chaos_runs.commit(ROOT)
+        self.runs: list[dict] = []
+        self.all_kept = True
+
+    def keep(self, results: dict[str, dict], elapsed_s: float) -> None:
+        run = _chaos_runs.record(self.setup, results, command=self.command, revision=self.revision,
+                                 elapsed_s=elapsed_s)
+        self.runs.append(run)
+        try:
+            _chaos_runs.save(run)
+        except OSError as error:  # the report still covers this invocation's runs
+            self.all_kept = False
+            print(f"chaos: run not kept for later reports: {error}", file=sys.stderr)
+
+    def reported(self, opts: argparse.Namespace) -> list[dict]:
+        """The runs the report covers, oldest first: this invocation's, and unless ``--fresh`` the
+        newest earlier ones with the same conditions up to ``--spread`` in all."""
+        if opts.fresh or not self.all_kept:
+            return self.runs
+        return _chaos_runs.newest(self.setup, max(opts.spread, len(self.runs))) or self.runs
+
+
+def finish(mine: Invocation, schedule: list[F.Fault], opts: argparse.Namespace, elapsed: float) -> None:
     from bench import _chaos_report
 
+    kept = mine.reported(opts)
+    results = {side: [run["results"][side] for run in kept if side in run["results"]] for side in opts.sides}
+    results = {side: rows for side, rows in results.items() if rows}
     ettr = {name: [r["ettr"] for r in rows] for name, rows in results.items()}
     details = {"schedule": [f.as_dict() for f in schedule], "runs": results,
+               "run_info": [{k: run[k] for k in ("finished_at", "commit", "command", "elapsed_s")}
+                            | {"ettr": {side: r["ettr"] for side, r in run["results"].items()}} for run in kept],
                "ettr": {name: {"median": round(median(v), 4), "spread": spread(v), "runs": v}
                         for name, v in ettr.items()},
-               "setup": {"seed": opts.seed, "together": opts.together, "heartbeat_misses": HEARTBEAT_MISSES,
-                         "startup_floor_s": STARTUP_FLOOR_S,
-                         "duration_s": opts.duration,
-                         "mtbf_s": opts.mtbf, "quick": opts.quick,
-                         "ckpt_every": opts.ckpt_every, "plain_max_restarts": opts.max_restarts,
-                         "human_response_s": opts.human_response_s, "agent_restart_s": opts.agent_restart_s,
-                         "outage_s": opts.outage_s, "warmup_s": opts.warmup,
-                         "progress_timeout_s": opts.progress_timeout,
-                         "gpu_mtbf_hours": opts.gpu_mtbf_hours, "step_s": STEP_S, "world_size": WORLD_SIZE,
-                         "batch_size": BATCH_SIZE, "elapsed_s": round(elapsed)}}
+               "setup": {**mine.setup, "elapsed_s": round(elapsed)}}
     primary = "nightwatch" if ettr.get("nightwatch") else next(iter(ettr))
     result = emit("chaos", metric=f"ettr_{primary}", value=round(median(ettr[primary]), 4), target=TARGET_ETTR,
                   better="higher", unit="ratio", runs=len(ettr[primary]),

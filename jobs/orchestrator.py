@@ -30,6 +30,7 @@ from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
 from jobs.launching import candidates, spec_hash, start_generation
 from jobs.models import Event, Generation, Incident, Job, StepMetric
+from jobs.services import PROGRESS_WATCHED
 
 log = logging.getLogger(__name__)
 SYSTEM = "system:orchestrator"
@@ -293,8 +294,8 @@ def expire_one_progress_deadline() -> bool:
 
     if silence.held():
         return False
-    job = (Job.objects.filter(state__in=[JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING],
-                              progress_deadline__lt=timezone.now()).order_by("progress_deadline").first())
+    job = (Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=timezone.now())
+           .order_by("progress_deadline").first())
     if job is None:
         return False
     steps = dict(StepMetric.objects.filter(job=job, generation=job.generation).values("rank")

@@ -59,7 +59,9 @@ class AgentConfig:
     #: faster restarts, one idle interpreter's memory). Only with the default ``torchrun``.
     warm_launcher: bool = True
     stop_grace_s: float = 30.0
-    #: Stop the jobs this agent runs when it exits: a new agent could not supervise them.
+    #: Stop the jobs this agent runs when it is stopped cleanly (SIGTERM: node maintenance). With
+    #: False they keep running and the next agent on the node adopts them (``Supervisor.adopt``), as
+    #: it does after a crash: set it to upgrade agents without restarting jobs.
     stop_jobs_on_exit: bool = True
     log_max_bytes: int = 20 * 2**20
     log_backups: int = 5

@@ -127,15 +127,14 @@ def watch(now: datetime | None = None) -> bool:
 
 def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
     """Contact is back: deadlines that ran out while nobody could reach us start over."""
-    from jobs.choices import JobState
     from jobs.models import Job
+    from jobs.services import PROGRESS_WATCHED
 
     grace = heartbeat_timeout()
     with transaction.atomic():
         nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
         jobs = 0
-        live = [JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING]
-        for job in Job.objects.filter(state__in=live, progress_deadline__lt=now + grace):
+        for job in Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now + grace):
             timeout = (job.recovery_policy or {}).get("progress_timeout_s") or 0
             deadline = now + max(grace, timedelta(seconds=timeout))
             jobs += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(

@@ -24,16 +24,19 @@ def side(name, ettr, faults):
                                      "pause_reason": "NaN loss"}]}
 
 
-def result():
+def result(runs=1):
     schedule = _faults.fault_schedule(1, duration_s=60, mtbf_s=20, warmup_s=20, tail_s=5)
     faults = [{"kind": "rank_kill", "at_s": 21.0, "effective_at_s": 21.0, "applied": True, "detection_s": 0.9,
                "recovery_s": 5.2, "resumed_step": 50},
               {"kind": "xid", "at_s": 40.0, "applied": False, "note": "not applicable to torchrun"}]
-    return {"bench": "chaos", "runs": 1, "command": "python -m bench.chaos --quick",
+    ettr = [(0.8 + n / 100, 0.5 + n / 100) for n in range(runs)]
+    info = [{"finished_at": f"2026-11-30T0{n}:00:00+00:00", "commit": "abc1234", "command": "python -m bench.chaos",
+             "elapsed_s": 70, "ettr": {"nightwatch": nw, "torchrun": plain}} for n, (nw, plain) in enumerate(ettr)]
+    return {"bench": "chaos", "runs": runs, "command": "python -m bench.chaos --quick",
             "machine": {"nproc": 2, "memory_gib": 23.5, "python": "3.11", "torch": "2.13.0"},
-            "details": {"setup": SETUP, "schedule": [f.as_dict() for f in schedule],
-                        "runs": {"nightwatch": [side("nightwatch", 0.8, faults[:1])],
-                                 "torchrun": [side("torchrun", 0.5, faults)]}}}
+            "details": {"setup": SETUP, "schedule": [f.as_dict() for f in schedule], "run_info": info,
+                        "runs": {"nightwatch": [side("nightwatch", nw, faults[:1]) for nw, _ in ettr],
+                                 "torchrun": [side("torchrun", plain, faults) for _, plain in ettr]}}}
 
 
 def test_the_report_has_the_table_the_schedule_and_the_figure(tmp_path):
@@ -45,6 +48,15 @@ def test_the_report_has_the_table_the_schedule_and_the_figure(tmp_path):
     assert "| xid | not applicable | — | not applicable | — |" in page
     assert "![steps vs wall time, faults marked](chaos.png)" in page
     assert (tmp_path / "chaos.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_several_runs_show_their_spread_each_run_and_the_newest_in_detail(tmp_path):
+    _chaos_report.write(result(runs=3), tmp_path)
+    page = (tmp_path / "chaos.md").read_text()
+    assert "| ETTR (productive / wall) | 0.81 [0.8–0.82] | 0.51 [0.5–0.52] |" in page
+    assert "| 3 | 2026-11-30T02:00:00 | `abc1234` | `python -m bench.chaos` | 70 | 0.8200 | 0.5200 |" in page
+    assert "### What happened: Nightwatch (run 3, the newest)" in page
+    assert "over the faults of run 3, the newest" in page
 
 
 def test_hand_written_notes_survive_a_regeneration(tmp_path):
