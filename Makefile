@@ -48,12 +48,14 @@ BENCH_ARGS ?=
 CHAOS_ARGS ?= --runs 1
 
 bench: $(INSTALLED) services
-	set -e; for name in $(BENCHMARKS); do \
+	set -e; all=$$(date +%s); for name in $(BENCHMARKS); do \
 		extra=$$([ $$name = chaos ] && echo "$(CHAOS_ARGS)" || true); \
-		if [ -f bench/$$name.py ]; then echo "== bench.$$name $(BENCH_ARGS) $$extra"; \
+		if [ -f bench/$$name.py ]; then echo "== bench.$$name $(BENCH_ARGS) $$extra"; one=$$(date +%s); \
 			$(BIN)/python -m bench.$$name $(BENCH_ARGS) $$extra; \
+			echo "== bench.$$name took $$(( $$(date +%s) - one )) s"; \
 		else echo "== bench.$$name: not in this checkout, skipped"; fi; \
-	done
+	done; \
+	echo "== every benchmark took $$(( $$(date +%s) - all )) s"
 	$(BIN)/python -m bench.report
 
 bench-quick:
