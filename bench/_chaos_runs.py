@@ -76,13 +76,21 @@ def newest(setup: dict, count: int, *, directory: Path | None = None) -> list[di
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         try:
             record = json.loads(path.read_text())
-            same = record["setup"] == wanted
-            finished = datetime.fromisoformat(record["finished_at"])
-            record["results"].items()
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            finished = _checked(record)
+        except (OSError, ValueError, KeyError, TypeError) as error:
             print(f"chaos: {path} left out of the report: not a run record ({error!r})", file=sys.stderr)
             continue
-        if same:
+        if record["setup"] == wanted:
             runs.append((finished, path.name, record))
     runs.sort(key=lambda item: item[:2])
     return [record for _, _, record in runs[-count:]] if count > 0 else []
+
+
+def _checked(record: dict) -> datetime:
+    """When the run finished; raises if ``record`` does not have the shape ``record()`` gives."""
+    if not isinstance(record, dict) or not isinstance(record.get("setup"), dict):
+        raise ValueError("no setup")
+    results = record.get("results")
+    if not isinstance(results, dict) or not all(isinstance(r, dict) and "ettr" in r for r in results.values()):
+        raise ValueError("results are not one result with an ETTR per side")
+    return datetime.fromisoformat(record["finished_at"])

@@ -37,9 +37,12 @@ def test_a_file_that_is_not_a_run_is_named_and_left_out(tmp_path, capsys):
     keep(tmp_path, SETUP, 0.9, 0)
     (tmp_path / "20261130T000000Z-broken.json").write_text('{"setup": ')
     (tmp_path / "20261130T000001Z-other.json").write_text('{"setup": {}, "finished_at": "yesterday"}')
+    (tmp_path / "20261130T000002Z-sideless.json").write_text(
+        '{"setup": {}, "finished_at": "2026-11-30T00:00:02+00:00", "results": {"nightwatch": 0.9}}')
     assert [r["results"]["nightwatch"]["ettr"] for r in _chaos_runs.newest(SETUP, 3, directory=tmp_path)] == [0.9]
     err = capsys.readouterr().err
     assert "20261130T000000Z-broken.json left out" in err and "20261130T000001Z-other.json left out" in err
+    assert "20261130T000002Z-sideless.json left out" in err
 
 
 def test_no_kept_runs_and_no_directory_give_nothing(tmp_path):
