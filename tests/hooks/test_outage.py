@@ -33,7 +33,11 @@ def test_reports_spooled_during_an_outage_arrive_exactly_once_afterwards(tmp_pat
     env = {"NIGHTWATCH_URL": control_plane.url, "NIGHTWATCH_JOB": "job-5", "NIGHTWATCH_GENERATION": "2",
            "NIGHTWATCH_SPOOL_DIR": str(tmp_path / "spool")}
     control_plane.generation = 2
-    run = torchrun(["--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--ckpt-every", str(STEPS // 2)], env=env)
+    # Steps of at least 50 ms: the first half lasts >= 3 s, several of the reporter's 1 s flushes,
+    # so the hooks meet the outage however fast this machine trains (an idle one once reached the
+    # halfway checkpoint before the first flush).
+    run = torchrun(["--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--ckpt-every", str(STEPS // 2),
+                    "--min-step-time", "0.05"], env=env)
     halfway.set()
     watcher.join()
     assert run.returncode == 0, run.output[-3000:]
