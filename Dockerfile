@@ -14,7 +14,8 @@ WORKDIR /app
 
 RUN apt-get update && apt-get install -y --no-install-recommends curl openssh-client \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 10001 nightwatch
+    && useradd --create-home --uid 10001 nightwatch \
+    && install -d -o nightwatch -g nightwatch /checkpoints
 
 COPY pyproject.toml README.md ./
 COPY agents agents
@@ -27,10 +28,12 @@ COPY dashboard dashboard
 COPY --from=frontend /frontend/node_modules dashboard/frontend/node_modules
 COPY templates templates
 COPY manage.py ./
-# The CPU build of torch is enough for the control plane (it only loads checkpoints to test them).
+# The CPU build of torch is enough for the control plane (it never loads a checkpoint a node wrote:
+# it verifies manifests and hashes, see docs/security.md).
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
     && SECRET_KEY=build-only-not-used ALLOWED_HOSTS=build python manage.py collectstatic --noinput
 
+# Every service of the image runs as this unprivileged user (docs/security.md, "Processes").
 USER nightwatch
 EXPOSE 8000
 # Refuses to start when production settings are unsafe (nightwatch.E001-E003).
