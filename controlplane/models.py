@@ -19,6 +19,7 @@ class Scope(models.TextChoices):
     ONCALL = "oncall", "on-call"
     AGENT = "agent", "node agent"
     BOOTSTRAP = "bootstrap", "one-time agent bootstrap"
+    JOB = "job", "one generation of one job (training hooks)"
 
 
 def hash_token(raw: str) -> str:
@@ -37,7 +38,9 @@ class ApiToken(models.Model):
     """A bearer token with one scope. Only its SHA-256 is stored; the raw value is shown once.
 
     Tokens of people and pipelines belong to a user and never grant more than that user's role;
-    agent tokens belong to a node and act only for it; a bootstrap token registers one agent.
+    agent tokens belong to a node and act only for it; a bootstrap token registers one agent
+    (``hostname``: only that host; ``node``: re-registers that existing node); a job token belongs to one
+    generation of one job (``node``: the node it was delivered to, if any) and acts only for its hooks.
     """
 
     name = models.CharField(max_length=100)
@@ -49,6 +52,9 @@ class ApiToken(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="api_tokens"
     )
     node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="tokens")
+    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.CASCADE, related_name="tokens")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    hostname = models.CharField(max_length=253, blank=True)
     single_use = models.BooleanField(default=False)
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)
@@ -63,13 +69,35 @@ class ApiToken(models.Model):
                 name="agent_token_has_node",
                 condition=~models.Q(scope="agent") | models.Q(node__isnull=False),
             ),
+            models.CheckConstraint(
+                name="job_token_has_job_and_generation",
+                condition=~models.Q(scope="job") | models.Q(job__isnull=False, generation__isnull=False),
+            ),
+            # Only a job token is bound to a job: no other scope may borrow the binding.
+            models.CheckConstraint(
+                name="only_job_token_has_job",
+                condition=models.Q(scope="job") | models.Q(job__isnull=True, generation__isnull=True),
+            ),
         ]
+        indexes = [models.Index(fields=["job", "generation"], name="apitoken_job_generation")]
 
     def __str__(self):
         return f"{self.name} ({self.scope}, {self.prefix}…)"
 
     @classmethod
-    def issue(cls, *, name: str, scope: str, user=None, node=None, single_use=False, expires_at=None):
+    def issue(
+        cls,
+        *,
+        name: str,
+        scope: str,
+        user=None,
+        node=None,
+        job=None,
+        generation=None,
+        hostname="",
+        single_use=False,
+        expires_at=None,
+    ):
         """Create a token; returns ``(token, raw)``. The raw value is never stored."""
         raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
         token = cls.objects.create(
@@ -79,6 +107,9 @@ class ApiToken(models.Model):
             prefix=raw[:10],
             user=user,
             node=node,
+            job=job,
+            generation=generation,
+            hostname=hostname,
             single_use=single_use,
             expires_at=expires_at,
         )
