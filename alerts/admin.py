@@ -1,10 +1,11 @@
 """Admin: channels (with a test-send action), the alert log with its deliveries, targets and prices."""
 
 from django import forms
-from django.contrib import admin, messages
+from django.contrib import admin
 
 from alerts import channels, services
-from alerts.choices import ChannelKind
+from alerts.choices import Action, ChannelKind
+from alerts.crypto import SecretUnreadable
 from alerts.models import Alert, Channel, Delivery, EfficiencyTarget, PoolPrice
 
 
@@ -22,17 +23,45 @@ class ChannelForm(forms.ModelForm):
     def clean(self):
         data = super().clean()
         if not data.get("secret") and self.instance.pk:
-            data["secret"] = self.instance.secret
+            try:
+                data["secret"] = self.instance.secret
+            except SecretUnreadable:
+                self.add_error("secret", "The stored secret no longer decrypts (NIGHTWATCH_SECRETS_KEY changed): "
+                                         "set it again.")
+                return data
         kind = data.get("kind")
         if kind in ChannelKind.values:
             for name, problem in channels.validate(kind, data).items():
                 self.add_error(name if name in self.fields else None, problem)
         return data
 
+    def save(self, commit=True):
+        # ``secret`` is not a model field (the model stores it encrypted): set it through the property.
+        if self.cleaned_data.get("secret"):
+            self.instance.secret = self.cleaned_data["secret"]
+        return super().save(commit)
+
+
+class TestSendInline(admin.TabularInline):
+    """The channel's test-sends and their outcomes (a status code or an error class)."""
+
+    model = Delivery
+    verbose_name, verbose_name_plural = "test-send", "test-sends"
+    extra = 0
+    can_delete = False
+    fields = readonly_fields = ["state", "status_code", "errors", "created_at", "sent_at"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).filter(action=Action.TEST)
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
 
 @admin.register(Channel)
 class ChannelAdmin(admin.ModelAdmin):
     form = ChannelForm
+    inlines = [TestSendInline]
     list_display = ["name", "kind", "min_severity", "enabled", "created_at"]
     list_filter = ["kind", "min_severity", "enabled"]
     filter_horizontal = ["jobs"]
@@ -42,10 +71,8 @@ class ChannelAdmin(admin.ModelAdmin):
     def send_test(self, request, queryset):
         for channel in queryset:
             delivery = services.test_send(channel, actor=f"user:{request.user.get_username()}")
-            if delivery.state == "sent":
-                self.message_user(request, f"{channel.name}: delivered (HTTP {delivery.status_code or '-'}).")
-            else:
-                self.message_user(request, f"{channel.name}: failed — {delivery.errors[-1]}", messages.ERROR)
+            self.message_user(request, f"{channel.name}: test alert queued (delivery {delivery.pk}); its outcome "
+                                       f"appears under the channel's test-sends.")
 
 
 class DeliveryInline(admin.TabularInline):

@@ -7,6 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from alerts import crypto
 from alerts.choices import Action, AlertState, ChannelKind, DeliveryState, Rule, Severity
 
 
@@ -15,14 +16,15 @@ class Channel(models.Model):
 
     Routing: a channel takes alerts of ``min_severity`` and above, of the jobs it names (all jobs,
     and alerts about no job such as a node's, when it names none). ``secret`` is the webhook's
-    signing key or PagerDuty's routing key; the API accepts it but never shows it again.
+    signing key or PagerDuty's routing key, stored encrypted; the API accepts it but never shows it.
     """
 
     name = models.CharField(max_length=100, unique=True)
     kind = models.CharField(max_length=12, choices=ChannelKind.choices)
     url = models.CharField(max_length=2000, blank=True, help_text="Webhook URL, or the PagerDuty events endpoint.")
-    secret = models.CharField(max_length=200, blank=True,
-                              help_text="Webhook signing secret, or the PagerDuty routing (integration) key.")
+    # Read and written through ``secret``: a Fernet token (alerts.crypto), never the clear value.
+    encrypted_secret = models.TextField(blank=True, help_text="Webhook signing secret, or the PagerDuty routing "
+                                                              "(integration) key, encrypted.")
     emails = models.JSONField(default=list, blank=True, help_text="Recipients of an email channel.")
     min_severity = models.CharField(max_length=8, choices=Severity.choices, default=Severity.PAGE)
     jobs = models.ManyToManyField("jobs.Job", blank=True, related_name="alert_channels",
@@ -36,6 +38,19 @@ class Channel(models.Model):
 
     def __str__(self):
         return f"{self.name} ({self.kind})"
+
+    @property
+    def secret(self) -> str:
+        """The clear secret; raises ``crypto.SecretUnreadable`` when the key no longer opens it."""
+        return crypto.decrypt(self.encrypted_secret)
+
+    @secret.setter
+    def secret(self, value: str) -> None:
+        self.encrypted_secret = crypto.encrypt(value)
+
+    @property
+    def has_secret(self) -> bool:
+        return bool(self.encrypted_secret)
 
 
 class Alert(models.Model):

@@ -16,7 +16,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from alerts import channels, messages, rules
+from alerts import channels, crypto, messages, rules
 from alerts.choices import Action, AlertState, DeliveryState, Rule, Severity
 from alerts.models import Alert, Channel, Delivery
 from alerts.rules import AlertSpec
@@ -216,7 +216,8 @@ def attempt_delivery(delivery_id: int, attempt: int) -> float | None:
                                                        status_code=outcome.status_code, next_attempt_at=None)
         return None
     errors = [*delivery.errors, f"{done_at.isoformat()} attempt {attempt + 1}: {outcome.error}"[:1000]][-20:]
-    give_up = outcome.permanent or attempt + 1 >= config()["MAX_ATTEMPTS"]
+    # A test-send is one attempt: the operator who asked for it reads that attempt's outcome.
+    give_up = outcome.permanent or attempt + 1 >= config()["MAX_ATTEMPTS"] or delivery.action == Action.TEST
     wait = backoff_s(attempt + 1)
     Delivery.objects.filter(pk=delivery_id).update(
         state=DeliveryState.FAILED if give_up else DeliveryState.PENDING, errors=errors,
@@ -242,22 +243,42 @@ def redispatch_one_delivery() -> bool:
     return True
 
 
+#: Test-sends kept per channel (the channel's API representation shows them).
+TEST_SENDS_KEPT = 10
+
+
 def test_send(channel: Channel, *, actor: str) -> Delivery:
-    """Send a test message now, in the caller's request, and record it (and an audit event)."""
+    """Queue a test message to ``channel`` (one attempt, by ``tasks.deliver``) and audit it. The
+    caller gets the delivery record; its outcome — sent with a status code, or failed with the
+    error's class — is read later from the channel, never the receiver's answer."""
     from jobs.models import Event
 
     now = timezone.now()
-    payload = messages.test_message(channel, now=now, actor=actor)
-    outcome = channels.send(channel, payload)
-    delivery = Delivery.objects.create(
-        channel=channel, action=Action.TEST, payload=payload, attempts=1, status_code=outcome.status_code,
-        state=DeliveryState.SENT if outcome.ok else DeliveryState.FAILED, created_at=now,
-        sent_at=timezone.now() if outcome.ok else None,
-        errors=[] if outcome.ok else [f"{now.isoformat()} attempt 1: {outcome.error}"[:1000]])
-    Event.objects.create(kind="alert.channel.test", actor=actor, reason=f"test-send to {channel.name}",
-                         new_state=delivery.state, evidence={"channel": channel.pk, "status_code": outcome.status_code,
-                                                             "error": outcome.error})
+    with transaction.atomic():
+        stale = Delivery.objects.filter(channel=channel, action=Action.TEST).order_by("-created_at", "-pk") \
+            .values_list("pk", flat=True)[TEST_SENDS_KEPT - 1:]
+        Delivery.objects.filter(pk__in=list(stale)).delete()
+        delivery = Delivery.objects.create(channel=channel, action=Action.TEST, created_at=now, next_attempt_at=now,
+                                           payload=messages.test_message(channel, now=now, actor=actor))
+        Event.objects.create(kind="alert.channel.test", actor=actor, reason=f"test-send to {channel.name}",
+                             new_state=delivery.state, evidence={"channel": channel.pk, "delivery": delivery.pk})
+        transaction.on_commit(lambda: _deliver_later([delivery.pk]), robust=True)
     return delivery
+
+
+def reencrypt_secrets() -> tuple[int, list[str]]:
+    """Rewrite every channel secret under the first key of NIGHTWATCH_SECRETS_KEY (after a key was
+    set or rotated); returns how many were rewritten and the names of those no key opens."""
+    rewritten, unreadable = 0, []
+    for channel in Channel.objects.exclude(encrypted_secret="").order_by("pk"):
+        try:
+            token = crypto.reencrypted(channel.encrypted_secret)
+        except crypto.SecretUnreadable:
+            unreadable.append(channel.name)
+            continue
+        rewritten += Channel.objects.filter(pk=channel.pk, encrypted_secret=channel.encrypted_secret) \
+            .update(encrypted_secret=token)
+    return rewritten, unreadable
 
 
 # --- evaluation entry points ----------------------------------------------------------------------

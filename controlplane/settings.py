@@ -341,6 +341,11 @@ NIGHTWATCH = {
         "REDISPATCH_GRACE_S": env_int("NIGHTWATCH_ALERTS_REDISPATCH_GRACE_S", 60),
         # Plain-http webhook URLs (fine on a private network, and for the tests' loopback receiver).
         "ALLOW_HTTP": env_bool("NIGHTWATCH_ALERTS_ALLOW_HTTP", not PRODUCTION),
+        # Channels may reach only public addresses, and these networks (CIDRs) or host names.
+        "ALLOWED_NETWORKS": env_list("NIGHTWATCH_ALERT_ALLOWED_NETWORKS"),
+        # Fernet key encrypting webhook secrets and PagerDuty routing keys at rest; empty = derived
+        # from SECRET_KEY (warned about in production: nightwatch.alerts.W001).
+        "SECRETS_KEY": env_secret("NIGHTWATCH_SECRETS_KEY"),
     },
     # Efficiency watch (alerts.efficiency): MFU margin, utilisation floor, downtime ceiling, prices.
     "EFFICIENCY": {

@@ -4,43 +4,71 @@ from __future__ import annotations
 
 import secrets
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from alerts import channels
-from alerts.choices import ChannelKind
+from alerts.choices import Action, ChannelKind
+from alerts.crypto import SecretUnreadable
 from alerts.models import Alert, Channel, Delivery, EfficiencyTarget
 from jobs.models import Job
+
+
+class TestSendSerializer(serializers.ModelSerializer):
+    """One test-send of a channel: its state (pending, sent, failed), the receiver's status code,
+    and per failed attempt the error's class — never what the receiver answered."""
+
+    class Meta:
+        model = Delivery
+        fields = ["id", "state", "status_code", "errors", "created_at", "sent_at"]
+
+
+class TestSendQueuedSerializer(serializers.Serializer):
+    delivery = serializers.IntegerField(help_text="Read its outcome in the channel's ``test_sends``.")
+    state = serializers.CharField()
 
 
 class ChannelSerializer(serializers.ModelSerializer):
     """``secret`` is accepted, never returned (``has_secret`` says whether one is set). A webhook
     created without one gets a generated secret, shown once in the creation response as
-    ``generated_secret``."""
+    ``generated_secret``. ``test_sends``: the newest test-sends, newest first."""
 
     secret = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=200)
-    has_secret = serializers.SerializerMethodField()
+    has_secret = serializers.BooleanField(read_only=True)
     emails = serializers.ListField(child=serializers.CharField(max_length=254), required=False, max_length=50)
     jobs = serializers.PrimaryKeyRelatedField(many=True, queryset=Job.objects.all(), required=False,
                                               help_text="Job ids; empty = every job.")
+    test_sends = serializers.SerializerMethodField()
 
     class Meta:
         model = Channel
         fields = ["id", "name", "kind", "url", "secret", "has_secret", "emails", "min_severity", "jobs", "enabled",
-                  "created_by", "created_at"]
+                  "created_by", "created_at", "test_sends"]
         read_only_fields = ["created_by", "created_at"]
         extra_kwargs = {"url": {"required": False, "allow_blank": True}}
 
-    def get_has_secret(self, channel) -> bool:
-        return bool(channel.secret)
+    @extend_schema_field(TestSendSerializer(many=True))
+    def get_test_sends(self, channel) -> list:
+        sends = getattr(channel, "test_sends", None)  # prefetched by the views (``channels_with_test_sends``)
+        if sends is None:
+            sends = channel.deliveries.filter(action=Action.TEST).order_by("-created_at", "-pk")
+        return TestSendSerializer(sends, many=True).data
 
     def validate(self, data):
-        merged = {name: getattr(self.instance, name) for name in ("kind", "url", "secret", "emails")} \
-            if self.instance else {}
-        merged.update({k: v for k, v in data.items() if k != "secret" or v})
+        merged = {name: getattr(self.instance, name) for name in ("kind", "url", "emails")} if self.instance else {}
+        if data.get("secret"):
+            merged["secret"] = data["secret"]
+        elif self.instance:
+            try:
+                merged["secret"] = self.instance.secret
+            except SecretUnreadable:
+                raise serializers.ValidationError({"secret": [
+                    "the stored secret no longer decrypts (NIGHTWATCH_SECRETS_KEY changed): set it again"]}) from None
+        merged.update({k: v for k, v in data.items() if k != "secret"})
         kind = merged.get("kind")
         if self.instance and "kind" in data and data["kind"] != self.instance.kind:
             raise serializers.ValidationError({"kind": ["cannot change; create another channel"]})
-        if kind == ChannelKind.WEBHOOK and not merged.get("secret"):
+        if not self.instance and kind == ChannelKind.WEBHOOK and not merged.get("secret"):
             merged["secret"] = data["secret"] = secrets.token_urlsafe(32)
             self.context["generated_secret"] = data["secret"]
         problems = channels.validate(kind, merged)
@@ -69,12 +97,6 @@ class AlertSerializer(serializers.ModelSerializer):
                   "node", "updates", "suppressed_updates", "created_at", "updated_at", "notified_at", "acknowledged_at",
                   "resolved_at",
                   "deliveries"]
-
-
-class TestSendSerializer(serializers.Serializer):
-    delivered = serializers.BooleanField()
-    status_code = serializers.IntegerField(allow_null=True)
-    error = serializers.CharField(allow_blank=True)
 
 
 class EfficiencyTargetSerializer(serializers.ModelSerializer):

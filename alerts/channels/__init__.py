@@ -9,6 +9,7 @@ from __future__ import annotations
 from alerts.channels import email, pagerduty, webhook
 from alerts.channels.base import Outcome
 from alerts.choices import ChannelKind
+from alerts.crypto import SecretUnreadable
 
 TRANSPORTS = {
     ChannelKind.WEBHOOK: webhook,
@@ -18,7 +19,10 @@ TRANSPORTS = {
 
 
 def send(channel, message: dict) -> Outcome:
-    return TRANSPORTS[channel.kind].send(channel, message)
+    try:
+        return TRANSPORTS[channel.kind].send(channel, message)
+    except SecretUnreadable as exc:  # the key changed: an operator must set the secret again
+        return Outcome(ok=False, error=f"SecretUnreadable: {exc}", permanent=True)
 
 
 def validate(kind: str, fields: dict) -> dict[str, str]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
+
+from alerts.channels import egress
 
 #: Seconds one HTTP attempt may take; a slow receiver must not hold a worker for long.
 HTTP_TIMEOUT_S = 10.0
@@ -24,7 +25,8 @@ class Outcome:
 
 def url_problem(url: str, *, allow_http: bool) -> str | None:
     """Why ``url`` cannot be an alert endpoint, or None. Only http(s) with a host; no credentials
-    in the URL (they would be logged and shown); plain http only where allowed."""
+    in the URL (they would be logged and shown); plain http only where allowed; a host that
+    resolves to a public address (or is allow-listed, ``egress``)."""
     if not url:
         return "required"
     if len(url) > 2000:
@@ -46,38 +48,35 @@ def url_problem(url: str, *, allow_http: bool) -> str | None:
         return "port 0 is not a port"
     if any(ch.isspace() for ch in url):
         return "must not contain whitespace"
-    return None
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A receiver's redirect is not followed: the signed body must reach the URL configured."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
+    return egress.destination_problem(url)
 
 
 def post_json(url: str, body: bytes, headers: dict[str, str]) -> Outcome:
-    """POST ``body`` once; a 2xx is success, anything else an outcome with the reason."""
+    """POST ``body`` once to a checked destination (``egress``); a 2xx is success. The outcome
+    keeps the status code or the error's class, never the receiver's answer: whoever reads the
+    delivery log must not be able to read a private service through it."""
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        # Checked when the channel was saved too; urlopen would also open file:// and ftp:// URLs.
-        return Outcome(ok=False, error=f"refusing to POST to a non-http(s) URL {url[:100]!r}", permanent=True)
-    request = urllib.request.Request(url, data=body, method="POST", headers={  # noqa: S310 (scheme checked)
-        "Content-Type": "application/json", "User-Agent": USER_AGENT, **headers})
+        # Checked when the channel was saved too.
+        return Outcome(ok=False, error="refusing to POST to a non-http(s) URL", permanent=True)
     try:
-        with _OPENER.open(request, timeout=HTTP_TIMEOUT_S) as response:
-            return Outcome(ok=True, status_code=response.status)
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-        detail = exc.read(300).decode("utf-8", "replace").strip()
-        permanent = 400 <= status < 500 and status not in (408, 429)
-        return Outcome(ok=False, status_code=status, permanent=permanent,
-                       error=f"HTTP {status} {exc.reason}" + (f": {detail}" if detail else ""))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return Outcome(ok=False, error=f"{type(exc).__name__}: {reason}")
+        status = egress.post(url, body, {"Content-Type": "application/json", "User-Agent": USER_AGENT, **headers},
+                             timeout=HTTP_TIMEOUT_S)
+    except egress.RefusedDestination as exc:
+        return Outcome(ok=False, error=f"RefusedDestination: {exc}", permanent=True)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return Outcome(ok=False, error=error_class(exc))
+    if 200 <= status < 300:
+        return Outcome(ok=True, status_code=status)
+    # A redirect is not followed (the signed body must reach the URL configured) and will not go away.
+    permanent = 300 <= status < 400 or (400 <= status < 500 and status not in (408, 429))
+    return Outcome(ok=False, status_code=status, permanent=permanent, error=f"HTTP {status}")
+
+
+def error_class(exc: BaseException) -> str:
+    """The exception's class, with the operating system's reason where there is one ("Connection
+    refused"): never its message, which may quote what the receiver sent (a bad status line)."""
+    reason = getattr(exc, "strerror", None)
+    return f"{type(exc).__name__}: {reason}" if isinstance(reason, str) and reason else type(exc).__name__
 
 
 def dumps(message: dict) -> bytes:

@@ -94,9 +94,11 @@ def eager_celery():
 
 @pytest.fixture
 def alert_settings(settings):
-    """Follow-ups unthrottled unless a test says otherwise; quick retries."""
+    """Follow-ups unthrottled unless a test says otherwise; quick retries; the loopback receiver
+    allow-listed (channels may reach no loopback address otherwise: alerts.channels.egress)."""
     settings.NIGHTWATCH = {**settings.NIGHTWATCH,
-                           "ALERTS": {**settings.NIGHTWATCH["ALERTS"], "UPDATE_INTERVAL_S": 0, "MAX_ATTEMPTS": 3},
+                           "ALERTS": {**settings.NIGHTWATCH["ALERTS"], "UPDATE_INTERVAL_S": 0, "MAX_ATTEMPTS": 3,
+                                      "ALLOWED_NETWORKS": ["127.0.0.1/32"]},
                            "PUBLIC_URL": "https://nightwatch.example"}
     return settings
 

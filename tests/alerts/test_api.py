@@ -16,7 +16,8 @@ pytestmark = pytest.mark.django_db
 CHANNELS = "/api/v1/alert-channels"
 
 
-def test_a_webhook_secret_is_generated_once_and_never_returned(cast, api, receiver, alert_settings):
+def test_a_webhook_secret_is_generated_once_and_never_returned(cast, api, receiver, alert_settings, eager_celery,
+                                                               django_capture_on_commit_callbacks):
     operator = api(cast.tokens["operator"])
     created = operator.post(CHANNELS, {"name": "ops-hook", "kind": "webhook", "url": receiver.url("/hook"),
                                        "min_severity": "info"}, format="json")
@@ -26,9 +27,13 @@ def test_a_webhook_secret_is_generated_once_and_never_returned(cast, api, receiv
     channel_url = f"{CHANNELS}/{created.data['id']}"
     for body in (operator.get(channel_url).data, operator.get(CHANNELS).data["results"][0]):
         assert "secret" not in body and "generated_secret" not in body and secret not in str(body)
-    # The test-send is signed with that secret, and says whether it arrived.
-    answer = operator.post(f"{channel_url}/test")
-    assert answer.status_code == 200 and answer.data == {"delivered": True, "status_code": 200, "error": ""}
+    # The test-send is queued (a task), signed with that secret; the channel says whether it arrived.
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = operator.post(f"{channel_url}/test")
+    assert answer.status_code == 202 and answer.data == {"delivery": answer.data["delivery"], "state": "pending"}
+    [test_send] = operator.get(channel_url).data["test_sends"]
+    assert test_send["id"] == answer.data["delivery"]
+    assert (test_send["state"], test_send["status_code"], test_send["errors"]) == ("sent", 200, [])
     [sent] = receiver.at("/hook")
     assert sent.json["action"] == "test"
     assert signing.verify(secret, sent.headers[signing.SIGNATURE_HEADER], sent.body, now=time.time())
@@ -87,12 +92,21 @@ def test_email_and_pagerduty_channels_validate_their_fields(cast, api, alert_set
     assert ok.status_code == 201 and ok.data["jobs"] == [cast.job.pk]
 
 
-def test_a_failing_test_send_reports_the_error(cast, api, receiver, alert_settings):
+def test_a_failing_test_send_reports_the_status_but_never_the_receivers_answer(
+        cast, api, receiver, alert_settings, eager_celery, django_capture_on_commit_callbacks):
     receiver.statuses = [500]
     channel = Channel.objects.create(name="h", kind="webhook", url=receiver.url(), secret="a" * 20)
-    answer = api(cast.tokens["oncall"]).post(f"{CHANNELS}/{channel.pk}/test")
-    assert answer.data["delivered"] is False and answer.data["status_code"] == 500
-    assert "HTTP 500" in answer.data["error"]
+    oncall = api(cast.tokens["oncall"])
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = oncall.post(f"{CHANNELS}/{channel.pk}/test")
+    assert answer.status_code == 202 and "receiver broke" not in answer.content.decode()
+    detail = oncall.get(f"{CHANNELS}/{channel.pk}")
+    [test_send] = detail.data["test_sends"]
+    assert (test_send["state"], test_send["status_code"]) == ("failed", 500)
+    [error] = test_send["errors"]
+    assert error.endswith("attempt 1: HTTP 500"), error  # one attempt, not retried
+    assert "receiver broke" not in detail.content.decode()
+    assert "receiver broke" not in str(list(Event.objects.values_list("evidence", flat=True)))
 
 
 @pytest.mark.parametrize("who, status", [(None, 401), ("viewer", 403), ("ci", 403), ("agent", 403)])
@@ -125,10 +139,15 @@ def test_the_efficiency_target_is_set_by_operators(cast, api):
     assert Event.objects.filter(kind="job.efficiency_target", job=cast.job).exists()
 
 
-def test_a_pagerduty_test_send_triggers_and_resolves_so_nothing_stays_open(cast, api, receiver, alert_settings):
+def test_a_pagerduty_test_send_triggers_and_resolves_so_nothing_stays_open(cast, api, receiver, alert_settings,
+                                                                          eager_celery,
+                                                                          django_capture_on_commit_callbacks):
     channel = Channel.objects.create(name="pd", kind="pagerduty", url=receiver.url("/pd"), secret="R" * 20)
-    answer = api(cast.tokens["operator"]).post(f"{CHANNELS}/{channel.pk}/test")
-    assert answer.data["delivered"] is True
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = api(cast.tokens["operator"]).post(f"{CHANNELS}/{channel.pk}/test")
+    assert answer.status_code == 202
+    channel.refresh_from_db()
+    assert [d.state for d in channel.deliveries.all()] == ["sent"]
     sent = [r.json for r in receiver.at("/pd")]
     assert [m["event_action"] for m in sent] == ["trigger", "resolve"]
     assert sent[0]["dedup_key"] == sent[1]["dedup_key"] and sent[0]["routing_key"] == "R" * 20
