@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from django.conf import settings
 from django.core.checks import Error, Tags, register
 from django.core.exceptions import ImproperlyConfigured
@@ -39,8 +41,22 @@ def production_settings(app_configs=None, **kwargs):
     return errors
 
 
+@register(Tags.security)
+def trusted_proxy_settings(app_configs=None, **kwargs):
+    """A bad entry would fail every request that reads the client's address: refuse it up front."""
+    errors = []
+    for cidr in settings.NIGHTWATCH["TRUSTED_PROXIES"]:
+        try:
+            ipaddress.ip_network(cidr.strip(), strict=False)
+        except ValueError:
+            errors.append(Error(f"NIGHTWATCH_TRUSTED_PROXIES: {cidr!r} is not an address or network.",
+                                hint="A comma-separated list of CIDRs, e.g. 10.0.0.5/32,fd00::/64.",
+                                id="nightwatch.E004"))
+    return errors
+
+
 def refuse_unsafe_production() -> None:
-    errors = production_settings()
+    errors = production_settings() + trusted_proxy_settings()
     if errors:
         lines = "\n".join(f"{e.id}: {e.msg} {e.hint}" for e in errors)
         raise ImproperlyConfigured(f"refusing to start in production:\n{lines}")

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from controlplane.auth import client_address
+
 METRICS_FINISHED_JOBS_S = 24 * 3600
 METRICS_MAX_JOBS = 200
 #: seconds; fault → detection is usually sub-second to tens of seconds, recovery seconds to minutes
@@ -294,7 +296,8 @@ def _network_allowed(request) -> bool:
     if not networks:
         return False
     try:
-        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+        # The client, not the TLS proxy in front: the proxy's own network may well be listed.
+        address = ipaddress.ip_address(client_address(request) or "")
     except ValueError:
         return False
     return any(address in ipaddress.ip_network(net, strict=False) for net in networks)

@@ -1,8 +1,9 @@
-"""The HTTP boundary: ids for the logs, body-size limits and security headers of API responses."""
+"""The HTTP boundary: ids for the logs, body-size limits, security headers of API answers and pages."""
 
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 from django.core.signals import request_finished
 from django.http import JsonResponse
 from django.urls import Resolver404, resolve
@@ -87,6 +88,36 @@ class ApiBoundaryMiddleware:
                 response.headers.setdefault("Cache-Control", "no-store")
             response.headers.setdefault("Cross-Origin-Resource-Policy", "same-origin")
         return response
+
+
+class PageSecurityMiddleware:
+    """Gives every HTML page outside /api/ (dashboard, login, admin) ``NIGHTWATCH_PAGE_CSP``, plus a
+    ``connect-src`` for the live view's WebSocket to the host the page was served from.
+
+    The pages run no inline script or style (data reaches the JavaScript through ``data-*``
+    attributes), so an injected ``<script>`` or ``onclick=`` runs nowhere. API answers keep
+    their own stricter policy (``ApiBoundaryMiddleware``).
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        if not request.path.startswith("/api/") and response.get("Content-Type", "").startswith("text/html"):
+            response.headers.setdefault("Content-Security-Policy", _page_policy(request))
+        return response
+
+
+def _page_policy(request) -> str:
+    # 'self' covers ws:/wss: to this host only in CSP level 3 browsers; name the socket's origin too.
+    # get_host() is validated against ALLOWED_HOSTS, so nothing the client writes enters the header;
+    # the 400 page of a Host that is not allowed gets 'self' alone.
+    try:
+        socket_origin = f" {'wss' if request.is_secure() else 'ws'}://{request.get_host()}"
+    except DisallowedHost:
+        socket_origin = ""
+    return f"{settings.NIGHTWATCH_PAGE_CSP}; connect-src 'self'{socket_origin}"
 
 
 def _nul_parameter(request) -> str | None:

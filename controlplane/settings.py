@@ -10,6 +10,7 @@ turns on the deployment hardening and refuses to start without a secret key or w
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -66,6 +67,7 @@ INSTALLED_APPS = [
     "checkpoints",
     "alerts",
     "dashboard",
+    "axes",  # login lockouts (see "Login throttling" below)
 ]
 
 MIDDLEWARE = [
@@ -79,6 +81,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "controlplane.middleware.PageSecurityMiddleware",
+    # Last, as django-axes requires: it turns a lockout flagged during authentication into the answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -182,6 +187,28 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# --- Login throttling (django-axes) -----------------------------------------------------------
+# Both login forms (/login/ and /admin/login/) authenticate through Django's authenticate(), which
+# the axes backend guards; API tokens never do, so axes cannot touch token authentication. A user
+# name, or an address, with AXES_FAILURE_LIMIT failed logins within the cool-off is refused (429, a
+# page saying until when) until the cool-off has passed since its last failure. The address is
+# controlplane.auth.client_address, the same as every other per-address limit.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("NIGHTWATCH_LOGIN_FAILURE_LIMIT", 10)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("NIGHTWATCH_LOGIN_COOLOFF_MIN", 15))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_CLIENT_IP_CALLABLE = "controlplane.auth.client_address"
+AXES_LOCKOUT_TEMPLATE = "dashboard/locked_out.html"
+# Hammering a locked account must not keep it locked for ever: the cool-off runs from the failure
+# that locked it, not from the latest refused try.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+# Successful logins are in the web logs already; axes keeps only the failures (AccessAttempt).
+AXES_DISABLE_ACCESS_LOG = True
+# --- end of login throttling --------------------------------------------------------------------
+
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/login/"
@@ -249,6 +276,13 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 # Sent with every API and /metrics response (controlplane.middleware): they are data, never pages.
 NIGHTWATCH_API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+# --- Page CSP -----------------------------------------------------------------------------------
+# Sent with every HTML page outside /api/ (dashboard, login, admin; controlplane.middleware): scripts,
+# styles, images only from this origin, no inline script or style. The live view's WebSocket to this
+# host (ws:// or wss://) is added per request, since 'self' does not cover it in every browser.
+NIGHTWATCH_PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                       "object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'")
+# --- end of page CSP ----------------------------------------------------------------------------
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 4 * 1024 * 1024)
@@ -274,7 +308,9 @@ LOGGING = {
                    "json": {"()": "controlplane.logs.ControlPlaneJsonFormatter", "service": "control-plane"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": env_str("LOG_FORMAT", "json")}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"},
+                # django-axes logs every failed login at INFO; failures and lockouts are WARNING.
+                "axes": {"level": "WARNING"}},
 }
 
 # --- Email (alert channels send through Django's mail backend) -----------------------------
@@ -302,9 +338,14 @@ NIGHTWATCH = {
     "CHECKPOINT_ROOT": env_str("NIGHTWATCH_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
     # A second storage location; verified checkpoints are copied there and restores fall back to it.
     "CHECKPOINT_REPLICA_ROOT": env_str("NIGHTWATCH_CHECKPOINT_REPLICA_ROOT") or None,
-    # Verification may also load each checkpoint in a CPU subprocess (slow; off by default).
-    "CHECKPOINT_LOAD_TEST": env_bool("NIGHTWATCH_CHECKPOINT_LOAD_TEST", False),
-    "CHECKPOINT_LOAD_TEST_TIMEOUT_S": env_int("NIGHTWATCH_CHECKPOINT_LOAD_TEST_TIMEOUT_S", 600),
+    # Checkpoint files are hostile input (docs/checkpoints.md, "Verification"): the control plane
+    # verifies from the manifest and sha256s, within these budgets, and never loads a tensor.
+    # Replicas are written, read and deleted only inside REPLICA_ROOTS (comma-separated) and
+    # CHECKPOINT_REPLICA_ROOT; a job's replica_dir outside them is refused.
+    "CHECKPOINT_VERIFY_TIMEOUT_S": env_int("NIGHTWATCH_CHECKPOINT_VERIFY_TIMEOUT_S", 1800),
+    "CHECKPOINT_VERIFY_MAX_BYTES": env_int("NIGHTWATCH_CHECKPOINT_VERIFY_MAX_BYTES", 4 << 40),
+    "CHECKPOINT_MANIFEST_MAX_BYTES": env_int("NIGHTWATCH_CHECKPOINT_MANIFEST_MAX_BYTES", 16 << 20),
+    "REPLICA_ROOTS": env_list("NIGHTWATCH_REPLICA_ROOTS"),
     # Before a job has failure history, MTBF = this per-GPU figure / the job's GPU count (an assumption).
     "GPU_MTBF_HOURS": env_int("NIGHTWATCH_GPU_MTBF_HOURS", 50_000),
     "MTBF_WINDOW_DAYS": env_int("NIGHTWATCH_MTBF_WINDOW_DAYS", 30),
@@ -383,4 +424,7 @@ NIGHTWATCH = {
     "AUTH_FAILURES_PER_MINUTE": env_int("NIGHTWATCH_AUTH_FAILURES_PER_MINUTE", 30),
     # /metrics: a token with the view capability, or a scraper from one of these networks (CIDRs).
     "METRICS_NETWORKS": env_list("NIGHTWATCH_METRICS_NETWORKS"),
+    # Proxies (CIDRs) whose X-Forwarded-For is believed: the TLS proxy in front of daphne. With none,
+    # the client is the direct peer and the header is ignored (controlplane.auth.client_address).
+    "TRUSTED_PROXIES": env_list("NIGHTWATCH_TRUSTED_PROXIES"),
 }

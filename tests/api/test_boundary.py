@@ -28,15 +28,17 @@ def assert_problem(response, status: int):
     return body
 
 
-def test_repeated_authentication_failures_lock_the_address_out(cast, api, settings):
+def test_repeated_authentication_failures_throttle_bad_tokens_only(cast, api, settings):
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "AUTH_FAILURES_PER_MINUTE": 3}
     for _ in range(3):
         assert_problem(api("nw_guess-guess-guess").get("/api/v1/jobs"), 401)
     locked = assert_problem(api("nw_guess-guess-guess").get("/api/v1/jobs"), 429)
     assert "Too many failed authentications" in locked["detail"]
     assert int(api("nw_guess").get("/api/v1/jobs")["Retry-After"]) > 0
-    # Once locked out, even a right guess learns nothing.
-    assert_problem(api(cast.tokens["viewer"]).get("/api/v1/jobs"), 429)
+    # A right token from the same address still works: behind a shared proxy, a stranger's bad
+    # tokens must never lock out agents and CI; the next bad one is still refused.
+    assert api(cast.tokens["viewer"]).get("/api/v1/jobs").status_code == 200
+    assert_problem(api("nw_guess-guess-guess").get("/api/v1/jobs"), 429)
 
 
 def test_agent_endpoints_are_rate_limited_per_node(cast, api, monkeypatch):

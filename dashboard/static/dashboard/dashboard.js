@@ -13,9 +13,15 @@
   function swap(html) {
     for (const [name, fragment] of Object.entries(html || {})) {
       const el = page.querySelector(`[data-section="${name}"]`);
-      if (el) el.innerHTML = fragment;
+      if (el) { el.innerHTML = fragment; sizeBars(el); }
     }
   }
+
+  // The page's CSP admits no inline style attribute: bar widths come as data-width (percent).
+  function sizeBars(root) {
+    for (const bar of root.querySelectorAll("[data-width]")) bar.style.width = `${Number(bar.dataset.width)}%`;
+  }
+  sizeBars(page);
 
   // --- chart ----------------------------------------------------------------------------------
   const chartEl = document.getElementById("chart");
