@@ -64,15 +64,18 @@ def allow_list() -> AllowList:
     return parse_allow_list(settings.NIGHTWATCH["ALERTS"]["ALLOWED_NETWORKS"])
 
 
-def _embedded_ipv4(address: IPAddress) -> list[ipaddress.IPv4Address]:
+def _judged_as(address: IPAddress) -> list[IPAddress]:
+    """The addresses ``address`` stands for. An IPv4-mapped or NAT64 address is the IPv4 it carries
+    (the IPv6 prefix itself is "reserved", and DNS64 hands out NAT64 addresses for public hosts);
+    a 6to4 or Teredo address is judged as itself and as the IPv4 inside."""
     if address.version == 4:
-        return []
-    found = [address.ipv4_mapped, address.sixtofour]
+        return [address]
+    if address.ipv4_mapped:
+        return [address.ipv4_mapped]
     if address in NAT64_PREFIX:
-        found.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
-    if address.teredo:
-        found += list(address.teredo)
-    return [a for a in found if a is not None]
+        return [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)]
+    inside = [address.sixtofour, *(address.teredo or ())]
+    return [a for a in inside if a is not None] + [address]
 
 
 def _kind_of(address: IPAddress) -> str | None:
@@ -87,7 +90,7 @@ def _kind_of(address: IPAddress) -> str | None:
 def refused_kind(address: IPAddress, allowed: AllowList) -> str | None:
     """The kind of non-public address ``address`` is (or carries), unless it (or the IPv4 it
     carries) is in an allow-listed network."""
-    candidates = [address, *_embedded_ipv4(address)]
+    candidates = _judged_as(address)
     if any(c in net for c in candidates for net in allowed.networks if net.version == c.version):
         return None
     return next((kind for kind in map(_kind_of, candidates) if kind), None)
@@ -97,11 +100,11 @@ def resolve(host: str, port: int) -> list[tuple[int, tuple]]:
     """Every (family, sockaddr) ``host`` resolves to, each checked; raises RefusedDestination when
     any one is refused (a name with one public and one private address could be steered to the
     private one), socket.gaierror when it does not resolve."""
-    allowed = allow_list()
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    allowed, name = allow_list(), host.lower().rstrip(".")  # "localhost." is "localhost"
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     if not infos:
         raise socket.gaierror(socket.EAI_NONAME, "no address")
-    if host.lower().rstrip(".") in allowed.hosts:
+    if name in allowed.hosts:
         return [(family, sockaddr) for family, _, _, _, sockaddr in infos]
     for _, _, _, _, sockaddr in infos:
         kind = refused_kind(ipaddress.ip_address(sockaddr[0].split("%", 1)[0]), allowed)
