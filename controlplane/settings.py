@@ -330,6 +330,8 @@ NIGHTWATCH = {
     # Seconds between agent heartbeats, and how many may be missed before "unreachable".
     "HEARTBEAT_INTERVAL_S": env_int("NIGHTWATCH_HEARTBEAT_INTERVAL_S", 5),
     "HEARTBEAT_MISSES": env_int("NIGHTWATCH_HEARTBEAT_MISSES", 3),
+    # How long a bootstrap token may wait for its agent's (single) registration.
+    "BOOTSTRAP_TOKEN_TTL_S": env_int("NIGHTWATCH_BOOTSTRAP_TOKEN_TTL_S", 24 * 3600),
     # How long an Idempotency-Key is remembered.
     "IDEMPOTENCY_TTL_S": env_int("NIGHTWATCH_IDEMPOTENCY_TTL_S", 24 * 3600),
     # The URL nodes and train.py use to reach the control plane.

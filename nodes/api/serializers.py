@@ -50,3 +50,18 @@ class HealthCheckRequestSerializer(serializers.Serializer):
                                   help_text="Node ids to measure bandwidth to (pairwise probe).")
     expected_mbps = serializers.FloatField(min_value=0.001, required=False,
                                            help_text="Expected MB/s per pair; default: the cluster setting.")
+
+
+class BootstrapTokenRequestSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500, help_text="Why the node is re-registered (re-imaged, replaced "
+                                                             "disk…); recorded in the audit log.")
+
+
+class BootstrapTokenSerializer(serializers.Serializer):
+    """A bootstrap token issued for one node: the raw value is shown here once and never again."""
+
+    token = serializers.CharField(help_text="The raw token: put it in the agent's bootstrap_token_file.")
+    name = serializers.CharField()
+    hostname = serializers.CharField(help_text="The only host it registers.")
+    node = serializers.IntegerField(source="node_id")
+    expires_at = serializers.DateTimeField()

@@ -10,6 +10,7 @@ urlpatterns = [
     path("nodes/<int:pk>/undrain", views.NodeUndrain.as_view(), name="node-undrain"),
     path("nodes/<int:pk>/commands", views.NodeCommands.as_view(), name="node-commands"),
     path("nodes/<int:pk>/health-check", views.NodeHealthCheck.as_view(), name="node-health-check"),
+    path("nodes/<int:pk>/bootstrap-token", views.NodeBootstrapToken.as_view(), name="node-bootstrap-token"),
     # What the node agent calls (agents.protocol.agent): its own node only.
     path("agents/register", views.AgentRegister.as_view(), name="agent-register"),
     path("nodes/<int:node_id>/heartbeat", views.AgentHeartbeat.as_view(), name="agent-heartbeat"),

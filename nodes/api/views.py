@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.shortcuts import get_object_or_404
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import exceptions, generics, permissions, status
 from rest_framework.response import Response
@@ -24,6 +25,8 @@ from controlplane.problems import Conflict
 from jobs.state import StaleGeneration
 from nodes import services
 from nodes.api.serializers import (
+    BootstrapTokenRequestSerializer,
+    BootstrapTokenSerializer,
     DrainSerializer,
     FleetGPUSerializer,
     HealthCheckRequestSerializer,
@@ -156,6 +159,28 @@ class NodeCommands(generics.ListAPIView):
                 raise exceptions.ValidationError({"state": [f"unknown state {unknown[0]!r}"]})
             commands = commands.filter(state__in=states)
         return commands
+
+
+class NodeBootstrapToken(APIView):
+    """Approve re-registering this node: a single-use bootstrap token that registers only its hostname.
+
+    Whoever registers with it replaces the node's agent (its agent tokens are revoked), so it needs
+    the drain capability and is audited; the raw token is in this answer only.
+    """
+
+    required = roles.DRAIN
+
+    @extend_schema(request=BootstrapTokenRequestSerializer, responses={201: BootstrapTokenSerializer})
+    def post(self, request, pk):
+        node = get_object_or_404(Node, pk=pk)
+        body = BootstrapTokenRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        name = f"re-register {node.hostname} {timezone.now():%Y%m%dT%H%M%S}"[:100]
+        token, raw = services.issue_bootstrap_token(name=name, node=node, actor=actor_label(request),
+                                                    reason=body.validated_data["reason"])
+        issued = {"token": raw, "name": token.name, "hostname": token.hostname, "node_id": node.pk,
+                  "expires_at": token.expires_at}
+        return Response(BootstrapTokenSerializer(issued).data, status=status.HTTP_201_CREATED)
 
 
 # --- what the node agent calls ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ from nodes.services.fleet import (
     expire_heartbeats,
     expire_one_heartbeat,
     finish_drain,
+    issue_bootstrap_token,
     record_heartbeat,
     register_agent,
     set_health,
@@ -36,6 +37,7 @@ __all__ = [
     "request_health_check",
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
     "drain_node", "enqueue_command", "expire_commands", "expire_heartbeats", "expire_one_heartbeat", "finish_drain",
-    "ingest_telemetry", "pending_commands_for", "prune_telemetry", "record_agent_events", "record_heartbeat",
+    "ingest_telemetry", "issue_bootstrap_token", "pending_commands_for", "prune_telemetry", "record_agent_events",
+    "record_heartbeat",
     "register_agent", "set_health", "thresholds", "undrain_node",
 ]

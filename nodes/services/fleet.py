@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -23,6 +23,7 @@ from jobs.choices import JobState
 from jobs.models import Event, Generation
 from nodes import health as rules
 from nodes import signals
+from nodes.addresses import address_problem
 from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
 from nodes.models import GPU, Node, NodeCommand
 from nodes.services.commands import enqueue_command, pending_commands_for
@@ -35,6 +36,8 @@ FRESH_SAMPLE_S = 300
 #: The protocol bounds counters from below only; a database column bounds them from above.
 BIGINT_MAX = 2**63 - 1
 INT_MAX = 2**31 - 1
+#: One answer for every dead bootstrap token: a guesser learns nothing about which it hit.
+USED = "Unknown, expired or already used bootstrap token."
 
 
 def check_range(value: int | None, where: str, high: int = BIGINT_MAX) -> None:
@@ -44,7 +47,8 @@ def check_range(value: int | None, where: str, high: int = BIGINT_MAX) -> None:
 
 
 class RegistrationRefused(Exception):
-    """The bootstrap token is unknown, expired or used (``status`` 401) or not a bootstrap token (403)."""
+    """The bootstrap token is unknown, expired or used (``status`` 401), or may not register this
+    hostname: not a bootstrap token, bound to another host, or the host is registered already (403)."""
 
     def __init__(self, message: str, status: int):
         super().__init__(message)
@@ -72,50 +76,121 @@ class Registration:
     response: wire.RegisterResponse
 
 
-def register_agent(message: wire.Register) -> Registration:
-    """Register (or re-register) the agent of ``message.hostname`` with a one-time bootstrap token.
+def bootstrap_token_ttl() -> timedelta:
+    return timedelta(seconds=settings.NIGHTWATCH["BOOTSTRAP_TOKEN_TTL_S"])
 
-    1. Consume the bootstrap token by compare-and-set: of two registrations racing with one token,
-       exactly one wins; a token used once is refused for ever after (``RegistrationRefused``).
-    2. Create the node, or update it when the host registers again (a re-imaged machine): its
-       earlier agent tokens are revoked, so only the newest agent speaks for the node.
-    3. Record its GPUs, issue the node's agent token and count the registration as a heartbeat.
+
+def issue_bootstrap_token(*, name: str, actor: str, hostname: str = "", node: Node | None = None,
+                          reason: str = "") -> tuple[ApiToken, str]:
+    """A single-use bootstrap token expiring after ``BOOTSTRAP_TOKEN_TTL_S``; returns ``(token, raw)``.
+
+    ``hostname`` binds it to one host. ``node`` makes it an operator's approval to re-register that
+    node (a re-imaged machine): whoever registers with it replaces the node's agent, so it is audited.
     """
+    now = timezone.now()
+    expires_at = now + bootstrap_token_ttl()
+    with transaction.atomic():
+        token, raw = ApiToken.issue(name=name, scope=Scope.BOOTSTRAP, single_use=True, expires_at=expires_at,
+                                    hostname=node.hostname if node is not None else hostname, node=node)
+        if node is not None:
+            Event.objects.create(kind="node.bootstrap_token", actor=actor, node=node, created_at=now,
+                                 reason=f"bootstrap token {token.name!r} issued to re-register {node.hostname}"
+                                 + (f": {reason}" if reason else ""),
+                                 evidence={"token": token.name, "prefix": token.prefix,
+                                           "expires_at": expires_at.isoformat()})
+    return token, raw
+
+
+def register_agent(message: wire.Register) -> Registration:
+    """Register (or, with an operator's approval, re-register) the agent of ``message.hostname``.
+
+    1. Refuse an address peers cannot use (a 400 naming ``address``) before anything is read.
+    2. Check the bootstrap token: live (401 otherwise), allowed to register this hostname (403:
+       ``_check_may_register``). A refusal changes nothing and does not use the token up.
+    3. Consume the token by compare-and-set: of two registrations racing with one token, exactly
+       one wins; a token used once is refused for ever after.
+    4. Create the node, or update it when the token was issued for it: its earlier agent tokens
+       are revoked, so only the newest agent speaks for the node.
+    5. Record its GPUs, issue the node's agent token and count the registration as a heartbeat.
+    """
+    if (problem := address_problem(message.address)) is not None:
+        raise ProtocolError("address", problem)
     for i, gpu in enumerate(message.gpus):
         check_range(gpu.memory_total // 2**20, f"gpus.{i}.memory_total", INT_MAX)
     now = timezone.now()
     with transaction.atomic():
-        token = ApiToken.objects.usable().filter(digest=hash_token(message.bootstrap_token)).first()
-        if token is None:
-            raise RegistrationRefused("Unknown, expired or already used bootstrap token.", 401)
-        if token.scope != Scope.BOOTSTRAP:
-            raise RegistrationRefused("This token is not a bootstrap token; ask an operator for one.", 403)
-        if not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now, last_used_at=now):
-            raise RegistrationRefused("Unknown, expired or already used bootstrap token.", 401)
-        fields = {"address": message.address, "transport": Transport.AGENT, "agent_version": message.agent_version,
-                  "labels": message.labels, "probe_port": message.probe_port, "registered_at": now,
-                  "gpu_telemetry": message.gpu_telemetry, "gpu_telemetry_reason": message.gpu_telemetry_reason or ""}
+        token = _live_bootstrap_token(message.bootstrap_token, now)
         node = Node.objects.select_for_update().filter(hostname=message.hostname).first()
-        if node is None:
-            node = Node.objects.create(hostname=message.hostname, **fields)
-        else:
-            Node.objects.filter(pk=node.pk).update(**fields)
-            for name, value in fields.items():
-                setattr(node, name, value)
-            ApiToken.objects.filter(node=node, scope=Scope.AGENT, revoked_at__isnull=True).update(revoked_at=now)
+        _check_may_register(token, message.hostname, node)
+        if not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now, last_used_at=now):
+            raise RegistrationRefused(USED, 401)
+        node, previous = _node_registered(message, node, now)
         _record_gpus(node, message.gpus)
         _, raw = ApiToken.issue(name=f"agent {message.hostname}"[:100], scope=Scope.AGENT, node=node)
-        Event.objects.create(
-            kind="node.register", actor=f"token:{token.name}", node=node, created_at=now,
-            reason=f"agent {message.agent_version} registered with {len(message.gpus)} GPU(s)"
-            + ("" if message.gpu_telemetry else f"; no GPU telemetry: {message.gpu_telemetry_reason}"),
-            evidence={"address": message.address, "labels": message.labels,
-                      "gpus": [dump(g) for g in message.gpus]},
-        )
+        _record_registration(node, message, actor=f"token:{token.name}", previous=previous, now=now)
         _stamp_heartbeat(node, now)
         _came_alive(node, actor=f"node:{node.hostname}")
     response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
     return Registration(node=node, response=response)
+
+
+def _live_bootstrap_token(raw: str, now) -> ApiToken:
+    """The bootstrap token ``raw`` names, if unused and unexpired. One issued without an expiry
+    (before bootstrap tokens expired, or by code that forgot) lives ``BOOTSTRAP_TOKEN_TTL_S``."""
+    token = ApiToken.objects.usable().filter(digest=hash_token(raw)).first()
+    if token is None:
+        raise RegistrationRefused(USED, 401)
+    if token.scope != Scope.BOOTSTRAP:
+        raise RegistrationRefused("This token is not a bootstrap token; ask an operator for one.", 403)
+    if token.expires_at is None and token.created_at + bootstrap_token_ttl() <= now:
+        raise RegistrationRefused(USED, 401)
+    return token
+
+
+def _check_may_register(token: ApiToken, hostname: str, node: Node | None) -> None:
+    """A token bound to a host registers only that host; an existing node is re-registered only with
+    a token issued for it, so a bootstrap token can never take over a node (its launches, its token)."""
+    if token.hostname and token.hostname != hostname:
+        raise RegistrationRefused(f"This bootstrap token registers only {token.hostname!r}, not {hostname!r}.", 403)
+    if node is not None and token.node_id != node.pk:
+        raise RegistrationRefused(
+            f"Node {hostname!r} is already registered. Re-registering it replaces its agent, so an operator must "
+            f"approve: ask for a bootstrap token issued for that node (`manage.py nightwatch_token issue --scope "
+            f"bootstrap --node {hostname} --name …` or POST /api/v1/nodes/{node.pk}/bootstrap-token).", 403)
+    if node is None and token.node_id is not None:
+        raise RegistrationRefused(f"This bootstrap token re-registers only {token.hostname!r}.", 403)
+
+
+def _node_registered(message: wire.Register, node: Node | None, now) -> tuple[Node, dict | None]:
+    """The node created or updated from ``message``, and what it was before (None when new)."""
+    fields = {"address": message.address, "transport": Transport.AGENT, "agent_version": message.agent_version,
+              "labels": message.labels, "probe_port": message.probe_port, "registered_at": now,
+              "gpu_telemetry": message.gpu_telemetry, "gpu_telemetry_reason": message.gpu_telemetry_reason or ""}
+    if node is None:
+        try:
+            with transaction.atomic():  # a savepoint: the outer transaction survives the refusal
+                return Node.objects.create(hostname=message.hostname, **fields), None
+        except IntegrityError:
+            # Another registration created the same hostname since we looked: that one won.
+            raise RegistrationRefused(f"Node {message.hostname!r} was registered just now by another agent.",
+                                      403) from None
+    previous = {"address": node.address, "agent_version": node.agent_version, "transport": node.transport}
+    Node.objects.filter(pk=node.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(node, name, value)
+    ApiToken.objects.filter(node=node, scope=Scope.AGENT, revoked_at__isnull=True).update(revoked_at=now)
+    return node, previous
+
+
+def _record_registration(node: Node, message: wire.Register, *, actor: str, previous: dict | None, now) -> None:
+    again = "" if previous is None else "re-registered (its earlier agent tokens revoked); "
+    Event.objects.create(
+        kind="node.register", actor=actor, node=node, created_at=now,
+        reason=f"{again}agent {message.agent_version} registered with {len(message.gpus)} GPU(s)"
+        + ("" if message.gpu_telemetry else f"; no GPU telemetry: {message.gpu_telemetry_reason}"),
+        evidence={"address": message.address, "labels": message.labels,
+                  "gpus": [dump(g) for g in message.gpus], "previous": previous},
+    )
 
 
 def _record_gpus(node: Node, gpus: list[wire.GpuInfo]) -> None:

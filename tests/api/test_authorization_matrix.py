@@ -64,6 +64,7 @@ GRANTS = {
     ("api/v1/nodes/<int:pk>/undrain", "POST"): "drain",
     ("api/v1/nodes/<int:pk>/commands", "GET"): "view",
     ("api/v1/nodes/<int:pk>/health-check", "POST"): "drain",
+    ("api/v1/nodes/<int:pk>/bootstrap-token", "POST"): "drain",
     ("api/v1/agents/register", "POST"): "public",  # the body's one-time bootstrap token decides
     ("api/v1/nodes/<int:node_id>/heartbeat", "POST"): "agent",
     ("api/v1/nodes/<int:node_id>/telemetry", "POST"): "agent",

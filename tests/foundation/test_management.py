@@ -50,3 +50,33 @@ def test_person_scopes_need_an_owner_and_agent_scope_needs_a_node():
         run("nightwatch_token", "issue", name="x", scope="agent", node="nope")
     assert run("nightwatch_token", "issue", name="boot", scope="bootstrap").startswith("nw_")
     assert ApiToken.objects.get(name="boot").single_use
+
+
+@pytest.mark.django_db
+def test_bootstrap_tokens_expire_and_bind_to_a_new_host_or_an_existing_node(settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import Event
+    from nodes.models import Node
+
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "BOOTSTRAP_TOKEN_TTL_S": 600}
+    run("nightwatch_token", "issue", name="any", scope="bootstrap")
+    run("nightwatch_token", "issue", name="new", scope="bootstrap", hostname="gpu-09")
+    node = Node.objects.create(hostname="gpu-01", address="10.0.0.1")
+    raw = run("nightwatch_token", "issue", name="again", scope="bootstrap", node="gpu-01")
+    tokens = {t.name: t for t in ApiToken.objects.all()}
+    for token in tokens.values():
+        assert token.single_use and timedelta(0) < token.expires_at - timezone.now() <= timedelta(seconds=600)
+    assert [(tokens[n].hostname, tokens[n].node) for n in ("any", "new", "again")] == [
+        ("", None), ("gpu-09", None), ("gpu-01", node)]
+    assert tokens["again"].digest == hash_token(raw)
+    approval = Event.objects.get(kind="node.bootstrap_token", node=node)
+    assert approval.actor == "system:nightwatch_token" and raw not in str(approval.evidence)
+    with pytest.raises(CommandError, match="no node named 'gpu-77'"):
+        run("nightwatch_token", "issue", name="x", scope="bootstrap", node="gpu-77")
+    with pytest.raises(CommandError, match="not both"):
+        run("nightwatch_token", "issue", name="x", scope="bootstrap", node="gpu-01", hostname="gpu-01")
+    with pytest.raises(CommandError, match="bootstrap tokens only"):
+        run("nightwatch_token", "issue", name="x", scope="agent", node="gpu-01", hostname="gpu-01")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
+import time_machine
 from django.db import connection
+from django.utils import timezone
 
-from controlplane.models import ApiToken
+from controlplane.models import ApiToken, hash_token
 from jobs.models import Event
+from nodes import services
 from nodes.choices import Health, Transport
 from nodes.models import GPU, Node
 from tests.nodes.conftest import heartbeat, register_body
@@ -87,17 +91,104 @@ def test_a_malformed_registration_names_the_field_and_does_not_burn_the_token(ca
 
 
 @pytest.mark.django_db
-def test_re_registration_updates_the_node_and_revokes_its_old_agent_token(cast, api):
+def test_re_registration_with_a_token_issued_for_the_node_replaces_its_agent(cast, api):
     old_token = cast.tokens["agent"]
-    _, raw = ApiToken.issue(name="boot2", scope="bootstrap", single_use=True)
+    _, raw = services.issue_bootstrap_token(name="boot2", node=cast.node1, actor="user:otto", reason="re-imaged")
     response = api().post(REGISTER, register_body(raw, hostname="gpu-01", gpus=1, agent_version="0.2.0",
                                                   gpu_telemetry=False, gpu_telemetry_reason="NVML: driver not loaded"),
                           format="json")
     assert response.status_code == 201, response.content
     assert response.json()["node_id"] == str(cast.node1.pk)
     node = Node.objects.get(pk=cast.node1.pk)
-    assert (node.agent_version, node.gpu_telemetry) == ("0.2.0", False)
+    assert (node.agent_version, node.gpu_telemetry, node.address) == ("0.2.0", False, "10.0.0.9")
     assert api(old_token).post(f"/api/v1/nodes/{node.pk}/heartbeat", heartbeat(node), format="json").status_code == 401
+    approval, registration = Event.objects.filter(node=node, kind__in=["node.bootstrap_token", "node.register"])
+    assert (approval.kind, approval.actor) == ("node.bootstrap_token", "user:otto") and "re-imaged" in approval.reason
+    assert registration.actor == "token:boot2" and registration.reason.startswith("re-registered")
+    assert registration.evidence["previous"]["address"] == "10.0.0.1"
+
+
+@pytest.mark.django_db
+def test_a_generic_bootstrap_token_cannot_take_over_a_registered_node(cast, api):
+    response = api().post(REGISTER, register_body(cast.tokens["bootstrap"], hostname="gpu-01", address="10.6.6.6"),
+                          format="json")
+    assert response.status_code == 403, response.content
+    assert "operator must approve" in response.json()["detail"]
+    assert "--node gpu-01" in response.json()["detail"]
+    assert Node.objects.get(pk=cast.node1.pk).address == "10.0.0.1"
+    assert ApiToken.objects.get(name="bootstrap").revoked_at is None  # a refusal does not burn the token
+    assert not Event.objects.filter(kind="node.register").exists()
+    beat = api(cast.tokens["agent"]).post(f"/api/v1/nodes/{cast.node1.pk}/heartbeat", heartbeat(cast.node1),
+                                          format="json")
+    assert beat.status_code == 200, beat.content
+
+
+@pytest.mark.django_db
+def test_a_token_bound_to_a_hostname_registers_only_that_host(cast, api):
+    _, raw = services.issue_bootstrap_token(name="for-gpu-07", hostname="gpu-07", actor="user:otto")
+    other = api().post(REGISTER, register_body(raw, hostname="gpu-08"), format="json")
+    assert other.status_code == 403 and "only 'gpu-07'" in other.json()["detail"]
+    assert not Node.objects.filter(hostname="gpu-08").exists()
+    assert api().post(REGISTER, register_body(raw, hostname="gpu-07"), format="json").status_code == 201
+
+
+@pytest.mark.django_db
+def test_a_token_issued_for_a_node_registers_neither_another_node_nor_a_new_host(cast, api):
+    _, raw = services.issue_bootstrap_token(name="for-gpu-01", node=cast.node1, actor="user:otto")
+    for hostname in ("gpu-02", "gpu-new-01"):
+        response = api().post(REGISTER, register_body(raw, hostname=hostname), format="json")
+        assert response.status_code == 403, response.content
+    assert Node.objects.get(pk=cast.node2.pk).address == "10.0.0.2"
+    assert not Node.objects.filter(hostname="gpu-new-01").exists()
+
+
+@pytest.mark.django_db
+def test_bootstrap_tokens_expire_after_the_ttl_even_when_issued_without_an_expiry(cast, api, settings):
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "BOOTSTRAP_TOKEN_TTL_S": 3600}
+    with time_machine.travel("2026-11-30 12:00:00Z", tick=False) as clock:
+        issued, raw = services.issue_bootstrap_token(name="ttl", actor="user:otto")
+        _, bare = ApiToken.issue(name="bare", scope="bootstrap", single_use=True)
+        assert issued.expires_at == timezone.now() + timedelta(hours=1) and issued.single_use
+        clock.shift(3601)
+        response = api().post(REGISTER, register_body(raw), format="json")
+        assert response.status_code == 401 and "expired" in response.json()["detail"]
+        assert api().post(REGISTER, register_body(bare), format="json").status_code == 401
+    assert not Node.objects.filter(hostname="gpu-new-01").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("address", ["10.0.0.9:29500", "gpu 01"])
+def test_a_bad_address_is_a_400_naming_it_and_registers_nothing(cast, api, address):
+    response = api().post(REGISTER, register_body(cast.tokens["bootstrap"], address=address), format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["errors"][0]["field"] == "address"
+    assert not Node.objects.filter(hostname="gpu-new-01").exists()
+    assert ApiToken.objects.get(name="bootstrap").revoked_at is None
+
+
+@pytest.mark.django_db
+def test_a_dns_name_is_a_good_address(cast, api):
+    response = api().post(REGISTER, register_body(cast.tokens["bootstrap"], address="gpu-new-01.dc1.example.com"),
+                          format="json")
+    assert response.status_code == 201, response.content
+    assert Node.objects.get(hostname="gpu-new-01").address == "gpu-new-01.dc1.example.com"
+
+
+@pytest.mark.django_db
+def test_an_operator_issues_a_re_registration_token_through_the_api_once_and_audited(cast, api):
+    url = f"/api/v1/nodes/{cast.node1.pk}/bootstrap-token"
+    assert api(cast.tokens["viewer"]).post(url, {"reason": "re-imaged"}, format="json").status_code == 403
+    assert api(cast.tokens["operator"]).post(url, {}, format="json").json()["errors"][0]["field"] == "reason"
+    response = api(cast.tokens["operator"]).post(url, {"reason": "re-imaged"}, format="json")
+    assert response.status_code == 201, response.content
+    answer = response.json()
+    assert (answer["hostname"], answer["node"]) == ("gpu-01", cast.node1.pk) and answer["expires_at"]
+    token = ApiToken.objects.get(name=answer["name"])
+    assert (token.scope, token.node_id, token.digest) == ("bootstrap", cast.node1.pk, hash_token(answer["token"]))
+    event = Event.objects.get(kind="node.bootstrap_token", node=cast.node1)
+    assert event.actor == "token:operator(otto)" and answer["token"] not in str(event.evidence)
+    registered = api().post(REGISTER, register_body(answer["token"], hostname="gpu-01"), format="json")
+    assert registered.status_code == 201, registered.content
 
 
 @pytest.mark.django_db(transaction=True)
