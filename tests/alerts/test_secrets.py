@@ -114,3 +114,18 @@ def test_the_migration_encrypts_clear_secrets_and_removes_quoted_answers():
                                                                                     "error": "HTTP 200"}
     finally:
         MigrationExecutor(connection).migrate(leaves)
+
+
+@pytest.mark.django_db
+def test_the_admin_form_sets_and_keeps_the_secret(client, django_user_model, alert_settings):
+    admin = django_user_model.objects.create_superuser("root", "root@example.com", "pw")
+    client.force_login(admin)
+    form = {"name": "h", "kind": "webhook", "url": "https://93.184.216.34/x", "secret": SECRET, "emails": "[]",
+            "min_severity": "page", "enabled": "on", "deliveries-TOTAL_FORMS": "0", "deliveries-INITIAL_FORMS": "0"}
+    assert client.post("/admin/alerts/channel/add/", form).status_code == 302
+    channel = Channel.objects.get()
+    assert channel.secret == SECRET and SECRET not in stored(channel)
+    page = client.get(f"/admin/alerts/channel/{channel.pk}/change/").content.decode()
+    assert SECRET not in page and stored(channel) not in page
+    assert client.post(f"/admin/alerts/channel/{channel.pk}/change/", {**form, "secret": ""}).status_code == 302
+    assert Channel.objects.get().secret == SECRET
