@@ -119,6 +119,15 @@ class ApiToken(models.Model):
         self.revoked_at = timezone.now()
         self.save(update_fields=["revoked_at"])
 
+    def successor(self) -> tuple[ApiToken, str]:
+        """Issue this token's replacement: every binding and the expiry kept, only the secret new.
+
+        The caller revokes ``self`` in the same transaction (a rotation).
+        """
+        return ApiToken.issue(name=self.name, scope=self.scope, user=self.user, node=self.node, job=self.job,
+                              generation=self.generation, hostname=self.hostname, single_use=self.single_use,
+                              expires_at=self.expires_at)
+
 
 class IdempotencyRecord(models.Model):
     """The first response to a request carrying an ``Idempotency-Key``, replayed on retries.

@@ -14,6 +14,9 @@ DRAIN = "drain"
 APPROVE = "approve"
 AGENT = "agent"
 REGISTER = "register"
+#: The training hooks' endpoints (reports, control, checkpoint commits), further bounded per
+#: request to the caller's own generation (``controlplane.api.require_hooks_caller``).
+HOOKS = "hooks"
 
 #: capability -> the Django permission a person needs for it
 CAPABILITY_PERMISSIONS = {
@@ -40,8 +43,9 @@ SCOPE_CAPABILITIES = {
     "ci": {VIEW, LAUNCH},
     "operator": {VIEW, LAUNCH, OPERATE, DRAIN},
     "oncall": {VIEW, LAUNCH, OPERATE, DRAIN, APPROVE},
-    "agent": {AGENT},
+    "agent": {AGENT, HOOKS},
     "bootstrap": {REGISTER},
+    "job": {HOOKS},
 }
 
 

@@ -162,7 +162,7 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
                       "shrunk": placement.shrunk},
         )
         number = moved.job.generation
-        Generation.objects.filter(job=job, ended_at__isnull=True).exclude(number=number).update(ended_at=now)
+        end_generations(Generation.objects.filter(job=job).exclude(number=number), now)
         generation = Generation.objects.create(job=job, number=number, world_size=len(nodes) * job.nproc_per_node,
                                                resumed_from=checkpoint, started_at=now)
         generation.nodes.set(nodes)
@@ -180,6 +180,21 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     log.info("job %s generation %s launched on %s from %s", job.pk, number, placement.hostnames,
              checkpoint.location if checkpoint else "scratch")
     return generation
+
+
+def end_generations(generations, now) -> int:
+    """Stamp the end of those of ``generations`` (a queryset) that have not ended, and revoke their
+    job tokens: the one place a generation ends, so that no token outlives it. Returns how many
+    ended now."""
+    from controlplane.tokens import revoke_generation_tokens
+
+    ending = list(generations.filter(ended_at__isnull=True).values_list("pk", "job_id", "number"))
+    if not ending:
+        return 0
+    ended = Generation.objects.filter(pk__in=[pk for pk, _, _ in ending], ended_at__isnull=True).update(ended_at=now)
+    for _, job_id, number in ending:
+        revoke_generation_tokens(job_id, [number])
+    return ended
 
 
 def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], checkpoint: Checkpoint | None) -> dict:

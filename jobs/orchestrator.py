@@ -28,7 +28,7 @@ from django.utils import timezone
 
 from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
-from jobs.launching import candidates, spec_hash, start_generation
+from jobs.launching import candidates, end_generations, spec_hash, start_generation
 from jobs.models import Event, Generation, Incident, Job, StepMetric
 from jobs.services import PROGRESS_WATCHED
 
@@ -207,7 +207,7 @@ def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail:
             # Also when the job already paused (an escalation): the incident's quiesce time and the
             # generation's end are facts that goodput accounting needs, whenever they happen.
             now = timezone.now()
-            Generation.objects.filter(pk=row.pk, ended_at__isnull=True).update(ended_at=now)
+            end_generations(Generation.objects.filter(pk=row.pk), now)
             Incident.objects.filter(job_id=job_id, generation=row, state=IncidentState.OPEN,
                                     quiesced_at__isnull=True).update(quiesced_at=now)
     transaction.on_commit(lambda: _advance_later(job_id))
@@ -231,7 +231,7 @@ def advance_recovery(job_id: int, *, actor: str = SYSTEM) -> bool:
     if job.state == JobState.QUIESCING:
         if all_stopped(generation):
             Incident.objects.filter(pk=getattr(incident, "pk", None), quiesced_at__isnull=True).update(quiesced_at=now)
-            Generation.objects.filter(pk=getattr(generation, "pk", None), ended_at__isnull=True).update(ended_at=now)
+            end_generations(Generation.objects.filter(pk=getattr(generation, "pk", None)), now)
             if incident is not None and incident.decision in RESTARTING:
                 return _move(job, JobState.RECOVERING, actor, "every rank confirmed stopped")
             reason = incident.classification if incident else "paused by an operator"

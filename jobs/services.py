@@ -80,13 +80,13 @@ def progress_timeout_s(job: Job, step_seconds: list[float]) -> float:
 def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -> IngestResult:
     """Store a batch of step reports and hook events; advance the job's progress marks.
 
-    1. Refuse a stale generation (the fencing token).
+    1. Refuse a stale generation (the fencing token), and every generation of a job that ended.
     2. Insert what is new; (job, generation, rank, step) and (job, generation, key) already stored
        are duplicates of a replay and are counted, not stored again.
     3. Move the progress deadline, and mark the generation's first step (a generation that
        reports its first step is running).
     """
-    state.check_generation(job, batch.generation)
+    state.check_live(job, batch.generation)
     now = timezone.now()
     with transaction.atomic():
         reports = {(r.rank, r.step): r for r in batch.reports}
@@ -224,12 +224,13 @@ def _utc(epoch: float):
 
 
 def control_for(job: Job, generation: int) -> hooks_protocol.Control:
-    """What a running generation should do next (polled by the hooks)."""
+    """What a running generation should do next (polled by the hooks). Stale: an older generation,
+    or any generation of a job that has ended (the hooks stop on it)."""
     policy = job.checkpoint_policy or {}
     interval = job.recommended_interval_steps if policy.get("interval") == "auto" else None
     return hooks_protocol.Control(
         generation=job.generation,
-        stale=generation != job.generation,
+        stale=generation != job.generation or job.state in JobState.TERMINAL,
         checkpoint_now=job.checkpoint_requested_at is not None,
         pause=job.pause_requested_at is not None,
         checkpoint_interval_steps=interval,

@@ -57,6 +57,14 @@ class StaleGeneration(TransitionError):
         self.given, self.current = given, current
 
 
+class JobEnded(TransitionError):
+    """The job is cancelled, failed or completed: none of its generations may report any more."""
+
+    def __init__(self, job_id: int, current_state: str):
+        super().__init__(f"job {job_id} is {current_state}: its generations are stale")
+        self.state = current_state
+
+
 class TransitionConflict(TransitionError):
     """Someone else changed the job between our read and our write."""
 
@@ -67,6 +75,13 @@ class Transition:
     event: Event
     old_state: str
     new_generation: bool
+
+
+def check_live(job: Job, generation: int | None) -> None:
+    """``check_generation``, and refuse a job that has ended (``JobEnded``)."""
+    check_generation(job, generation)
+    if job.state in S.TERMINAL:
+        raise JobEnded(job.pk, job.state)
 
 
 def check_generation(job: Job, generation: int | None) -> None:
@@ -136,6 +151,10 @@ def transition(
             evidence=evidence or {},
             created_at=now,
         )
+        if new_state in S.TERMINAL:
+            from controlplane.tokens import retire_job_tokens
+
+            retire_job_tokens(job_id)
         old_state = current.state
         for name, value in changes.items():
             setattr(current, name, value)

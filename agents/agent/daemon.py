@@ -252,12 +252,12 @@ class Agent:
         if not report.ok:
             self.outbox.add_event("launch_refused", report, job=job, generation=generation)
             return "refused", f"pre-launch health check failed: {report.reason}"
-        # The control plane stores only a hash of this node's token, so train.py reports with the
-        # agent's own credentials; the entrypoint resolves against the node's code directory.
+        # train.py reports with the generation's job token from the launch command, never with
+        # the agent's own (user code must not hold the node's credential): without one, the
+        # hooks get none. The entrypoint resolves against the node's code directory.
         payload = dataclasses.replace(
             payload,
             hooks_url=payload.hooks_url or self.config.control_plane_url,
-            hooks_token=payload.hooks_token or (self.credentials.node_token if self.credentials else None),
             workdir=payload.workdir or str(self.config.code_dir or Path.cwd()),
         )
         launched = self.supervisor.launch(job, generation, payload)

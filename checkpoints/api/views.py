@@ -28,7 +28,7 @@ from checkpoints.api.serializers import (
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
 from controlplane import roles
-from controlplane.api import parse_wire, require_node_of_job
+from controlplane.api import parse_wire, require_hooks_caller
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from jobs.models import Job
@@ -97,9 +97,10 @@ class CheckpointList(generics.ListAPIView):
 
 
 class JobCheckpoints(generics.ListAPIView):
-    """GET: a job's checkpoints, newest step first. POST: the hooks report a commit (agent token)."""
+    """GET: a job's checkpoints, newest step first. POST: the hooks report a commit (the generation's
+    job token, or the agent token of a node the generation is placed on)."""
 
-    required = {"GET": roles.VIEW, "POST": roles.AGENT}
+    required = {"GET": roles.VIEW, "POST": roles.HOOKS}
     serializer_class = CheckpointSerializer
 
     def get_queryset(self):
@@ -116,10 +117,11 @@ class JobCheckpoints(generics.ListAPIView):
                                "the generation is stale.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
-        require_node_of_job(request, job)
+        require_hooks_caller(request, job)
         commit = parse_wire(hooks_protocol.CheckpointCommit, request)
         if commit.job != str(job.pk):
             raise ValidationError({"job": [f"the commit is for job {commit.job!r}, the URL for job {job.pk}"]})
+        require_hooks_caller(request, job, commit.generation)
         try:
             checkpoint, created = services.record_commit(job, commit, actor=actor_label(request))
         except TransitionError as exc:

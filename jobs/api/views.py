@@ -19,7 +19,7 @@ from controlplane.api import (
     idempotent,
     int_param,
     parse_wire,
-    require_node_of_job,
+    require_hooks_caller,
 )
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
@@ -167,18 +167,20 @@ class JobCancel(APIView):
 
 
 class JobReports(APIView):
-    """Step reports and events from the training hooks (agent token of a node of the job)."""
+    """Step reports and events from the training hooks: the generation's job token (or the agent
+    token of a node the generation is placed on)."""
 
-    required = roles.AGENT
+    required = roles.HOOKS
 
     @extend_schema(request=None, responses={202: None, 409: None},
                    description="Body: agents.protocol.hooks.ReportBatch. 409 when the generation is stale.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
-        require_node_of_job(request, job)
+        require_hooks_caller(request, job)
         batch = parse_wire(hooks_protocol.ReportBatch, request)
         if batch.job != str(job.pk):
             raise ValidationError({"job": [f"the batch is for job {batch.job!r}, the URL for job {job.pk}"]})
+        require_hooks_caller(request, job, batch.generation)
         try:
             result = services.record_reports(job, batch, actor=actor_label(request))
         except TransitionError as exc:
@@ -190,19 +192,21 @@ class JobReports(APIView):
 
 
 class JobControl(APIView):
-    """What the running generation should do: checkpoint now, pause, a new interval, or stop (stale)."""
+    """What the running generation should do: checkpoint now, pause, a new interval, or stop (stale:
+    an older generation, or the job has ended). Same callers as ``JobReports``."""
 
-    required = roles.AGENT
+    required = roles.HOOKS
 
     @extend_schema(parameters=[OpenApiParameter("generation", int, required=True),
                                OpenApiParameter("rank", int, required=False)],
                    responses={200: None}, description="Answers agents.protocol.hooks.Control.")
     def get(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
-        require_node_of_job(request, job)
+        require_hooks_caller(request, job)
         raw = request.query_params.get("generation", "")
         if not raw.isdigit():
             raise ValidationError({"generation": ["required, a non-negative integer"]})
+        require_hooks_caller(request, job, int(raw))
         return Response(dump(services.control_for(job, int(raw))))
 
 

@@ -35,6 +35,7 @@ from nodes.api.serializers import (
 )
 from nodes.choices import CommandState, Health, Schedulability
 from nodes.models import GPU, Node, NodeCommand
+from nodes.services.ingest import ForeignGeneration
 
 _HEALTH = OpenApiParameter("health", str, description="Comma-separated: " + ", ".join(Health.values))
 
@@ -286,7 +287,10 @@ class AgentEvents(AgentEndpoint):
                    description="Body: agents.protocol.agent.EventBatch; a key already stored is skipped.")
     def post(self, request, node_id):
         batch = parse_wire(wire.EventBatch, request)
-        result = services.record_agent_events(request.node, wire.parse_event_details(batch))
+        try:
+            result = services.record_agent_events(request.node, wire.parse_event_details(batch))
+        except ForeignGeneration as exc:
+            raise exceptions.PermissionDenied(str(exc)) from exc
         return Response({"accepted": result.accepted, "duplicates": result.duplicates},
                         status=status.HTTP_202_ACCEPTED)
 

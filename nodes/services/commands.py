@@ -5,6 +5,8 @@
 2. ``pending_commands_for`` answers every heartbeat with all open commands — the first delivery
    and every re-delivery alike — until each is acknowledged or expires. A launch for a
    generation the job has already left is expired instead of delivered: it could only be refused.
+   A launch is delivered with the generation's job token for that node (``hooks_token``), added
+   on the way out and never stored in the payload: the same token on every re-delivery.
 3. ``ack_command`` records the first acknowledgement (later ones are answered the same and change
    nothing). An acknowledgement of a command whose generation is no longer the job's is answered
    409 (``StaleGeneration``), and the command is closed so it is not re-sent.
@@ -93,13 +95,19 @@ def pending_commands_for(node: Node, *, limit: int = wire.MAX_COMMANDS_PER_HEART
     if deliver:
         NodeCommand.objects.filter(pk__in=[c.pk for c in deliver], state__in=CommandState.OPEN).update(
             state=CommandState.DELIVERED, delivered_at=now, delivery_count=F("delivery_count") + 1)
-    return [to_wire(c) for c in deliver]
+    return [to_wire(c, with_secrets=True) for c in deliver]
 
 
-def to_wire(command: NodeCommand) -> wire.Command:
+def to_wire(command: NodeCommand, *, with_secrets: bool = False) -> wire.Command:
+    """The command as the agent receives it; ``with_secrets``: a launch carries its job token."""
+    payload = command.payload
+    if with_secrets and command.kind == CommandKind.LAUNCH and command.job is not None:
+        from controlplane.tokens import job_token_for
+
+        payload = {**payload, "hooks_token": job_token_for(command.job, command.generation, command.node)}
     return wire.Command(id=str(command.pk), kind=command.kind, idempotency_key=command.idempotency_key,
                         job=str(command.job_id) if command.job_id else None, generation=command.generation,
-                        payload=command.payload)
+                        payload=payload)
 
 
 def _is_stale(command: NodeCommand) -> bool:

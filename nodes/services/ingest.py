@@ -223,17 +223,24 @@ def _insert_unnest(node: Node, columns: dict[str, list]) -> int:
 
 # --- events ---------------------------------------------------------------------------------------
 
+class ForeignGeneration(Exception):
+    """An event names a generation of a job that is not placed on the reporting node (a 403)."""
+
+
 def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]) -> Ingested:
     """Store the agent's events (each with its validated detail); act on and signal the new ones.
 
-    A key already stored for the node is a replay: counted, not stored or signalled again. The
-    node row is locked for the batch so that two deliveries of the same batch cannot both count
-    an event as new.
+    An agent speaks only for its own node: if one event names a generation of an existing job
+    that is not placed on ``node``, the whole batch is refused (``ForeignGeneration``) and nothing
+    of it is stored or acted on. A key already stored for the node is a replay: counted, not stored
+    or signalled again. The node row is locked for the batch so that two deliveries of the same
+    batch cannot both count an event as new.
     """
     unique: dict[str, tuple[wire.AgentEvent, object]] = {}
     for i, (event, detail) in enumerate(events):
         check_range(event.generation, f"events.{i}.generation")
         unique.setdefault(event.key, (event, detail))
+    _refuse_foreign(node, [event for event, _ in events])
     now = timezone.now()
     with transaction.atomic():
         Node.objects.select_for_update().filter(pk=node.pk).values_list("pk", flat=True).first()
@@ -249,6 +256,24 @@ def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]
         for record, (event, detail) in zip(records, fresh):
             _act_on(node, record, event, detail, now)
     return Ingested(accepted=len(fresh), duplicates=len(events) - len(fresh))
+
+
+def _refuse_foreign(node: Node, events: list[wire.AgentEvent]) -> None:
+    """Raise ``ForeignGeneration`` if an event names an existing job's generation not placed on
+    ``node``. (An event naming no known job is kept as a record and acts on nothing.)"""
+    from jobs.models import Generation
+
+    named = {(int(e.job), e.generation) for e in events if e.job and e.job.isdigit()}
+    if not named:
+        return
+    job_ids = {job for job, _ in named}
+    existing = set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True))
+    placed = set(Generation.objects.filter(nodes=node, job_id__in=existing).values_list("job_id", "number"))
+    foreign = sorted((job, gen) for job, gen in named if job in existing and (job, gen) not in placed)
+    if foreign:
+        job, gen = foreign[0]
+        raise ForeignGeneration(f"generation {gen} of job {job} is not placed on node {node.hostname}: "
+                                f"the batch is refused, nothing of it was recorded")
 
 
 def _act_on(node: Node, record: AgentEventRecord, event: wire.AgentEvent, detail, now: datetime) -> None:

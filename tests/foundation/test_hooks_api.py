@@ -114,7 +114,7 @@ def test_control_tells_a_stale_generation_to_stop_and_relays_requests(running, a
     client = api(running.tokens["agent"])
     url = f"/api/v1/jobs/{running.job.pk}/control"
     assert client.get(url, {"generation": 1, "rank": 0}).json()["stale"] is False
-    assert client.get(url, {"generation": 0}).json()["stale"] is True
+    assert client.get(url, {"generation": 0}).status_code == 403  # never placed on this node
     assert client.get(url, {"generation": "x"}).status_code == 400
     from django.utils import timezone
 
@@ -125,6 +125,10 @@ def test_control_tells_a_stale_generation_to_stop_and_relays_requests(running, a
     control = client.get(url, {"generation": 1}).json()
     assert control == {"generation": 1, "stale": False, "checkpoint_now": True, "pause": True,
                        "checkpoint_interval_steps": 40}
+    state.transition(running.job, JobState.QUIESCING, actor="t")
+    state.transition(running.job, JobState.RECOVERING, actor="t")
+    state.transition(running.job, JobState.INITIALIZING, actor="t", restart=True)  # generation 2
+    assert client.get(url, {"generation": 1}).json()["stale"] is True
 
 
 def commit(job, step, path, generation=1):

@@ -8,7 +8,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.models import ApiToken
-from jobs.models import Event
+from jobs.models import Event, Generation
 from nodes.models import GPU, AgentEventRecord, GpuSample, Node, NodeCommand
 from tests.nodes.conftest import batch_of, event, heartbeat, sample
 
@@ -78,6 +78,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(cast, agent, suffix):
 def test_exit_reports_with_full_log_tails_fit(cast, post):
     """Each at the protocol's log-tail bound (80 lines × 500 characters): the evidence is kept whole."""
     tail = [f"{i:03d}" + "x" * 497 for i in range(80)]
+    Generation.objects.create(job=cast.job, number=1, world_size=2).nodes.add(cast.node1)
     events = [event(f"e{i}", "exited", job=cast.job.pk, generation=1, detail={"exit_code": 1, "log_tail": tail})
               for i in range(64)]
     response = post("events", {"events": events})

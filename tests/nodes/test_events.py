@@ -7,7 +7,7 @@ import time
 import pytest
 from django.test import TestCase
 
-from jobs.models import Event
+from jobs.models import Event, Generation
 from nodes import services, signals
 from nodes.choices import Health, Schedulability
 from nodes.models import AgentEventRecord, Node, NodePairBandwidth
@@ -15,6 +15,13 @@ from tests.nodes.conftest import event
 
 EXIT = {"exit_code": 1, "ranks": [{"rank": 1, "local_rank": 1, "exit_code": 1}], "root_cause_rank": 1,
         "signature": "oom", "error_line": "torch.OutOfMemoryError: CUDA out of memory", "log_tail": ["..."]}
+
+
+@pytest.fixture
+def placed(cast):
+    """Generations 1 and 2 of cast.job placed on node1: its agent may report for them."""
+    for number in (1, 2):
+        Generation.objects.create(job=cast.job, number=number, world_size=2).nodes.add(cast.node1)
 
 
 @pytest.fixture
@@ -32,7 +39,7 @@ def received():
 
 
 @pytest.mark.django_db
-def test_an_exit_report_is_stored_and_signalled_once_even_when_replayed(cast, post, received):
+def test_an_exit_report_is_stored_and_signalled_once_even_when_replayed(cast, placed, post, received):
     body = {"events": [event("e-1", "exited", job=cast.job.pk, generation=1, detail=EXIT)]}
     with TestCase.captureOnCommitCallbacks(execute=True):
         first = post("events", body)
@@ -51,7 +58,7 @@ def test_an_exit_report_is_stored_and_signalled_once_even_when_replayed(cast, po
 
 
 @pytest.mark.django_db
-def test_each_kind_reaches_its_signal(cast, post, received):
+def test_each_kind_reaches_its_signal(cast, placed, post, received):
     report = {"ok": False, "reason": "GPU 0: 91 °C", "checks": [
         {"name": "temperature", "ok": False, "detail": "GPU 0: 91 °C", "gpu": 0, "value": 91.0, "limit": 85.0}]}
     events = [

@@ -84,8 +84,10 @@ class Command(BaseCommand):
     @transaction.atomic
     def _rotate(self, name, **_):
         old = self._active(name)
+        if old.scope == Scope.JOB:
+            raise CommandError("a job token is never rotated: it dies with its generation")
         old.revoke()
-        _, raw = ApiToken.issue(name=name, scope=old.scope, user=old.user, node=old.node, single_use=old.single_use)
+        _, raw = old.successor()  # every binding and the expiry kept
         self.stdout.write(raw)
 
     def _revoke(self, name, **_):

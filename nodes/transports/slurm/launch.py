@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -32,8 +31,6 @@ from nodes.transports.slurm.cli import Slurm, SlurmError, SlurmRefused, SlurmUna
 
 log = logging.getLogger(__name__)
 ACTOR = "system:slurm"
-#: The hooks' token outlives no generation by much: revoked when it ends, expires regardless.
-TOKEN_TTL = timedelta(days=30)
 
 
 class SlurmTransport:
@@ -151,8 +148,10 @@ def _sbatch(allocation: SlurmAllocation, slurm: Slurm) -> int:
     first = Node.objects.get(hostname=allocation.hostnames[0])
     if allocation.token_id:  # an earlier try that Slurm did not take
         ApiToken.objects.filter(pk=allocation.token_id, revoked_at__isnull=True).update(revoked_at=timezone.now())
-    token, raw = ApiToken.issue(name=f"slurm {allocation.job_name}"[:100], scope=Scope.AGENT, node=first,
-                                expires_at=timezone.now() + TOKEN_TTL)
+    # A job token of this generation only (never the node's agent token): user code holds it, and it
+    # is revoked when the generation ends.
+    token, raw = ApiToken.issue(name=f"slurm {allocation.job_name}"[:100], scope=Scope.JOB, node=first,
+                                job=allocation.job, generation=allocation.generation)
     SlurmAllocation.objects.filter(pk=allocation.pk).update(script=batch.script, output_path=str(output), token=token)
     return slurm.submit(batch.script, batch.options, env={"NIGHTWATCH_TOKEN": raw})
 
