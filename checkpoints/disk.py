@@ -1,77 +1,148 @@
 """Copying and removing checkpoint directories, carefully.
 
-The control plane deletes directories named by rows that came over the network: removal refuses
-anything that does not look like a checkpoint directory, so a bad ``location`` can never turn
-into ``rm -rf`` of something else.
+The control plane deletes and copies directories named by rows that came over the network. So:
+
+- every path is confined to its roots (``checkpoints.paths.confine``) right before it is used;
+- the directory is reached from the root one component at a time with ``O_NOFOLLOW``
+  (``open_directory_beneath``), and the final rename and removal work on descriptors, so a
+  symlink swapped in after the check changes nothing;
+- removal refuses anything that does not look like a checkpoint directory, so a bad
+  ``location`` can never turn into ``rm -rf`` of something else;
+- a copy takes only the regular files the manifest lists (plus the manifest and the marker),
+  never a symlink, device or anything else lying in the directory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import uuid
-from pathlib import Path
 
-from agents.hooks.manifest import DCP_METADATA, MANIFEST, MARKER
+from agents.hooks.manifest import (
+    DCP_METADATA,
+    MANIFEST,
+    MARKER,
+    Budget,
+    CheckpointDir,
+    UnsafePath,
+    inside,
+    open_directory_beneath,
+)
+from checkpoints.paths import confine
+
+__all__ = ["TRASH_SUFFIX", "UnsafePath", "copy_checkpoint", "remove_checkpoint_dir"]
 
 _CHECKPOINT_FILES = (MARKER, MANIFEST, DCP_METADATA)
+MANIFEST_MAX_BYTES = Budget().max_manifest_bytes
 TRASH_SUFFIX = ".deleting"
 
 
-class UnsafePath(Exception):
-    """The path does not look like a checkpoint directory; nothing was touched."""
+def remove_checkpoint_dir(location: str, roots: list[str]) -> bool:
+    """Remove a checkpoint directory that lies inside one of ``roots``; False when it was already gone.
 
-
-def looks_like_checkpoint(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and any((path / name).exists() for name in _CHECKPOINT_FILES)
-
-
-def remove_checkpoint_dir(location: str) -> bool:
-    """Remove a checkpoint directory; returns False when it was already gone.
-
-    1. Refuse relative paths, symlinks and directories holding none of the commit-protocol files.
-    2. Rename it to ``<name>.<id>.deleting`` first (atomic): the hooks' directory scan and the
-       verifier no longer see a half-removed checkpoint, even if we crash while removing.
-    3. Remove the renamed tree.
+    1. Confine it (``UnsafePath`` when outside, or reached through a symlink): checked here, right
+       before deleting, whatever was checked when the row was written.
+    2. Open its parent without following symlinks; refuse a final symlink and a directory holding
+       none of the commit-protocol files.
+    3. Rename it to ``<name>.<id>.deleting`` (atomic): the hooks' directory scan and the verifier
+       no longer see a half-removed checkpoint, even if we crash while removing; then remove that.
     """
-    path = Path(location)
-    if not path.is_absolute():
-        raise UnsafePath(f"refusing to remove {location!r}: not an absolute path")
-    if not path.exists() and not path.is_symlink():
+    root = confine(location, roots, what="checkpoint directory to remove")
+    *parents, name = inside(location, root).parts
+    try:
+        parent = open_directory_beneath(root, tuple(parents))
+    except FileNotFoundError:
         return False
-    if not looks_like_checkpoint(path):
-        raise UnsafePath(f"refusing to remove {location!r}: not a checkpoint directory (no {MARKER}, "
-                         f"{MANIFEST} or {DCP_METADATA} inside, or a symlink)")
-    trash = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TRASH_SUFFIX}")
-    os.replace(path, trash)
-    shutil.rmtree(trash)
+    try:
+        try:
+            status = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(status.st_mode) or not _holds_checkpoint_files(name, parent):
+            raise UnsafePath(f"refusing to remove {location!r}: not a checkpoint directory (no {MARKER}, "
+                             f"{MANIFEST} or {DCP_METADATA} inside, or a symlink)")
+        trash = f"{name}.{uuid.uuid4().hex[:8]}{TRASH_SUFFIX}"
+        os.rename(name, trash, src_dir_fd=parent, dst_dir_fd=parent)
+        shutil.rmtree(trash, dir_fd=parent)
+    finally:
+        os.close(parent)
     return True
 
 
-def copy_dir_atomically(source: str, target: str) -> None:
-    """Copy ``source`` to ``target`` so that ``target`` appears whole or not at all.
-
-    Files go to a temporary sibling (fsynced), which is renamed to ``target``; a crash leaves only
-    a ``.copying`` directory behind, never a partial ``target``. ``target`` must not exist.
-    """
-    destination = Path(target)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    temporary = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.copying")
+def _holds_checkpoint_files(name: str, parent: int) -> bool:
+    descriptor = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     try:
-        shutil.copytree(source, temporary, symlinks=False)
-        for entry in temporary.iterdir():
-            _fsync(entry)
-        _fsync(temporary)
-        os.rename(temporary, destination)  # fails if target appeared meanwhile: no silent overwrite
-        _fsync(destination.parent)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
+        present = set(os.listdir(descriptor))
     finally:
         os.close(descriptor)
+    return any(file in present for file in _CHECKPOINT_FILES)
+
+
+def copy_checkpoint(source: str, source_root: str, target: str, target_root: str) -> None:
+    """Copy the files ``source``'s manifest lists (and the manifest and marker) to ``target``, whole or not at all.
+
+    Both lie inside their roots (``UnsafePath`` otherwise). Files go to a temporary sibling
+    (fsynced), which is renamed to ``target``; a crash leaves only a ``.copying`` directory
+    behind, never a partial ``target``. ``target`` must not exist.
+    """
+    confine(source, [source_root], what="checkpoint to copy")
+    confine(target, [target_root], what="replica directory")
+    *parents, name = inside(target, target_root).parts
+    os.makedirs(target_root, exist_ok=True)  # the root is configuration, trusted; below it, nothing is
+    _make_directories(target_root, parents)
+    parent = open_directory_beneath(target_root, tuple(parents))
+    temporary = f"{name}.{uuid.uuid4().hex[:8]}.copying"
+    try:
+        os.mkdir(temporary, 0o750, dir_fd=parent)
+        try:
+            with CheckpointDir(source, root=source_root) as origin:
+                destination = open_directory_beneath(target_root, (*parents, temporary))
+                try:
+                    for file in dict.fromkeys([*_listed_files(origin), MANIFEST, MARKER]):
+                        _copy_file(origin, file, destination)
+                    os.fsync(destination)
+                finally:
+                    os.close(destination)
+            os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)  # fails if target appeared meanwhile
+            os.fsync(parent)
+        except BaseException:
+            shutil.rmtree(temporary, dir_fd=parent, ignore_errors=True)
+            raise
+    finally:
+        os.close(parent)
+
+
+def _listed_files(origin: CheckpointDir) -> list[str]:
+    """The file names the manifest on disk lists (each is checked again when opened)."""
+    try:
+        files = json.loads(origin.read_small(MANIFEST, MANIFEST_MAX_BYTES))["files"]
+        return [str(entry["name"]) for entry in files]
+    except (ValueError, KeyError, TypeError) as error:
+        raise UnsafePath(f"{MANIFEST} does not list the checkpoint's files: {error}") from error
+
+
+def _copy_file(origin: CheckpointDir, name: str, destination: int) -> None:
+    source, _ = origin.open_file(name)
+    try:
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640, dir_fd=destination)
+        with open(target, "wb") as handle:
+            while chunk := os.read(source, 4 << 20):
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        os.close(source)
+
+
+def _make_directories(root: str, parts: list[str]) -> None:
+    """Create ``root/parts...`` as needed, each level reached without following a symlink."""
+    for depth in range(len(parts)):
+        parent = open_directory_beneath(root, tuple(parts[:depth]))
+        try:
+            os.mkdir(parts[depth], 0o750, dir_fd=parent)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(parent)

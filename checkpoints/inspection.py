@@ -1,29 +1,29 @@
-"""Is the directory on disk the checkpoint the registry recorded, whole, complete and loadable?
+"""Is the directory on disk the checkpoint the registry recorded, whole and complete?
 
-The verifier's checks, in the order they run (cheap first, the load test last):
+The verifier's checks, in the order they run (cheap first):
 
 1. the commit protocol (``agents.hooks.manifest.verify``): commit marker, manifest bound to it,
    config hash equal to the one the hooks reported, every file's size and sha256, every shard
-   DCP's metadata names listed;
+   DCP's metadata names listed; read as hostile input (confined below ``root``, no symlinks,
+   regular files only, within the ``Budget``; DCP metadata through a restricted unpickler);
 2. the manifest is the one of *this* checkpoint: its step and data cursor are the recorded ones
    (a directory swapped for another step's would otherwise pass);
 3. every required state part is present, both in the manifest's list and in DCP's metadata
-   (what rank 0 claims and what was written), RNG for every rank of the world that saved it;
-4. optionally, a load test on CPU in a child process (``checkpoints.loadtest``).
+   (what rank 0 claims and what was written), RNG for every rank of the world that saved it.
 
+No tensor is ever loaded here: a load test deserialises what a training process wrote, so it
+runs on a node (``python -m agents.hooks.loadtest``), and every resume loads the checkpoint anyway.
 Plain values in, a ``Finding`` out: no models here, so the primary copy and the replica are
 checked by the same code.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from agents.hooks.manifest import Budget
+from agents.hooks.manifest import verify as verify_commit
 
 #: manifest part name -> what it is. A resume without any of these silently differs from an
 #: uninterrupted run (the reference's checklist: the LR scheduler and the data-loader position
@@ -38,7 +38,8 @@ REQUIRED_PARTS = {
 #: required as well when the manifest says the run used mixed precision (``"amp": true``)
 AMP_PART = ("scaler", "AMP grad scaler")
 _RNG_PREFIX = "rng.rank"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+#: a sanity bound on a manifest's world size (it sizes a set of ranks here)
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,10 @@ class Finding:
     reason: str = ""
 
 
-def inspect_directory(path: str, *, config_hash: str | None, step: int | None, data_cursor: int | None,
-                      load_test: bool = False, load_test_timeout_s: float = 600.0) -> Finding:
-    """Run the checks above on ``path``; the first failure is the reason."""
-    from agents.hooks.manifest import verify as verify_commit
-
-    verdict = verify_commit(path, config_hash=config_hash or None)
+def inspect_directory(path: str, *, root: str, budget: Budget, config_hash: str | None, step: int | None,
+                      data_cursor: int | None) -> Finding:
+    """Run the checks above on ``path`` (which must lie below ``root``); the first failure is the reason."""
+    verdict = verify_commit(path, config_hash=config_hash or None, root=root, budget=budget)
     if not verdict.ok:
         return Finding(False, verdict.reason or "failed the commit-protocol check")
     manifest = verdict.manifest or {}
@@ -62,12 +61,9 @@ def inspect_directory(path: str, *, config_hash: str | None, step: int | None, d
     if data_cursor is not None and manifest.get("data_cursor") != data_cursor:
         return Finding(False, f"the manifest's data cursor is {manifest.get('data_cursor')}, the registry "
                               f"recorded {data_cursor}")
-    problem = missing_parts(manifest, _dcp_keys(path, _metadata_sha256(manifest)))
+    problem = missing_parts(manifest, verdict.dcp_keys or frozenset())
     if problem:
         return Finding(False, problem)
-    if load_test:
-        return run_load_test(path, step=manifest.get("step"), data_cursor=manifest.get("data_cursor"),
-                             timeout_s=load_test_timeout_s)
     return Finding(True)
 
 
@@ -76,7 +72,12 @@ def missing_parts(manifest: dict[str, Any], dcp_keys: set[str]) -> str | None:
     required = dict(REQUIRED_PARTS)
     if manifest.get("amp"):
         required[AMP_PART[0]] = AMP_PART[1]
-    listed = set(manifest.get("parts") or ())
+    parts, world_size = manifest.get("parts") or [], manifest.get("world_size") or 1
+    if not isinstance(parts, list) or not all(isinstance(part, str) for part in parts):
+        return "the manifest's parts is not a list of names"
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        return f"the manifest's world size {world_size!r} is not an integer from 1 to {MAX_WORLD_SIZE}"
+    listed = set(parts)
     missing = [name for name in required if name not in listed]
     if missing:
         return "missing required state parts: " + ", ".join(f"{name} ({required[name]})" for name in missing)
@@ -84,7 +85,6 @@ def missing_parts(manifest: dict[str, Any], dcp_keys: set[str]) -> str | None:
     unwritten = sorted(listed - written)
     if unwritten:
         return f"the manifest lists parts {unwritten} that DCP's metadata does not contain (not written)"
-    world_size = manifest.get("world_size") or 1
     rng_ranks = {int(key[len(_RNG_PREFIX):]) for key in dcp_keys
                  if key.startswith(_RNG_PREFIX) and key[len(_RNG_PREFIX):].isdigit()}
     lost = sorted(set(range(world_size)) - rng_ranks)
@@ -96,66 +96,3 @@ def missing_parts(manifest: dict[str, Any], dcp_keys: set[str]) -> str | None:
 
 def _part_of(key: str) -> str:
     return "rng" if key.startswith(_RNG_PREFIX) else key.split(".", 1)[0]
-
-
-def _metadata_sha256(manifest: dict[str, Any]) -> str | None:
-    from agents.hooks.manifest import DCP_METADATA
-
-    return next((entry.get("sha256") for entry in manifest.get("files") or () if entry.get("name") == DCP_METADATA),
-                None)
-
-
-def _dcp_keys(path: str, metadata_sha256: str | None) -> frozenset[str]:
-    """The state-dict keys DCP's metadata names; parsed once per distinct metadata file.
-
-    Unpickling ``.metadata`` was over half of a warm verification (the commit-protocol check
-    unpickles it too), and recovery re-verifies the checkpoint it restores from. The commit-protocol
-    check has just proved that the file's bytes hash to ``metadata_sha256``, so keys parsed from
-    bytes with that hash are the keys of this file: the cache is keyed by content, not by path.
-    """
-    if metadata_sha256 is None:
-        return _read_dcp_keys(path)
-    cached = _DCP_KEYS_BY_SHA256.get(metadata_sha256)
-    if cached is None:
-        cached = _read_dcp_keys(path)
-        _DCP_KEYS_BY_SHA256[metadata_sha256] = cached
-        while len(_DCP_KEYS_BY_SHA256) > _DCP_KEYS_CACHE_SIZE:
-            _DCP_KEYS_BY_SHA256.pop(next(iter(_DCP_KEYS_BY_SHA256)))  # oldest first: dicts keep insertion order
-    return cached
-
-
-def _read_dcp_keys(path: str) -> frozenset[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return frozenset(FileSystemReader(path).read_metadata().state_dict_metadata)
-
-
-#: metadata sha256 -> its state-dict keys; enough for the recent checkpoints of many jobs
-_DCP_KEYS_CACHE_SIZE = 256
-_DCP_KEYS_BY_SHA256: dict[str, frozenset[str]] = {}
-
-
-def run_load_test(path: str, *, step: int | None, data_cursor: int | None, timeout_s: float) -> Finding:
-    """``python -m checkpoints.loadtest`` in a child process on CPU; its JSON line is the verdict."""
-    command = [sys.executable, "-m", "checkpoints.loadtest", path]
-    if step is not None:
-        command += ["--step", str(step)]
-    if data_cursor is not None:
-        command += ["--data-cursor", str(data_cursor)]
-    # CPU only: the control plane's host may have no GPU, and must never grab one a job needs.
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
-                              cwd=REPO_ROOT, check=False)
-    except subprocess.TimeoutExpired:
-        return Finding(False, f"load test did not finish within {timeout_s:g} s")
-    lines = done.stdout.strip().splitlines()
-    try:
-        verdict = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        verdict = None
-    if not isinstance(verdict, dict):
-        tail = (done.stderr or done.stdout).strip()[-300:]
-        return Finding(False, f"load test crashed (exit {done.returncode}): {tail}")
-    return Finding(bool(verdict.get("ok")), verdict.get("reason") or "")

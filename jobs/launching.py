@@ -14,7 +14,6 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
@@ -22,6 +21,7 @@ from django.db.models import DurationField, ExpressionWrapper, F, Max
 from django.utils import timezone
 
 from checkpoints.models import Checkpoint
+from checkpoints.paths import checkpoint_dir
 from checkpoints.services import restore_point
 from jobs import state
 from jobs.choices import IncidentState, JobState
@@ -68,11 +68,6 @@ def spec_hash(job: Job) -> str:
     spec = {"entrypoint": job.entrypoint, "args": job.args, "nproc_per_node": job.nproc_per_node,
             "nccl_profile": job.nccl_profile}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def checkpoint_dir(job: Job) -> str:
-    configured = (job.checkpoint_policy or {}).get("dir")
-    return configured or str(Path(settings.NIGHTWATCH["CHECKPOINT_ROOT"]) / f"job-{job.pk}")
 
 
 def candidates(job: Job) -> list[Node]:

@@ -1,6 +1,6 @@
-"""Load a committed checkpoint on CPU, in a child process of the verifier.
+"""Load a committed checkpoint on CPU: the load test, run on a node, never in the control plane.
 
-    python -m checkpoints.loadtest PATH --step N --data-cursor M
+    python -m agents.hooks.loadtest PATH --step N --data-cursor M
 
 Hashes prove the files are the ones rank 0 committed; they cannot prove that what was committed
 loads. This reads every tensor and every blob back through DCP exactly as a resume would (into
@@ -8,9 +8,10 @@ CPU buffers shaped from DCP's own metadata, so no model code is needed), unpickl
 parts, and checks that the progress inside the checkpoint is the one the manifest claims and that
 the model weights are finite. It prints one JSON line ``{"ok": bool, "reason": str|null, ...}``.
 
-It runs in a child process because a checkpoint can be large (its memory is returned when the
-child exits) and because unpickling must never take the control plane down with it. It imports
-no Django: it is a node-side style tool that happens to live beside the registry.
+Loading unpickles what the training script wrote, so it must run where that script's code is
+trusted anyway: on a node, as the user that owns the checkpoint (or in a sandbox), never in a
+control-plane process. The control plane verifies from the manifest and hashes only
+(``checkpoints.inspection``); every resume is itself a full load by the hooks.
 """
 
 from __future__ import annotations

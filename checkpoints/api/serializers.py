@@ -121,7 +121,15 @@ class IntervalSerializer(serializers.Serializer):
 
 
 class VerifyRequestSerializer(serializers.Serializer):
-    load_test = serializers.BooleanField(default=False, help_text="Also load it on CPU in a child process.")
+    load_test = serializers.BooleanField(default=False, help_text="Only false: the control plane never loads "
+                                                                 "checkpoints (see docs/checkpoints.md).")
+
+    def validate_load_test(self, value: bool) -> bool:
+        # Loading unpickles what a training process wrote; refused loudly rather than ignored.
+        if value:
+            raise serializers.ValidationError("the control plane does not load checkpoints; run the load test on a "
+                                              "node: python -m agents.hooks.loadtest PATH")
+        return value
 
 
 class CheckpointReasonSerializer(serializers.Serializer):

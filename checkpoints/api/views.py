@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.protocol import hooks as hooks_protocol
-from checkpoints import services
+from checkpoints import paths, services
 from checkpoints.api.serializers import (
     CheckpointDetailSerializer,
     CheckpointReasonSerializer,
@@ -31,6 +31,7 @@ from controlplane import roles
 from controlplane.api import parse_wire, require_hooks_caller
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
+from controlplane.schema import protocol_schema
 from jobs.models import Job
 from jobs.state import TransitionError
 
@@ -112,9 +113,12 @@ class JobCheckpoints(generics.ListAPIView):
     def get(self, request, *args, **kwargs):
         return super().get(request, *args, **kwargs)
 
-    @extend_schema(request=None, responses={201: CheckpointSerializer, 200: CheckpointSerializer, 409: _CONFLICT},
-                   description="Body: agents.protocol.hooks.CheckpointCommit. 200 when already recorded; 409 when "
-                               "the generation is stale.")
+    @extend_schema(request=protocol_schema(hooks_protocol.CheckpointCommit),
+                   responses={201: CheckpointSerializer, 200: CheckpointSerializer, 409: _CONFLICT},
+                   description="Body: agents.protocol.hooks.CheckpointCommit. 200 when already recorded; 400 when "
+                               "the path is not inside the job's checkpoint directory (under CHECKPOINT_ROOT) or "
+                               "is reached through a symlink; 409 when the generation is stale or the path is "
+                               "another job's checkpoint.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         require_hooks_caller(request, job)
@@ -124,7 +128,9 @@ class JobCheckpoints(generics.ListAPIView):
         require_hooks_caller(request, job, commit.generation)
         try:
             checkpoint, created = services.record_commit(job, commit, actor=actor_label(request))
-        except TransitionError as exc:
+        except paths.OutsideRoot as exc:
+            raise ValidationError({"path": [str(exc)]}) from exc
+        except (TransitionError, services.CheckpointError) as exc:
             raise Conflict(str(exc)) from exc
         return Response(CheckpointSerializer(checkpoint).data, status=201 if created else 200)
 
@@ -194,7 +200,7 @@ class _CheckpointAction(APIView):
 
 
 class CheckpointVerify(_CheckpointAction):
-    """Re-verify now (hashes, required parts, step; optionally a load test); the verdict is recorded."""
+    """Re-verify now (manifest, hashes, required parts, step); the verdict is recorded."""
 
     body_serializer = VerifyRequestSerializer
 
@@ -203,7 +209,7 @@ class CheckpointVerify(_CheckpointAction):
         return super().post(request, pk)
 
     def perform(self, checkpoint, data, actor):
-        return services.verify(checkpoint, actor=actor, load_test=data["load_test"], record_unchanged=True)
+        return services.verify(checkpoint, actor=actor, record_unchanged=True)
 
 
 class CheckpointPin(_CheckpointAction):

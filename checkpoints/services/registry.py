@@ -15,7 +15,7 @@ from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
-from checkpoints import disk
+from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from jobs import state
@@ -50,15 +50,20 @@ def record_event(kind: str, checkpoint: Checkpoint, *, actor: str, reason: str, 
 def record_commit(job: Job, commit: hooks_protocol.CheckpointCommit, *, actor: str) -> tuple[Checkpoint, bool]:
     """Register a committed checkpoint; returns ``(checkpoint, created)``.
 
+    The path must lie inside the job's checkpoint directory, itself inside ``CHECKPOINT_ROOT``
+    (``paths.OutsideRoot`` otherwise: the API answers 400), and be no other job's checkpoint.
     Idempotent on (job, location): a replay after an outage returns the existing row. The parent
     is the newest earlier checkpoint of the same generation, or for a generation's first
     checkpoint the one it resumed from — so a rollback naturally starts a new branch. The save
     cost the hooks measured is kept on the row: the interval policy reads it.
     """
     state.check_generation(job, commit.generation)
+    paths.confine(commit.path, [paths.job_checkpoint_root(job)], what="the checkpoint path")
     existing = Checkpoint.objects.filter(job=job, location=commit.path).first()
     if existing is not None:
         return existing, False
+    if Checkpoint.objects.filter(location=commit.path).exists():
+        raise CheckpointError(f"{commit.path} is another job's checkpoint")
     generation = Generation.objects.filter(job=job, number=commit.generation).first()
     parent = (
         Checkpoint.objects.filter(job=job, generation=generation, step__lt=commit.step).order_by("-step").first()
@@ -281,11 +286,17 @@ def delete_checkpoint(checkpoint: Checkpoint, *, actor: str, reason: str, protec
 
 
 def remove_files(checkpoint: Checkpoint, *, actor: str) -> bool:
-    """Remove a deleted checkpoint's directories; True when nothing of it is left on disk."""
+    """Remove a deleted checkpoint's directories; True when nothing of it is left on disk.
+
+    Each is removed only inside its root (the job's checkpoint directory, the replica roots),
+    checked right before the removal; one outside is refused, logged and recorded, never touched.
+    """
     clean = True
-    for location in filter(None, [checkpoint.location, checkpoint.replica_location]):
+    copies = [(checkpoint.location, False), (checkpoint.replica_location, True)]
+    for location, replica in (copy for copy in copies if copy[0]):
         try:
-            disk.remove_checkpoint_dir(location)
+            roots = paths.replica_roots() if replica else [paths.job_checkpoint_root(checkpoint.job)]
+            disk.remove_checkpoint_dir(location, roots)
         except (OSError, disk.UnsafePath) as error:
             clean = False
             log.warning("could not remove %s of checkpoint %s: %s", location, checkpoint.pk, error)

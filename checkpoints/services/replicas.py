@@ -1,13 +1,16 @@
 """Replicas: a second copy of each verified checkpoint, for when the primary storage fails.
 
 Where: the job policy's ``replica_dir``, else ``NIGHTWATCH["CHECKPOINT_REPLICA_ROOT"]/job-<id>``;
-neither set means no replicas. A replica keeps the primary directory's name.
+neither set means no replicas. A replica keeps the primary directory's name. A ``replica_dir``
+must lie inside a configured replica root (``NIGHTWATCH["REPLICA_ROOTS"]`` or
+``CHECKPOINT_REPLICA_ROOT``): one outside is refused with the reason on the checkpoint, and
+nothing is written there.
 
 How (``replicate``, run by a Celery task after verification and by the reconciliation sweep):
 
 1. only a checkpoint whose primary copy is verified is copied (never spread a bad copy);
-2. the copy goes to a temporary sibling and is renamed into place (``disk.copy_dir_atomically``),
-   so a replica directory is whole or absent;
+2. the manifest's files (regular files only, no symlinks) go to a temporary sibling, renamed into
+   place (``disk.copy_checkpoint``), so a replica directory is whole or absent;
 3. the copy is verified like the primary (hashes, parts, step) and the outcome recorded in
    ``replica_state`` with an event. A failed copy leaves the state at "no replica" (retried by
    the sweep); a copy that fails verification is "corrupt", and the primary is re-verified,
@@ -17,6 +20,7 @@ How (``replicate``, run by a Celery task after verification and by the reconcili
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from checkpoints import disk
+from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from checkpoints.services.registry import record_event
@@ -38,8 +42,11 @@ COPY_LEASE = timedelta(hours=1)
 
 
 def replica_root(job: Job) -> Path | None:
+    """Where the job's replicas go; ``paths.OutsideRoot`` when its ``replica_dir`` is outside the
+    configured replica roots (``NIGHTWATCH["REPLICA_ROOTS"]``, ``CHECKPOINT_REPLICA_ROOT``)."""
     configured = (job.checkpoint_policy or {}).get("replica_dir")
     if configured:
+        paths.confine_directory(configured, paths.replica_roots(), what=f"job {job.pk}'s replica_dir")
         return Path(configured)
     root = settings.NIGHTWATCH.get("CHECKPOINT_REPLICA_ROOT")
     return Path(root) / f"job-{job.pk}" if root else None
@@ -52,7 +59,12 @@ def replica_location_for(checkpoint: Checkpoint) -> str | None:
 
 def enqueue_replication(checkpoint: Checkpoint) -> None:
     """After the current transaction commits, copy ``checkpoint`` if replicas are configured."""
-    if replica_root(checkpoint.job) is None:
+    try:
+        if replica_root(checkpoint.job) is None:
+            return
+    except paths.OutsideRoot as error:
+        _set_replica(checkpoint, ReplicaState.NONE, str(error))
+        log.warning("not replicating checkpoint %s: %s", checkpoint.pk, error)
         return
 
     def enqueue():
@@ -67,30 +79,34 @@ def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Ch
     """Copy a verified checkpoint to its replica location and verify the copy (see the module doc)."""
     from checkpoints.services.verification import inspect_copy, verify
 
-    target = replica_location_for(checkpoint)
+    try:
+        target = replica_location_for(checkpoint)
+    except paths.OutsideRoot as error:
+        return _record(checkpoint, ReplicaState.NONE, str(error), actor)
     if target is None or checkpoint.state != CheckpointState.VERIFIED:
         return checkpoint
     if checkpoint.replica_state == ReplicaState.VERIFIED and Path(checkpoint.replica_location).is_dir():
         return checkpoint
     _set_replica(checkpoint, ReplicaState.COPYING, "", location=target)
-    existing = Path(target)
-    if existing.exists():
+    roots = paths.replica_roots()
+    if os.path.lexists(target):
         # Left by an earlier attempt that died after the rename, or a copy that went bad.
-        if inspect_copy(checkpoint, target).ok:
+        if inspect_copy(checkpoint, target, replica=True).ok:
             return _record(checkpoint, ReplicaState.VERIFIED, "", actor, "replica already in place and intact")
         try:
-            disk.remove_checkpoint_dir(target)
+            disk.remove_checkpoint_dir(target, roots)
         except (OSError, disk.UnsafePath) as error:
             return _record(checkpoint, ReplicaState.NONE, f"cannot clear {target}: {error}", actor)
     try:
-        disk.copy_dir_atomically(checkpoint.location, target)
-    except OSError as error:
+        disk.copy_checkpoint(checkpoint.location, paths.job_checkpoint_root(checkpoint.job), target,
+                             paths.confine(target, roots, what="replica directory"))
+    except (OSError, disk.UnsafePath) as error:
         return _record(checkpoint, ReplicaState.NONE, f"copy to {target} failed: {error}", actor)
     if Checkpoint.objects.filter(pk=checkpoint.pk, state=CheckpointState.DELETED).exists():
         # Deleted while we copied: the deletion could not have known about this copy.
-        disk.remove_checkpoint_dir(target)
+        disk.remove_checkpoint_dir(target, roots)
         return Checkpoint.objects.get(pk=checkpoint.pk)
-    finding = inspect_copy(checkpoint, target)
+    finding = inspect_copy(checkpoint, target, replica=True)
     if finding.ok:
         return _record(checkpoint, ReplicaState.VERIFIED, "", actor, f"replica at {target} verified")
     replica = _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
@@ -109,7 +125,7 @@ def restore_from_replica(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | 
 
     if checkpoint.replica_state != ReplicaState.VERIFIED or not checkpoint.replica_location:
         return None
-    finding = inspect_copy(checkpoint, checkpoint.replica_location)
+    finding = inspect_copy(checkpoint, checkpoint.replica_location, replica=True)
     if not finding.ok:
         _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
         return None
@@ -146,8 +162,11 @@ def replica_sweep(*, limit: int = 100) -> int:
     for checkpoint in replicas_due().select_related("job").order_by("created_at")[: limit * 4]:
         if queued >= limit:
             break
-        if replica_root(checkpoint.job) is None:
-            continue
+        try:
+            if replica_root(checkpoint.job) is None:
+                continue
+        except paths.OutsideRoot:
+            continue  # recorded on the checkpoint when it was verified
         replicate_checkpoint.delay(checkpoint.pk)
         queued += 1
     return queued

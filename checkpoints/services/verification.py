@@ -2,52 +2,54 @@
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from checkpoints import paths
 from checkpoints.choices import CheckpointState, ReplicaState
-from checkpoints.inspection import inspect_directory
+from checkpoints.inspection import Finding, inspect_directory
 from checkpoints.models import Checkpoint
 from checkpoints.services import replicas
 from checkpoints.services.registry import active_branch, record_event
 from jobs.models import Job
 
-DEFAULT_LOAD_TEST_TIMEOUT_S = 600
+
+def inspect_copy(checkpoint: Checkpoint, location: str, *, replica: bool = False):
+    """Check one copy (primary or replica) of ``checkpoint`` against what the registry recorded.
+
+    The copy must lie inside its root (the job's checkpoint directory, or a replica root): a
+    location outside is refused with the reason, and nothing there is opened.
+    """
+    try:
+        root = _root_of(checkpoint, location, replica=replica)
+    except paths.OutsideRoot as error:
+        return Finding(False, str(error))
+    return inspect_directory(location, root=root, budget=paths.verification_budget(),
+                             config_hash=checkpoint.config_hash or None, step=checkpoint.step,
+                             data_cursor=checkpoint.data_cursor)
 
 
-def load_test_enabled() -> bool:
-    """``NIGHTWATCH["CHECKPOINT_LOAD_TEST"]``: also load each new checkpoint on CPU (off by default:
-    it reads the whole checkpoint once more, in a child process)."""
-    return bool(settings.NIGHTWATCH.get("CHECKPOINT_LOAD_TEST", False))
+def _root_of(checkpoint: Checkpoint, location: str, *, replica: bool) -> str:
+    """The configured root ``location`` lies in (raises ``OutsideRoot``)."""
+    if replica:
+        return paths.confine(location, paths.replica_roots(), what=f"the replica of checkpoint {checkpoint.pk}")
+    return paths.confine(location, [paths.job_checkpoint_root(checkpoint.job)], what=f"checkpoint {checkpoint.pk}")
 
 
-def inspect_copy(checkpoint: Checkpoint, location: str, *, load_test: bool = False):
-    """Check one copy (primary or replica) of ``checkpoint`` against what the registry recorded."""
-    return inspect_directory(
-        location, config_hash=checkpoint.config_hash or None, step=checkpoint.step,
-        data_cursor=checkpoint.data_cursor, load_test=load_test,
-        load_test_timeout_s=float(settings.NIGHTWATCH.get("CHECKPOINT_LOAD_TEST_TIMEOUT_S",
-                                                          DEFAULT_LOAD_TEST_TIMEOUT_S)),
-    )
-
-
-def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", load_test: bool | None = None,
-           record_unchanged: bool = False) -> Checkpoint:
+def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", record_unchanged: bool = False) -> Checkpoint:
     """Re-check the primary copy on disk and record ``verified`` or ``corrupt`` (with the reason).
 
     Runs after every commit (``checkpoints.tasks.verify_checkpoint``), on demand (API), and
     before any restore: files can rot between the two. The checks are those of
-    ``checkpoints.inspection``; ``load_test`` None follows the setting. A change of state is
+    ``checkpoints.inspection`` (manifest and hashes; no tensor is loaded). A change of state is
     an event; so is an unchanged verdict when ``record_unchanged`` (an operator asked). A newly
     verified checkpoint is queued for replication (after commit) when a replica location is
     configured.
     """
     if checkpoint.state == CheckpointState.DELETED:
         return checkpoint
-    use_load_test = load_test_enabled() if load_test is None else load_test
-    finding = inspect_copy(checkpoint, checkpoint.location, load_test=use_load_test)
+    finding = inspect_copy(checkpoint, checkpoint.location)
     new_state = CheckpointState.VERIFIED if finding.ok else CheckpointState.CORRUPT
     with transaction.atomic():
         # Hashing took a while without a lock; decide against the row as it is now.
@@ -60,8 +62,7 @@ def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", load_test:
         current.save(update_fields=["state", "state_reason", "verified_at"])
         if changed or record_unchanged:
             record_event("checkpoint.verify", current, actor=actor, old_state=old_state, new_state=new_state,
-                         reason=finding.reason or f"step {current.step} verified", location=current.location,
-                         load_test=use_load_test)
+                         reason=finding.reason or f"step {current.step} verified", location=current.location)
         # Only on the way in: a re-verification must not queue a second copy while one runs (the
         # replica sweep retries failed and lost copies).
         if changed and new_state == CheckpointState.VERIFIED and current.replica_state != ReplicaState.VERIFIED:
@@ -95,9 +96,8 @@ def restore_point(job: Job) -> Checkpoint | None:
 def verified_copy(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | None:
     """``checkpoint`` if its primary copy verifies now, else served from its replica if that one
     does, else None. What any restore (recovery, rollback) should hand to the hooks."""
-    # The primary first, even if it was corrupt before: a storage fault may have cleared. No load
-    # test: recovery is waiting, and the hashes prove these are the bytes checked at commit time.
-    checkpoint = verify(checkpoint, actor=actor, load_test=False)
+    # The primary first, even if it was corrupt before: a storage fault may have cleared.
+    checkpoint = verify(checkpoint, actor=actor)
     if checkpoint.state == CheckpointState.VERIFIED:
         return checkpoint
     return replicas.restore_from_replica(checkpoint, actor=actor)

@@ -126,6 +126,14 @@ def _fast_password_hashing(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.fixture(autouse=True)
+def _roots_in_tmp_path(settings, tmp_path):
+    """The checkpoint root is this test's directory (its runs, built checkpoints and the job's
+    directory all lie inside); replicas may go under ``replica/`` (and CHECKPOINT_REPLICA_ROOT)."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "CHECKPOINT_ROOT": str(tmp_path),
+                           "REPLICA_ROOTS": [str(tmp_path / "replica")]}
+
+
 @pytest.fixture
 def eager_celery():
     """Run tasks queued with ``.delay`` inline (no broker needed)."""
@@ -138,13 +146,15 @@ def eager_celery():
 
 @pytest.fixture
 def ckjob(cast, tmp_path):
-    """cast.job on CPU with a checkpoint policy and a restart budget, started: generation 1 on gpu-01."""
+    """cast.job on CPU with a checkpoint policy and a restart budget, started: generation 1 on gpu-01.
+
+    Its checkpoint directory is the test's directory, so the example runs copied there are its own."""
     from jobs import services
     from jobs.models import Job
 
     Job.objects.filter(pk=cast.job.pk).update(
         accelerator="cpu",
-        checkpoint_policy={"dir": str(tmp_path / "ckpt"), "interval": "fixed", "interval_steps": 2, "keep_last": 3,
+        checkpoint_policy={"dir": str(tmp_path), "interval": "fixed", "interval_steps": 2, "keep_last": 3,
                            "permanent_every_hours": 12},
         recovery_policy={"max_restarts": 100, "window_minutes": 60, "backoff_seconds": 0, "allow_shrink": False,
                          "progress_timeout_s": None, "loss_spike_limit": 3},

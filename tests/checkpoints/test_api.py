@@ -43,6 +43,9 @@ def test_an_operator_verifies_pins_unpins_and_deletes_each_with_an_audit_event(c
 
     verified = operator.post(f"/api/v1/checkpoints/{a2.pk}/verify", {"load_test": False}, format="json")
     assert verified.status_code == 200 and verified.json()["state"] == "verified"
+    # The control plane never loads a checkpoint (it would unpickle what a training process wrote).
+    refused = operator.post(f"/api/v1/checkpoints/{a2.pk}/verify", {"load_test": True}, format="json")
+    assert refused.status_code == 400 and "agents.hooks.loadtest" in str(refused.json())
     assert Event.objects.filter(kind="checkpoint.verify", actor=actor, evidence__checkpoint=a2.pk).exists()
 
     pinned = operator.post(f"/api/v1/checkpoints/{a4.pk}/pin", {"reason": "best eval"}, format="json")

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from agents.protocol.hooks import CheckpointCommit
 from checkpoints import services
+from checkpoints.paths import checkpoint_dir
 from jobs import state
 from jobs.choices import IncidentKind, JobState
 from jobs.models import Event, Incident, Job, StepMetric
@@ -19,7 +20,7 @@ def _commit_costs(job, blocking_s: float, total_s: float, count: int = 3) -> Non
     """Commits as the hooks report them; only their measured save cost matters here."""
     for n in range(1, count + 1):
         services.record_commit(job, CheckpointCommit(
-            job=str(job.pk), generation=job.generation, step=100 * n, path=f"/ckpt/job-{job.pk}/step-{100 * n}",
+            job=str(job.pk), generation=job.generation, step=100 * n, path=f"{checkpoint_dir(job)}/step-{100 * n}",
             loss=2.0, config_hash="abc", data_cursor=800 * n, world_size=2, size_bytes=10**9,
             blocking_s=blocking_s, total_s=total_s, manifest={}), actor="node:gpu-01")
 

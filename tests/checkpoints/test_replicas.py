@@ -80,7 +80,7 @@ def test_a_corrupt_or_missing_primary_restores_from_the_replica(replicated, runs
     event = Event.objects.get(job=replicated, kind="checkpoint.restore_from_replica")
     assert f"primary copy at {a6.location} is corrupt" in event.reason
     assert f"restoring from the replica at {a6.replica_location}" in event.reason
-    assert ("sha256" if harm == "flipped byte" else "no commit marker") in event.reason
+    assert ("sha256" if harm == "flipped byte" else "the checkpoint directory does not exist") in event.reason
 
 
 @pytest.mark.django_db
@@ -119,13 +119,13 @@ def test_a_copy_that_fails_verification_is_corrupt_and_the_source_rechecked(repl
     from checkpoints import disk
 
     a6 = register(replicated, runs.path("A", 6))
-    real_copy = disk.copy_dir_atomically
+    real_copy = disk.copy_checkpoint
 
-    def copy_then_rot(source, target):  # the source rotted: what arrives does not match the manifest
+    def copy_then_rot(source, *roots_and_target):  # the source rotted: what arrives does not match the manifest
         flip_byte(Path(source) / "__0_0.distcp")
-        real_copy(source, target)
+        real_copy(source, *roots_and_target)
 
-    monkeypatch.setattr(disk, "copy_dir_atomically", copy_then_rot)
+    monkeypatch.setattr(disk, "copy_checkpoint", copy_then_rot)
     a6 = services.replicate(a6)
     assert (a6.replica_state, a6.state) == (ReplicaState.CORRUPT, CheckpointState.CORRUPT)
     assert "sha256" in a6.replica_reason and "sha256" in a6.state_reason
@@ -161,15 +161,16 @@ def test_a_checkpoint_deleted_while_its_copy_runs_leaves_no_orphan_replica(repli
 
     a2 = register(replicated, runs.path("A", 2))
     register(replicated, runs.path("A", 4))  # so that A/2 is not the latest verified (protected)
-    real_copy = disk.copy_dir_atomically
+    real_copy = disk.copy_checkpoint
 
-    def delete_meanwhile(source, target):
+    def delete_meanwhile(source, *roots_and_target):
         services.delete_checkpoint(Checkpoint.objects.get(pk=a2.pk), actor="user:otto", reason="space")
         Path(source).mkdir(parents=True)  # the deletion took the source; copy an empty stand-in
         (Path(source) / "COMMITTED").write_text("{}")
-        real_copy(source, target)
+        (Path(source) / "manifest.json").write_text('{"files": []}')
+        real_copy(source, *roots_and_target)
 
-    monkeypatch.setattr(disk, "copy_dir_atomically", delete_meanwhile)
+    monkeypatch.setattr(disk, "copy_checkpoint", delete_meanwhile)
     replica = Path(services.replica_location_for(a2))
     result = services.replicate(a2)
     assert result.state == CheckpointState.DELETED

@@ -136,7 +136,7 @@ def test_the_sweep_covers_every_job_and_finishes_failed_removals(ckjob, runs, mo
     register(ckjob, runs.path("A", 4))
     real_remove = disk.remove_checkpoint_dir
 
-    def failing(location):
+    def failing(location, roots):
         raise OSError("device busy")
 
     monkeypatch.setattr(disk, "remove_checkpoint_dir", failing)
