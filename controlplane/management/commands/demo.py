@@ -109,8 +109,10 @@ class Command(BaseCommand):
         return password
 
     def _start_agent(self, url: str, env: dict, var: Path) -> subprocess.Popen:
-        """A node agent for this machine, registered with a fresh one-time bootstrap token."""
-        from controlplane.models import ApiToken
+        """A node agent for this machine, registered with a fresh single-use bootstrap token (issued
+        for the demo node when the database has it already: a generic token cannot re-register it)."""
+        from nodes.models import Node
+        from nodes.services import issue_bootstrap_token
 
         home = var / "demo-agent"
         home.mkdir(parents=True, exist_ok=True)
@@ -120,7 +122,8 @@ class Command(BaseCommand):
                 "--scenario", str(home / "scenario.yaml"), "--heartbeat-interval-s", "2",
                 "--telemetry-interval-s", "5", "--stop-grace-s", "5", "--code-dir", str(settings.BASE_DIR)]
         if not (home / "node-token.json").exists():
-            _, raw = ApiToken.issue(name="demo-bootstrap", scope="bootstrap", single_use=True)
+            _, raw = issue_bootstrap_token(name="demo-bootstrap", hostname="demo-node", actor="system:demo",
+                                           node=Node.objects.filter(hostname="demo-node").first())
             token_file = home / "bootstrap-token"
             token_file.write_text(raw)
             token_file.chmod(0o600)
