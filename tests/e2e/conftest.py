@@ -13,12 +13,16 @@ REDIS_DB = int(os.environ.get("NIGHTWATCH_E2E_REDIS_DB", "14"))
 
 @pytest.fixture
 def cluster(transactional_db, tmp_path, request):
-    """Control plane + worker (with beat) against the test database; agents are started by tests."""
+    """Control plane + worker (with beat) against the test database; agents are started by tests.
+
+    Parametrized indirectly with a dict, that dict is added to the processes' environment
+    (``@pytest.mark.parametrize("cluster", [{"NIGHTWATCH_X": "1"}], indirect=True)``)."""
     from django.db import connection
 
     if connection.vendor != "postgresql":
         pytest.fail("end-to-end tests need PostgreSQL and Redis: run them through `make test`")
-    c = Cluster(tmp_path, database_name=connection.settings_dict["NAME"], redis_db=REDIS_DB)
+    c = Cluster(tmp_path, database_name=connection.settings_dict["NAME"], redis_db=REDIS_DB,
+                settings=getattr(request, "param", None))
     try:
         c.start_web()
         c.start_worker()
