@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from datetime import UTC, timedelta
 
@@ -131,20 +133,36 @@ def choices_param(params, name: str, allowed) -> list[str] | None:
     return values
 
 
-def int_param(params, name: str, *, minimum: int = 0) -> int | None:
-    """An integer query filter; anything else is a 400 naming the parameter."""
+def int_param(params, name: str, *, minimum: int = 0, required: bool = False) -> int | None:
+    """An integer query parameter; anything else is a 400 naming the parameter."""
     from rest_framework.exceptions import ValidationError
 
     raw = params.get(name)
     if raw is None or raw == "":
+        if required:
+            raise ValidationError({name: ["required, an integer"]})
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValidationError({name: ["must be an integer"]}) from None
+    value = parse_int(raw)
+    if value is None:
+        raise ValidationError({name: ["must be an integer"]})
     if value < minimum or value > 2**63 - 1:
         raise ValidationError({name: [f"must be between {minimum} and {2**63 - 1}"]})
     return value
+
+
+def parse_int(raw: str) -> int | None:
+    """``raw`` as an integer if it is one written in ASCII digits (an optional leading ``-``), else None.
+
+    ``str.isdigit()`` admits ``²`` (which ``int()`` refuses) and ``int()`` admits ``١٢``, `` 12 ``
+    and ``1_000``: neither is how a client writes a number, so both are refused here.
+    """
+    digits = raw[1:] if raw.startswith("-") else raw
+    if not (digits.isascii() and digits.isdecimal()):
+        return None
+    try:
+        return int(raw)
+    except ValueError:  # more digits than Python converts (4,300)
+        return None
 
 
 def datetime_param(params, name: str):
@@ -167,34 +185,73 @@ def datetime_param(params, name: str):
 
 
 class JSONParser(parsers.JSONParser):
-    """DRF's JSON parser, refusing text PostgreSQL cannot store: a lone UTF-16 surrogate (``"\\udb8e"``
-    is valid JSON, but no UTF-8) would otherwise pass validation and fail as a 500 on save."""
+    """DRF's JSON parser, refusing (400) what would pass validation and then fail as a 500 on the way
+    to PostgreSQL or through Python's own limits:
+
+    - ``NaN``/``Infinity`` and number literals beyond the float range (``1e400`` reads as infinity);
+    - nesting deeper than ``MAX_JSON_DEPTH`` (Python's recursion limit would turn it into a 500);
+    - NUL characters (no PostgreSQL text or jsonb value can hold one) and lone UTF-16 surrogates
+      (``"\\udb8e"`` is valid JSON, but no UTF-8), anywhere in the body, keys included.
+    """
 
     def parse(self, stream, media_type=None, parser_context=None):
-        data = super().parse(stream, media_type, parser_context)
-        if (where := _unencodable(data)) is not None:
-            raise exceptions.ParseError(f"JSON parse error - {where or 'the body'} holds a lone surrogate "
-                                        "(\\ud800-\\udfff), which is not text.")
+        encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+        try:
+            data = json.load(codecs.getreader(encoding)(stream), parse_constant=_refuse_constant,
+                             parse_float=_finite_float)
+        except RecursionError:
+            raise exceptions.ParseError(f"JSON parse error - nested more than {MAX_JSON_DEPTH} levels deep.") from None
+        except ValueError as exc:
+            raise exceptions.ParseError(f"JSON parse error - {exc}") from None
+        if (refusal := refusal_of(data)) is not None:
+            where, reason = refusal
+            raise exceptions.ParseError(f"JSON parse error - {where or 'the body'} {reason}.")
         return data
 
 
-def _unencodable(value, path: str = "") -> str | None:
-    """The dotted path of the first string (or key) that is not valid Unicode text, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = f"{path}.{key}" if path else str(key)
-            if _unencodable(key) is not None:
-                return path or "a key"
-            if (found := _unencodable(item, name)) is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            if (found := _unencodable(item, f"{path}.{index}" if path else str(index))) is not None:
-                return found
+#: Deeper than any message of this API needs (the deepest, a manifest's entry, is under 10).
+MAX_JSON_DEPTH = 64
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is beyond the range of a 64-bit float")
+    return value
+
+
+def refusal_of(data) -> tuple[str, str] | None:
+    """``(dotted path, reason)`` of the first value PostgreSQL cannot store or that nests too deep.
+
+    Iterative, so that the walk itself never meets the recursion limit it guards against.
+    """
+    stack = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if (reason := _bad_text(value)) is not None:
+                return path, reason
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                return path, f"is nested more than {MAX_JSON_DEPTH} levels deep"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and (reason := _bad_text(key)) is not None:
+                    return path or "the body", f"has a key that {reason}"
+                stack.append((item, name, depth + 1))
+    return None
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "holds a NUL character (\\u0000), which is not allowed in text"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate (\\ud800-\\udfff), which is not text"
     return None

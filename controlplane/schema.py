@@ -3,20 +3,30 @@ the problem-details errors every operation can answer.
 
 Views declare what they need (``required``, see ``controlplane.auth.Requires``); this module turns
 that into the words and the error responses of the document, so the two never drift apart. The
+bodies of the agent and hooks endpoints are the wire protocol's dataclasses (``agents.protocol``):
+``protocol_schema(Message)`` stands for one in ``extend_schema``, and its JSON schema is generated from the
+dataclass's fields and their constraints, so the document says what ``parse`` enforces. The
 schemathesis test (``tests/api/test_schemathesis.py``) holds the server to what is written here.
 """
 
 from __future__ import annotations
 
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
+import dataclasses
+import functools
+import types
+import typing
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension, OpenApiSerializerExtension
 from drf_spectacular.openapi import AutoSchema as BaseAutoSchema
+from drf_spectacular.plumbing import ResolvedComponent
 from rest_framework import permissions, serializers
 
+from agents.protocol.base import INT64_MAX, INT64_MIN, NONFINITE
 from controlplane import roles
 
 #: capability -> the token scopes that can carry it (a token never outranks its owner's role)
 _HOLDERS = {cap: sorted(scope for scope, caps in roles.SCOPE_CAPABILITIES.items() if cap in caps)
-            for cap in (roles.VIEW, roles.LAUNCH, roles.OPERATE, roles.DRAIN, roles.APPROVE, roles.AGENT)}
+            for cap in set().union(*roles.SCOPE_CAPABILITIES.values())}
 _PEOPLE = {roles.VIEW: "viewer, operator and oncall", roles.LAUNCH: "operator and oncall",
            roles.OPERATE: "operator and oncall", roles.DRAIN: "operator and oncall", roles.APPROVE: "oncall"}
 
@@ -89,9 +99,12 @@ class AutoSchema(BaseAutoSchema):
         elif capability == roles.AGENT:
             auth = ("**Authorisation:** an `agent` token, acting only for its own node (and for jobs that node "
                     "runs).")
-        else:
+        elif capability in _PEOPLE:
             auth = (f"**Authorisation:** the `{capability}` capability — token scopes "
                     f"{', '.join(_HOLDERS[capability])}; signed-in {_PEOPLE[capability]}.")
+        else:  # a machine capability: tokens only
+            auth = (f"**Authorisation:** the `{capability}` capability — token scopes "
+                    f"{', '.join(_HOLDERS.get(capability, []))}.")
         return f"{description}\n\n{auth}".strip()
 
     def get_extensions(self):
@@ -117,3 +130,103 @@ class AutoSchema(BaseAutoSchema):
             if code.isdigit() and int(code) >= 400 and "content" not in existing:
                 existing["content"] = {"application/problem+json": {"schema": problem}}
         return responses
+
+
+# --- the wire protocol's messages -----------------------------------------------------------------
+
+class WireMessage(serializers.Serializer):
+    """Stands for the ``agents.protocol`` dataclass ``message`` in the document (never used to parse:
+    the views call ``agents.protocol.parse``)."""
+
+    message: type
+
+
+@functools.cache
+def protocol_schema(message: type) -> type[WireMessage]:
+    """The stand-in of ``message`` for ``extend_schema(request=..., responses=...)``."""
+    return type(f"Wire{message.__name__}", (WireMessage,), {"message": message, "__module__": __name__})
+
+
+class WireMessageSchema(OpenApiSerializerExtension):
+    target_class = WireMessage
+    match_subclasses = True
+
+    def get_name(self, auto_schema, direction):
+        return _component_name(self.target.message)
+
+    def map_serializer(self, auto_schema, direction):
+        return _object_schema(self.target.message, auto_schema.registry)
+
+
+def _component_name(message: type) -> str:
+    return f"Wire{message.__name__}"
+
+
+def _object_schema(message: type, registry) -> dict:
+    hints = typing.get_type_hints(message)
+    fields = dataclasses.fields(message)
+    schema = {
+        "type": "object",
+        "properties": {f.name: _field_schema(hints[f.name], f.metadata, registry) for f in fields},
+        "required": [f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING],
+        "additionalProperties": False,
+    }
+    doc = (message.__doc__ or "").strip()
+    if doc and not doc.startswith(f"{message.__name__}("):  # not the signature dataclasses make up
+        schema["description"] = doc
+    if not schema["required"]:
+        del schema["required"]
+    return schema
+
+
+def _field_schema(tp, meta: typing.Mapping, registry) -> dict:
+    """The JSON schema of one field: the same type and constraints ``agents.protocol.base`` checks."""
+    if tp is typing.Any:
+        return {}
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = _field_schema(next(t for t in typing.get_args(tp) if t is not type(None)), meta, registry)
+        if not inner:
+            return inner
+        return {"allOf": [inner], "nullable": True} if "$ref" in inner else {**inner, "nullable": True}
+    if typing.get_origin(tp) is list:
+        return _bounded({"type": "array", "items": _field_schema(typing.get_args(tp)[0], {}, registry)},
+                        maxItems=meta.get("max_len"))
+    if typing.get_origin(tp) is dict:
+        return _dict_schema(_field_schema(typing.get_args(tp)[1], {}, registry), meta)
+    if dataclasses.is_dataclass(tp):
+        component = ResolvedComponent(name=_component_name(tp), type=ResolvedComponent.SCHEMA,
+                                      object=protocol_schema(tp), schema=None)
+        if component not in registry:
+            registry.register(component)  # first, so that a message nesting itself would end here
+            component.schema = _object_schema(tp, registry)
+        return component.ref
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return _bounded({"type": "integer", "format": "int64"},
+                        minimum=max(meta.get("min") if meta.get("min") is not None else INT64_MIN, INT64_MIN),
+                        maximum=min(meta.get("max") if meta.get("max") is not None else INT64_MAX, INT64_MAX))
+    if tp is float:
+        number = _bounded({"type": "number", "format": "double"}, minimum=meta.get("min"), maximum=meta.get("max"))
+        if meta.get("nonfinite"):  # NaN and infinities travel as strings
+            return {"oneOf": [number, {"type": "string", "enum": sorted(NONFINITE)}]}
+        return number
+    if tp is str:
+        choices = meta.get("choices")
+        return _bounded({"type": "string"}, maxLength=meta.get("max_len"),
+                        enum=sorted(choices) if choices else None,
+                        pattern=f"^(?:{meta['pattern']})$" if meta.get("pattern") else None)
+    raise TypeError(f"no JSON schema for {tp!r}")  # pragma: no cover - schema authoring error
+
+
+def _dict_schema(values: dict, meta: typing.Mapping) -> dict:
+    """``dict[str, X]``: any keys, or only the ``choices`` when the field names them."""
+    if meta.get("choices"):
+        return _bounded({"type": "object", "properties": {key: values for key in sorted(meta["choices"])},
+                         "additionalProperties": False}, maxProperties=meta.get("max_len"))
+    return _bounded({"type": "object", "additionalProperties": values}, maxProperties=meta.get("max_len"))
+
+
+def _bounded(schema: dict, **bounds) -> dict:
+    return {**schema, **{k: v for k, v in bounds.items() if v is not None}}

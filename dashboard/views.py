@@ -19,6 +19,7 @@ from django.views.decorators.http import require_POST
 from checkpoints.models import Checkpoint
 from checkpoints.services import CheckpointError
 from controlplane import roles
+from controlplane.api import parse_int
 from controlplane.auth import actor_label
 from controlplane.problems import CONTENT_TYPE, problem
 from dashboard import sections
@@ -88,6 +89,8 @@ def action(capability: str):
             reason = (request.POST.get("reason") or "").strip()
             if not reason:
                 return _problem(request, 400, "invalid", "reason: say why (it goes into the audit log).")
+            if "\x00" in reason:  # PostgreSQL text cannot hold it: a 400 here, not a 500 in the audit row
+                return _problem(request, 400, "invalid", "reason: may not contain NUL characters.")
             if len(reason) > REASON_MAX:
                 return _problem(request, 400, "invalid", f"reason: at most {REASON_MAX} characters.")
             try:
@@ -121,7 +124,8 @@ def pause(request, pk: int, *, reason: str, actor: str) -> str:
 def rollback(request, pk: int, *, reason: str, actor: str) -> str:
     job = get_object_or_404(Job, pk=pk)
     raw = request.POST.get("checkpoint", "")
-    checkpoint = Checkpoint.objects.filter(pk=int(raw), job=job).first() if raw.isdigit() else None
+    number = parse_int(raw)
+    checkpoint = Checkpoint.objects.filter(pk=number, job=job).first() if number is not None and number > 0 else None
     if checkpoint is None:
         raise ActionRefused(400, "invalid", f"checkpoint: job {job.pk} has no checkpoint {raw!r}.")
     generation = job_services.rollback_to(job, checkpoint, actor=actor, reason=reason,

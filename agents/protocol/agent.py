@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agents.protocol.base import ProtocolError, dump, field, parse
+from agents.protocol.base import MAX_TIME, ProtocolError, dump, field, parse
 
 REGISTER_PATH = "/api/v1/agents/register"
 HEARTBEAT_PATH = "/api/v1/nodes/{node_id}/heartbeat"
@@ -54,7 +54,6 @@ MAX_EVENTS_PER_BATCH = 256
 MAX_COMMANDS_PER_HEARTBEAT = 64
 MAX_LOG_TAIL_LINES = 80
 MAX_LOG_LINE = 500
-MAX_TIME = 2**32  # far future, but keeps obviously broken clocks out
 
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")

@@ -23,8 +23,15 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: Non-finite floats are not valid JSON; they travel as these strings.
+#: Non-finite floats are not valid JSON; they travel as these strings, and only in fields that
+#: admit them (``field(nonfinite=True)``: a loss may be NaN, a time may not).
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: Every integer is a signed 64-bit one: what PostgreSQL's bigint and the agent's counters hold.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Times are Unix epoch seconds up to 2106: far future, but keeps obviously broken clocks out.
+MAX_TIME = 2**32
+#: How deep free-form values (``Any``: event details, manifests, payloads) may nest.
+MAX_ANY_DEPTH = 16
 
 
 class ProtocolError(ValueError):
@@ -45,10 +52,15 @@ def field(
     max_len: int | None = None,
     choices: typing.Iterable[str] | None = None,
     pattern: str | None = None,
+    nonfinite: bool = False,
 ) -> Any:
-    """A dataclass field with wire constraints (numeric bounds, length bounds, allowed values)."""
+    """A dataclass field with wire constraints (numeric bounds, length bounds, allowed values).
+
+    Beyond these, every message refuses what no field may hold: integers outside int64, NaN and
+    infinities (unless ``nonfinite``), and NUL characters in strings and keys.
+    """
     meta = {"min": min, "max": max, "max_len": max_len, "choices": frozenset(choices) if choices else None,
-            "pattern": pattern}
+            "pattern": pattern, "nonfinite": nonfinite}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -113,7 +125,7 @@ def _null(value: Any) -> _Invalid:
 
 def _compile(tp: Any, meta: typing.Mapping) -> Check:
     if tp is Any:
-        return lambda value: value
+        return _any
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -159,7 +171,7 @@ def _bool(value: Any) -> bool:
 
 
 def _number(meta: typing.Mapping, *, integer: bool) -> Check:
-    low, high = meta.get("min"), meta.get("max")
+    low, high, nonfinite = meta.get("min"), meta.get("max"), meta.get("nonfinite")
 
     def bounded(number: Any) -> Any:
         if low is not None and number < low:
@@ -173,20 +185,27 @@ def _number(meta: typing.Mapping, *, integer: bool) -> Check:
             if value is None:
                 raise _null(value)
             raise _Invalid(f"expected an integer, got {_kind(value)}")
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _Invalid(f"must be a 64-bit integer (from {INT64_MIN} to {INT64_MAX})")
         return bounded(value)
 
     def check_float(value: Any) -> float:
         kind = value.__class__
         if kind is not float and kind is not int:
             if isinstance(value, str) and value in NONFINITE:
-                return NONFINITE[value]
-            if value is None:
+                value = NONFINITE[value]
+            elif value is None:
                 raise _null(value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise _Invalid(f"expected a number, got {_kind(value)}")
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer literal beyond the float range
+            raise _Invalid("must be a finite number") from None
         if number != number or number == _INF or number == -_INF:
-            return number
+            if nonfinite:
+                return number
+            raise _Invalid(f"must be a finite number, got {dump_float(number)}")
         return bounded(number)
 
     return check_int if integer else check_float
@@ -201,6 +220,8 @@ def _str(meta: typing.Mapping) -> Check:
             if value is None:
                 raise _null(value)
             raise _Invalid(f"expected a string, got {_kind(value)}")
+        if "\x00" in value:
+            raise _Invalid(_NUL)
         if max_len is not None and len(value) > max_len:
             raise _Invalid(f"at most {max_len} characters allowed, got {len(value)}")
         if choices and value not in choices:
@@ -210,6 +231,38 @@ def _str(meta: typing.Mapping) -> Check:
         return value
 
     return check
+
+
+_NUL = "may not contain NUL characters"
+
+
+def _any(value: Any, depth: int = 0) -> Any:
+    """A free-form JSON value: nested at most ``MAX_ANY_DEPTH`` deep, with the same limits on its
+    numbers and strings as typed fields (PostgreSQL stores it as jsonb, which holds no NUL)."""
+    kind = value.__class__
+    if kind is str:
+        if "\x00" in value:
+            raise _Invalid(_NUL)
+    elif kind is int:
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _Invalid(f"must be a 64-bit integer (from {INT64_MIN} to {INT64_MAX})")
+    elif kind is float:
+        if value != value or value in (_INF, -_INF):
+            raise _Invalid("must be a finite number")
+    elif kind is dict or kind is list:
+        if depth >= MAX_ANY_DEPTH:
+            raise _Invalid(f"nested more than {MAX_ANY_DEPTH} levels deep")
+        items = value.items() if kind is dict else enumerate(value)
+        for key, item in items:
+            if kind is dict and (not isinstance(key, str) or "\x00" in key):
+                raise _Invalid("keys must be strings without NUL characters", (str(key).replace("\x00", ""),))
+            try:
+                _any(item, depth + 1)
+            except _Invalid as exc:
+                raise _Invalid(exc.reason, (str(key), *exc.path)) from None
+    elif value is not None and kind is not bool:
+        raise _Invalid(f"expected a JSON value, got {_kind(value)}")
+    return value
 
 
 def _list(item_tp: Any, max_len: int | None) -> Check:
@@ -257,14 +310,21 @@ def _dict(key_tp: Any, value_tp: Any, max_len: int | None, choices: frozenset | 
     return check
 
 
+def dump_float(number: float) -> Any:
+    """A float as it travels: non-finite ones as ``"nan"``, ``"inf"`` or ``"-inf"``."""
+    if math.isfinite(number):
+        return number
+    return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
+
+
 def dump(message: Any) -> dict:
     """The JSON-ready dict of a message (non-finite floats become strings)."""
     return _encode(dataclasses.asdict(message))
 
 
 def _encode(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, float):
+        return dump_float(value)
     if isinstance(value, dict):
         return {k: _encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agents.protocol.base import ProtocolError, field
+from agents.protocol.base import MAX_TIME, ProtocolError, field
 
 REPORTS_PATH = "/api/v1/jobs/{job}/reports"
 CHECKPOINTS_PATH = "/api/v1/jobs/{job}/checkpoints"
@@ -61,8 +61,9 @@ class StepReport:
     generation: int = field(min=0)
     rank: int = field(min=0, max=1_000_000)
     step: int = field(min=1)  # steps completed, counting this one
-    loss: float = field()  # this rank's loss; NaN/Inf allowed (sent as "nan"/"inf")
-    grad_norm: float | None = field()  # global gradient norm before clipping; None if not computed
+    loss: float = field(nonfinite=True)  # this rank's loss; NaN/Inf allowed (sent as "nan"/"inf")
+    #: Global gradient norm before clipping (NaN/Inf allowed); None if not computed.
+    grad_norm: float | None = field(nonfinite=True)
     world_size: int = field(min=1)
     data_cursor: int = field(min=0)  # global samples consumed by all ranks after this step
     samples: int = field(min=0)  # samples this rank trained on in this step
@@ -72,7 +73,7 @@ class StepReport:
     spike: bool = field(default=False)
     nan: bool = field(default=False)
     inconsistent: bool = field(default=False)  # the last consistency check flagged the ranks
-    time: float = field(min=0)  # unix time at the end of the step
+    time: float = field(min=0, max=MAX_TIME)  # unix time at the end of the step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +88,7 @@ class Event:
     key: str = field(max_len=200)
     message: str = field(max_len=2000)
     detail: dict[str, Any] = field(default_factory=dict, max_len=32)
-    time: float = field(min=0)
+    time: float = field(min=0, max=MAX_TIME)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,7 @@ class CheckpointCommit:
     generation: int = field(min=0)
     step: int = field(min=0)
     path: str = field(max_len=4096)
-    loss: float = field()
+    loss: float = field(nonfinite=True)  # NaN when the training loop reported none
     config_hash: str = field(max_len=64)
     data_cursor: int = field(min=0)
     world_size: int = field(min=1)

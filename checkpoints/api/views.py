@@ -28,7 +28,7 @@ from checkpoints.api.serializers import (
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
 from controlplane import roles
-from controlplane.api import parse_wire, require_hooks_caller
+from controlplane.api import int_param, parse_wire, require_hooks_caller
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from controlplane.schema import protocol_schema
@@ -46,15 +46,6 @@ _FILTERS = [
 _CONFLICT = OpenApiResponse(description="Problem details: the checkpoint's state forbids it (the reason says why).")
 
 
-def _int_param(params, name: str) -> int | None:
-    raw = params.get(name)
-    if raw is None or raw == "":
-        return None
-    if not raw.lstrip("-").isdigit():
-        raise ValidationError({name: ["Must be an integer."]})
-    return int(raw)
-
-
 def filter_checkpoints(checkpoints, params, *, job: Job | None = None):
     """The list filters shared by ``/checkpoints`` and ``/jobs/{id}/checkpoints``."""
     if state := params.get("state"):
@@ -63,15 +54,15 @@ def filter_checkpoints(checkpoints, params, *, job: Job | None = None):
         if unknown:
             raise ValidationError({"state": [f"Unknown states {unknown}; use {sorted(CheckpointState.values)}."]})
         checkpoints = checkpoints.filter(state__in=states)
-    if (generation := _int_param(params, "generation")) is not None:
+    if (generation := int_param(params, "generation")) is not None:
         checkpoints = checkpoints.filter(generation__number=generation)
     if (permanent := params.get("permanent")) is not None:
         if permanent not in ("true", "false"):
             raise ValidationError({"permanent": ["Use true or false."]})
         checkpoints = checkpoints.filter(permanent=permanent == "true")
-    if (low := _int_param(params, "min_step")) is not None:
+    if (low := int_param(params, "min_step")) is not None:
         checkpoints = checkpoints.filter(step__gte=low)
-    if (high := _int_param(params, "max_step")) is not None:
+    if (high := int_param(params, "max_step")) is not None:
         checkpoints = checkpoints.filter(step__lte=high)
     if (branch := params.get("branch")) is not None:
         if branch != "active" or job is None:
@@ -92,7 +83,7 @@ class CheckpointList(generics.ListAPIView):
 
     def get_queryset(self):
         checkpoints = Checkpoint.objects.select_related("generation").order_by("-step", "-pk")
-        if (job := _int_param(self.request.query_params, "job")) is not None:
+        if (job := int_param(self.request.query_params, "job")) is not None:
             checkpoints = checkpoints.filter(job_id=job)
         return filter_checkpoints(checkpoints, self.request.query_params)
 

@@ -23,6 +23,7 @@ from controlplane.api import (
 )
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
+from controlplane.schema import protocol_schema
 from jobs import services
 from jobs.api.serializers import (
     ApproveSerializer,
@@ -172,8 +173,10 @@ class JobReports(APIView):
 
     required = roles.HOOKS
 
-    @extend_schema(request=None, responses={202: None, 409: None},
-                   description="Body: agents.protocol.hooks.ReportBatch. 409 when the generation is stale.")
+    @extend_schema(request=protocol_schema(hooks_protocol.ReportBatch),
+                   responses={202: protocol_schema(hooks_protocol.ReportsAccepted), 403: None, 409: None},
+                   description="Body: agents.protocol.hooks.ReportBatch. 403 when the token does not speak for "
+                               "that generation; 409 when the generation is stale or the job has ended.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         require_hooks_caller(request, job)
@@ -199,15 +202,14 @@ class JobControl(APIView):
 
     @extend_schema(parameters=[OpenApiParameter("generation", int, required=True),
                                OpenApiParameter("rank", int, required=False)],
-                   responses={200: None}, description="Answers agents.protocol.hooks.Control.")
+                   responses={200: protocol_schema(hooks_protocol.Control)},
+                   description="Answers agents.protocol.hooks.Control.")
     def get(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         require_hooks_caller(request, job)
-        raw = request.query_params.get("generation", "")
-        if not raw.isdigit():
-            raise ValidationError({"generation": ["required, a non-negative integer"]})
-        require_hooks_caller(request, job, int(raw))
-        return Response(dump(services.control_for(job, int(raw))))
+        generation = int_param(request.query_params, "generation", required=True)
+        require_hooks_caller(request, job, generation)
+        return Response(dump(services.control_for(job, generation)))
 
 
 class _Action(APIView):

@@ -22,6 +22,7 @@ from controlplane import roles
 from controlplane.api import choices_param, parse_wire
 from controlplane.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
 from controlplane.problems import Conflict
+from controlplane.schema import protocol_schema
 from jobs.state import StaleGeneration
 from nodes import services
 from nodes.api.serializers import (
@@ -241,7 +242,8 @@ class AgentRegister(WireErrors, APIView):
         # Without this DRF would answer a refused token with 403; a 401 needs a challenge.
         return 'Bearer realm="agent-registration"'
 
-    @extend_schema(request=None, responses={201: None, 401: None, 403: None},
+    @extend_schema(request=protocol_schema(wire.Register),
+                   responses={201: protocol_schema(wire.RegisterResponse), 401: None, 403: None},
                    description="Body: agents.protocol.agent.Register; answers RegisterResponse.")
     def post(self, request):
         check_body_size(request)
@@ -256,7 +258,7 @@ class AgentRegister(WireErrors, APIView):
 
 
 class AgentHeartbeat(AgentEndpoint):
-    @extend_schema(request=None, responses={200: None},
+    @extend_schema(request=protocol_schema(wire.Heartbeat), responses={200: protocol_schema(wire.HeartbeatResponse)},
                    description="Body: agents.protocol.agent.Heartbeat; answers HeartbeatResponse (open commands).")
     def post(self, request, node_id):
         beat = parse_wire(wire.Heartbeat, request)
@@ -267,7 +269,7 @@ class AgentHeartbeat(AgentEndpoint):
 
 
 class AgentTelemetry(AgentEndpoint):
-    @extend_schema(request=None, responses={202: None},
+    @extend_schema(request=protocol_schema(wire.TelemetryBatch), responses={202: None},
                    description="Body: agents.protocol.agent.TelemetryBatch; duplicates of (node, gpu, time) "
                                "are skipped.")
     def post(self, request, node_id):
@@ -283,8 +285,9 @@ class AgentTelemetry(AgentEndpoint):
 
 
 class AgentEvents(AgentEndpoint):
-    @extend_schema(request=None, responses={202: None},
-                   description="Body: agents.protocol.agent.EventBatch; a key already stored is skipped.")
+    @extend_schema(request=protocol_schema(wire.EventBatch), responses={202: None},
+                   description="Body: agents.protocol.agent.EventBatch; a key already stored is skipped. 403 "
+                               "(nothing recorded) when an event names a generation not placed on this node.")
     def post(self, request, node_id):
         batch = parse_wire(wire.EventBatch, request)
         try:
@@ -296,7 +299,8 @@ class AgentEvents(AgentEndpoint):
 
 
 class AgentCommandAck(AgentEndpoint):
-    @extend_schema(request=None, responses={200: NodeCommandSerializer, 404: None, 409: None},
+    @extend_schema(request=protocol_schema(wire.CommandAck),
+                   responses={200: NodeCommandSerializer, 404: None, 409: None},
                    parameters=[OpenApiParameter("command_id", int, OpenApiParameter.PATH)],
                    description="Body: agents.protocol.agent.CommandAck. 409 when the command's generation is "
                                "no longer the job's, or the acknowledgement contradicts the command.")

@@ -4,9 +4,14 @@ requests — positive and negative — through the WSGI app on the test PostgreS
 
 Half the generated cases keep their random path ids (mostly 404s); the other half are pointed at
 real objects (a running job, a paused one, a node, a checkpoint, an incident), so that detail
-views, filters and actions run their real code. Agent operations are called with the node
-agent's token for its own node; everything else with an on-call token, which holds every human
-capability.
+views, filters and actions run their real code.
+
+The whole document is walked three times, each time as one principal: an on-call token (every
+human capability), the node agent's token (node 1, which runs generation 1 of the job) and the
+job token of that generation. The request bodies of the agent and hooks endpoints are declared
+(generated from ``agents.protocol``), so each principal's own operations get generated bodies;
+the others' operations answer it 401/403, which the document must describe as well.
+About 30 s per principal on one core.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-pytestmark = [pytest.mark.django_db, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.django_db, pytest.mark.timeout(300)]
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES_PER_OPERATION = int(os.environ.get("NIGHTWATCH_FUZZ_EXAMPLES", "25"))
@@ -64,31 +69,51 @@ def wsgi_app():
     signals.request_finished.connect(close_old_connections)
 
 
-def test_generated_requests_find_no_server_error_and_no_schema_violation(world, wsgi_app):
+def _issuer(world, principal: str):
+    """``issue()`` -> a new raw token of ``principal``'s kind: the token the pass calls with."""
+    from controlplane.models import ApiToken
+
+    cast = world.cast
+    kinds = {
+        "oncall": {"scope": "oncall", "user": cast.oncall},
+        "agent": {"scope": "agent", "node": cast.node1},
+        "job": {"scope": "job", "job": cast.job, "generation": world.generation.number},
+    }
+    return lambda: ApiToken.issue(name=f"fuzz-{principal}", **kinds[principal])[1]
+
+
+@pytest.mark.parametrize("principal", ["oncall", "agent", "job"])
+def test_generated_requests_find_no_server_error_and_no_schema_violation(world, wsgi_app, principal):
     schema = schemathesis.openapi.from_wsgi("/api/schema/", wsgi_app)
-    tokens = world.cast.tokens
+    world.cast.job.generation = world.generation.number  # the job token's generation is the current one
+    world.cast.job.save(update_fields=["generation"])
+    issue = _issuer(world, principal)
+    token = issue()
     calls = {"total": 0}
     failures: list[str] = []
 
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 35, [op.label for op in operations]
+    undeclared = [op.label for op in operations
+                  if op.method.upper() == "POST" and op.definition.raw.get("x-required-capability") in _MACHINE
+                  and "requestBody" not in op.definition.raw]
+    assert not undeclared, f"agent and hooks operations without a declared request body: {undeclared}"
     for operation in operations:
-        capability = operation.definition.raw.get("x-required-capability")
-        if capability == "token":  # rotating revokes the caller's token: give each call its own
-            def headers():
-                from controlplane.models import ApiToken
-
-                return {"Authorization": f"Bearer {ApiToken.issue(name='ci', scope='ci', user=world.cast.ci_user)[1]}"}
+        if operation.definition.raw.get("x-required-capability") == "token":
+            def headers():  # rotating revokes the caller's token: give each call its own
+                return {"Authorization": f"Bearer {issue()}"}
         else:
-            fixed = {"Authorization": f"Bearer {tokens['agent' if capability == 'agent' else 'oncall']}"}
-
-            def headers(fixed=fixed):
-                return fixed
+            def headers():
+                return {"Authorization": f"Bearer {token}"}
         _fuzz(operation, headers, _real_ids(world, operation.path), calls, failures)
 
     assert not failures, f"{len(failures)} failing requests:\n" + "\n".join(failures[:40])
-    print(f"schemathesis: {calls['total']} requests over {len(operations)} operations")
+    print(f"schemathesis ({principal}): {calls['total']} requests over {len(operations)} operations")
     assert calls["total"] >= MINIMUM_REQUESTS, calls
+
+
+#: Capabilities of machine principals: their bodies are wire-protocol messages (controlplane.schema).
+_MACHINE = {"agent", "hooks", None}
 
 
 def _fuzz(operation, make_headers, real: dict, calls: dict, failures: list) -> None:
