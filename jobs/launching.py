@@ -67,6 +67,8 @@ def spec_hash(job: Job) -> str:
     """What "the same config" means when deciding that a failure repeats deterministically."""
     spec = {"entrypoint": job.entrypoint, "args": job.args, "nproc_per_node": job.nproc_per_node,
             "nccl_profile": job.nccl_profile}
+    if job.module:  # only then: the hashes of script jobs stay what they were
+        spec["module"] = job.module
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -201,7 +203,8 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
     peers = [n for n in nodes if n.pk != nodes[node_rank].pk and n.probe_port]
     return {
         "probe_peers": probe_peers_for(peers),
-        "script": job.entrypoint,
+        "script": job.entrypoint or None,
+        "module": job.module or None,
         "nnodes": len(nodes),
         "nproc_per_node": job.nproc_per_node,
         "node_rank": node_rank,

@@ -37,7 +37,7 @@ from agents.protocol.agent import (
     Heartbeat,
     HeartbeatResponse,
     LaunchPayload,
-    NcclProfileError,
+    LaunchSpecError,
     StopPayload,
     XidDetail,
 )
@@ -110,7 +110,7 @@ class Agent:
                 CommandLedger(self.config.work_dir / "commands.json"),
                 {"launch": self._launch, "stop": self._stop_generation, "drain": self._drain,
                  "health_check": self._health_check},
-                self.outbox.add_ack, refusals=(StaleGeneration, NcclProfileError))
+                self.outbox.add_ack, refusals=(StaleGeneration, LaunchSpecError))
             self.outbox.add_event("agent_started", AgentStarted(
                 agent_version=__version__, gpu_telemetry=self.source.available,
                 gpu_telemetry_reason=self.source.reason))
