@@ -411,9 +411,17 @@ def _open_directory(name: str, parent: int | None) -> int:
     try:
         return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent)
     except OSError as error:
-        if error.errno == errno.ELOOP:
+        # Linux answers ENOTDIR, not ELOOP, for a symlink opened with O_DIRECTORY | O_NOFOLLOW.
+        if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and _is_symlink(name, parent)):
             raise UnsafePath(f"{name} is a symlink; checkpoint directories are never reached through one") from error
         raise
+
+
+def _is_symlink(name: str, parent: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _hash_open_file(descriptor: int, name: str, size: int, budget: _Running, *, keep: bool) -> tuple[str, bytes]:
