@@ -36,5 +36,7 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[server
 # Every service of the image runs as this unprivileged user (docs/security.md, "Processes").
 USER nightwatch
 EXPOSE 8000
-# Refuses to start when production settings are unsafe (nightwatch.E001-E003).
+# Refuses to start when production settings are unsafe (nightwatch.E001-E004). No --proxy-headers:
+# daphne would believe X-Forwarded-For from any peer; controlplane.auth.client_address believes it
+# only from NIGHTWATCH_TRUSTED_PROXIES.
 CMD ["sh", "-c", "python manage.py check --deploy --fail-level ERROR && python manage.py migrate --noinput && exec daphne -b 0.0.0.0 -p 8000 controlplane.asgi:application"]

@@ -39,13 +39,15 @@ class World:
         self.cluster, self.browser, self.people, self.nodes, self.agent_tokens = (
             cluster, browser, people, nodes, agent_tokens)
         self.signed_in: dict[str, dict] = {}
+        #: what the pages' Content-Security-Policy blocked: the dashboard must work within it
+        self.csp_violations: list[str] = []
 
     def page_as(self, who: str):
         """A new browser context signed in as ``who`` through the login page (once per person)."""
         options = {"viewport": {"width": 1400, "height": 1000}}
         if who in self.signed_in:
-            return self.browser.new_context(storage_state=self.signed_in[who], **options).new_page()
-        page = self.browser.new_context(**options).new_page()
+            return self._watched(self.browser.new_context(storage_state=self.signed_in[who], **options).new_page())
+        page = self._watched(self.browser.new_context(**options).new_page())
         page.goto(f"{self.cluster.url}/")
         assert "/login/" in page.url
         page.fill("input[name=username]", who)
@@ -53,6 +55,11 @@ class World:
         page.click("form#login button[type=submit]")
         page.wait_for_url(f"{self.cluster.url}/")
         self.signed_in[who] = page.context.storage_state()
+        return page
+
+    def _watched(self, page):
+        page.on("console", lambda message: self.csp_violations.append(message.text)
+                if "Content Security Policy" in message.text else None)
         return page
 
     def report(self, job, steps, *, generation: int, node: str = "gpu-01", spike_at=(), skipped_at=()) -> float:
@@ -126,6 +133,7 @@ def test_the_dashboard_in_a_browser(world, tmp_path):
         a_viewer_sees_no_button_and_a_forged_post_is_refused(world)
         drain_from_the_nodes_page(world)
         rollback_from_the_lineage_tree_starts_a_new_branch(world, tmp_path)
+        assert world.csp_violations == []
     except BaseException:
         print(world.cluster.dump_logs())
         raise
@@ -196,9 +204,11 @@ def reports_spikes_breaker_approve_and_reconnect(world):
 
     # Reports posted through the API show on the open chart within a second of their commit.
     world.report(job, [1, 2], generation=1)
-    page.wait_for_function("window.nightwatch.points.has(2)", timeout=10_000)
+    # Functions, not bare expressions: Playwright eval()s an expression in the page, which the page's
+    # CSP forbids (no 'unsafe-eval'); a function is compiled by the DevTools protocol instead.
+    page.wait_for_function("() => window.nightwatch.points.has(2)", timeout=10_000)
     answered = world.report(job, [3, 4, 5], generation=1, spike_at={4}, skipped_at={5})
-    page.wait_for_function("window.nightwatch.points.has(5)", timeout=10_000)
+    page.wait_for_function("() => window.nightwatch.points.has(5)", timeout=10_000)
     assert time.monotonic() - answered <= CHART_WITHIN_S
     page.wait_for_selector('#markers li[data-kind=spike][data-step="4"]', timeout=5_000)
     page.wait_for_selector('#markers li[data-kind=skipped][data-step="5"]', timeout=5_000)
@@ -235,7 +245,7 @@ def reports_spikes_breaker_approve_and_reconnect(world):
     time.sleep(0.5)  # what the relay pushes now reaches no one: this page is disconnected
     assert page.locator("#job-state:has-text('quiescing')").count() == 0
     page.evaluate("window.nightwatch.holdReconnect = false")
-    page.wait_for_function(f"window.nightwatch.snapshots > {snapshots}", timeout=15_000)
+    page.wait_for_function(f"() => window.nightwatch.snapshots > {snapshots}", timeout=15_000)
     page.wait_for_selector("#job-state:has-text('quiescing')", timeout=5_000)
     assert page.evaluate("window.nightwatch.points.has(12)")
     page.context.close()
