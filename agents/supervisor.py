@@ -56,9 +56,12 @@ from agents.protocol.agent import (
     ExitReport,
     LaunchedDetail,
     LaunchPayload,
+    LaunchSpecError,
     RankExit,
     RunningGeneration,
-    validate_nccl_profile,
+    module_files,
+    nccl_environment,
+    validate_launch,
 )
 from agents.protocol.hooks import EXIT_PAUSED, EXIT_RESUME_REFUSED, EXIT_STALE_GENERATION
 
@@ -350,6 +353,12 @@ def _await_exit(gen: _Generation) -> None:
     gen.over.set()
 
 
+def _file_of(root: Path, name: str) -> bool:
+    """Whether ``name`` is a regular file inside ``root`` once every symlink is resolved."""
+    path = (root / name).resolve()
+    return path.is_relative_to(root) and path != root and path.is_file()
+
+
 def _record_path(records_dir: Path, job: str, generation: int) -> Path:
     return records_dir / f"{job}@{generation}.json"  # "@" cannot occur in a job id (ID_PATTERN)
 
@@ -473,8 +482,15 @@ class Supervisor:
         return [r for r in self.running() if any(r.job == g.job and r.generation == g.generation for g in adopted)]
 
     def launch(self, job: str, generation: int, payload: LaunchPayload) -> LaunchedDetail:
-        """Start torchrun for ``generation`` (idempotent for the generation already running)."""
-        nccl_env = validate_nccl_profile(payload.nccl_env)
+        """Start torchrun for ``generation`` (idempotent for the generation already running).
+
+        A payload whose script or module is not a file of the code directory, or whose profile
+        is not allowed, raises ``LaunchSpecError`` before anything is stopped or started.
+        """
+        gen_dir = self.work_dir / "jobs" / job / f"generation-{generation}"
+        cwd = str(payload.workdir or gen_dir)
+        command = self._command(payload, Path(cwd))
+        nccl_env = nccl_environment(payload.nccl_env, str(gen_dir))
         with self._lock:
             self._check_fence(job, generation)
             current = self._running.get(job)
@@ -484,12 +500,9 @@ class Supervisor:
             log.warning("job %s: generation %d supersedes running generation %d", job, generation,
                         current.generation)
             self.stop(job, current.generation, self._default_grace_s)
-        gen_dir = self.work_dir / "jobs" / job / f"generation-{generation}"
         gen_dir.mkdir(parents=True, exist_ok=True)
         log_path = gen_dir / "torchrun.log"
-        command = self._command(payload)
         env = self._environment(job, generation, payload, nccl_env, gen_dir)
-        cwd = str(payload.workdir or gen_dir)
         # A fresh file for this launch (the reader starts at its beginning), appended to by torchrun.
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
@@ -621,12 +634,26 @@ class Supervisor:
     def _drop_record(self, gen: _Generation) -> None:
         _record_path(self._records_dir, gen.job, gen.generation).unlink(missing_ok=True)
 
-    def _command(self, p: LaunchPayload) -> list[str]:
+    def _command(self, p: LaunchPayload, code_dir: Path) -> list[str]:
+        """torchrun's argument list: its own options, then the script (or ``--module`` and the
+        module), then the job's arguments verbatim. The target is checked again here, whoever
+        built the payload: it must not read as a torchrun option and must be a file of
+        ``code_dir`` (``LaunchSpecError`` otherwise)."""
+        validate_launch(p)
         command = [*self._torchrun, f"--nnodes={p.nnodes}", f"--nproc-per-node={p.nproc_per_node}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}",
                    f"--node-rank={p.node_rank}", "--max-restarts=0"]
         if p.rdzv_is_host:
             command.append("--rdzv-conf=is_host=1")
+        root = code_dir.resolve()
+        if p.module is not None:
+            if not any(all(_file_of(root, name) for name in files) for files in module_files(p.module)):
+                raise LaunchSpecError("module", f"{p.module!r} is not a module of the code directory {root} (every "
+                                                "package needs its __init__.py)")
+            return [*command, "--module", p.module, *p.args]
+        assert p.script is not None  # validate_launch: exactly one of script and module
+        if not _file_of(root, p.script):
+            raise LaunchSpecError("script", f"{p.script!r} is not a file inside the code directory {root}")
         return [*command, p.script, *p.args]
 
     @staticmethod

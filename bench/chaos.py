@@ -251,6 +251,8 @@ class NightwatchSide(Side):
         name = urllib.parse.urlsplit(self.url).path.lstrip("/")
         self.cluster = Cluster(self.work / "cluster", database_name=name, redis_db=REDIS_DB, settings={
             "DATABASE_URL": self.url, "DEBUG": "0", "NIGHTWATCH_HEARTBEAT_INTERVAL_S": "1",
+            # The job's checkpoint_policy.dir (work/ckpt) must lie inside the checkpoint root.
+            "NIGHTWATCH_CHECKPOINT_ROOT": str(self.work),
             # Unreachable after 10 s of silence (production: 3 x 5 s): longer than a restarting agent
             # is away, as in production, where systemd restarts it within a second or two.
             "NIGHTWATCH_HEARTBEAT_MISSES": str(HEARTBEAT_MISSES),

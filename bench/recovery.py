@@ -554,7 +554,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster = Cluster(base / "cluster", database_name=name, redis_db=REDIS_DB,
                           settings={"DATABASE_URL": url, "NIGHTWATCH_HEARTBEAT_INTERVAL_S": str(opts.heartbeat_s),
-                                    "NIGHTWATCH_SWEEP_INTERVAL_S": str(opts.sweep_s), "DEBUG": "0"})
+                                    "NIGHTWATCH_SWEEP_INTERVAL_S": str(opts.sweep_s), "DEBUG": "0",
+                                    # Each run's checkpoint_policy.dir (a directory made under the
+                                    # cluster's) must lie inside the checkpoint root.
+                                    "NIGHTWATCH_CHECKPOINT_ROOT": str(base / "cluster")})
         cluster.start_web()
         cluster.start_worker(checkpoint_worker=True)
         token = operator_token()

@@ -18,7 +18,11 @@ class Job(models.Model):
 
     name = models.CharField(max_length=100)
     # --- spec: what to run --------------------------------------------------------------
-    entrypoint = models.CharField(max_length=500, help_text="Training script, relative to the work dir.")
+    # Exactly one of entrypoint and module is set (agents.protocol.agent.validate_launch_target).
+    entrypoint = models.CharField(max_length=500, blank=True,
+                                  help_text="Training script (.py), relative to the nodes' code directory.")
+    module = models.CharField(max_length=200, blank=True,
+                              help_text="Or a module of the code directory, run as `python -m`.")
     args = models.JSONField(default=list, blank=True)
     nnodes = models.PositiveSmallIntegerField(default=1)
     nproc_per_node = models.PositiveSmallIntegerField(default=1)

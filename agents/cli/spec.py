@@ -3,18 +3,19 @@
 The file holds what ``POST /api/v1/jobs`` accepts::
 
     name: tiny-lm                    # letters, digits, . _ -
-    entrypoint: examples/train.py    # relative to the work directory
-    args: [--steps, 40]
+    entrypoint: examples/train.py    # a .py file, relative to the nodes' code directory
+    # module: pkg.train              # or, instead of entrypoint: a module of it, run as python -m
+    args: [--steps, 40]              # passed verbatim after the script
     nnodes: 1
     nproc_per_node: 2
     accelerator: cpu                 # gpu (nccl) or cpu (gloo)
     checkpoint_policy: {interval_steps: 10, keep_last: 3}
     recovery_policy: {max_restarts: 5, backoff_seconds: 5}
 
-Here the shape is checked (known keys, types, enums, the NCCL profile with the agent's own rules
-from ``agents.protocol``); the ranges and the rest are the server's rules, and a refusal from the
-server names its field, which ``locate`` maps back to the line of the file. So every complaint
-reads ``job.yaml:7: recovery_policy.max_restarts: …``, wherever it was found.
+Here the shape is checked (known keys, types, enums, the script or module and the NCCL profile
+with the agent's own rules from ``agents.protocol``); the ranges and the rest are the server's
+rules, and a refusal from the server names its field, which ``locate`` maps back to the line of
+the file. So every complaint reads ``job.yaml:7: recovery_policy.max_restarts: …``, wherever it was found.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from agents.protocol.agent import NcclProfileError, validate_nccl_profile
+from agents.protocol.agent import LaunchSpecError, module_problem, script_problem, validate_nccl_profile
 
 STR, INT, BOOL = "a string", "an integer", "true or false"
 
@@ -33,10 +34,12 @@ CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto
                      "keep_last": INT, "permanent_every_hours": INT}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
                    "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT}
-TOP_LEVEL = {"name": STR, "entrypoint": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
+TOP_LEVEL = {"name": STR, "entrypoint": STR, "module": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
              "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY}
-REQUIRED = ("name", "entrypoint")
+REQUIRED = ("name",)
+#: What torchrun runs: exactly one of these, each checked by the agent's own rule.
+TARGETS = {"entrypoint": script_problem, "module": module_problem}
 #: may be null: the server derives the value
 NULLABLE = {"recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s"}
 
@@ -95,9 +98,23 @@ def load(path: str | Path) -> Spec:
     for required in REQUIRED:
         if required not in body and not any(p.field == required for p in problems):
             problems.append(Problem(root.start_mark.line + 1, required, "required"))
+    problems.extend(_target_problems(body, lines, root.start_mark.line + 1, problems))
     if problems:
         raise SpecError(name, sorted(problems, key=lambda p: p.line))
     return Spec(name, body, lines)
+
+
+def _target_problems(body: dict, lines: dict, top: int, found: list) -> list[Problem]:
+    given = [key for key in TARGETS if key in body]
+    if len(given) > 1:
+        return [Problem(lines["module"], "module", "give entrypoint or module, not both")]
+    if not given:
+        if any(p.field in TARGETS for p in found):
+            return []  # already reported (wrong type)
+        return [Problem(top, "entrypoint", "required (or module: a module to run as python -m)")]
+    key = given[0]
+    problem = TARGETS[key](body[key])
+    return [Problem(lines[key], key, problem)] if problem else []
 
 
 def _mapping(node, schema: dict, prefix: str, lines: dict, problems: list) -> dict:
@@ -183,6 +200,6 @@ def _nccl(node, dotted: str, problems: list) -> dict:
     profile = {str(k.value): str(v.value) for k, v in node.value if isinstance(v, yaml.ScalarNode)}
     try:
         return validate_nccl_profile(profile)
-    except NcclProfileError as exc:
+    except LaunchSpecError as exc:
         problems.append(Problem(line, dotted, str(exc)))
         return {}

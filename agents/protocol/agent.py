@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ MAX_EVENTS_PER_BATCH = 256
 MAX_COMMANDS_PER_HEARTBEAT = 64
 MAX_LOG_TAIL_LINES = 80
 MAX_LOG_LINE = 500
+MAX_SCRIPT = 500
+MAX_MODULE = 200
 
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")
@@ -161,14 +164,18 @@ class ProbePeer:
 class LaunchPayload:
     """What torchrun needs for one node of one generation; the hooks' settings ride along."""
 
-    script: str = field(max_len=1024)
     nnodes: int = field(min=1, max=4096)
     nproc_per_node: int = field(min=1, max=64)
     node_rank: int = field(min=0, max=4095)
     rdzv_endpoint: str = field(pattern=r"[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}")
     rdzv_id: str = field(pattern=ID_PATTERN)
+    #: What torchrun runs, exactly one of the two (``validate_launch_target``): a ``.py`` file of the
+    #: code directory (``workdir``), or a module of it run as ``python -m``.
+    script: str | None = field(default=None, max_len=1024)
+    module: str | None = field(default=None, max_len=MAX_MODULE)
+    #: Passed verbatim after the script: never split, trimmed or read by a shell.
     args: list[str] = field(default_factory=list, max_len=256)
-    #: Validated by ``agents.supervisor.validate_nccl_profile`` (names and values).
+    #: Validated by ``validate_nccl_profile`` (names and values).
     nccl_env: dict[str, str] = field(default_factory=dict, max_len=64)
     #: ``--rdzv-conf=is_host=1``: needed on the node hosting the store when its name resolves
     #: to loopback, as in single-machine demos.
@@ -209,11 +216,69 @@ class HealthCheckPayload:
     require_gpu: bool = True
 
 
-# --- NCCL environment profile ----------------------------------------------------------------
-# Validated here, in the protocol, so that the control plane refuses a bad profile when the job
-# is created and the agent refuses it again before launching: same rules, one definition.
+# --- what a launch runs ----------------------------------------------------------------------
+# Checked here, in the protocol, so that the control plane refuses a bad spec when the job is
+# created and the agent (and the Slurm script) refuse it again before launching: one definition.
+# The script becomes torchrun's positional ``training_script``, after all of torchrun's own
+# options; a value starting with "-" would be read as one of them (``--no-python`` turns the
+# arguments into an arbitrary command), so no segment of a script may start with anything but a
+# letter, digit or "_".
 
-class NcclProfileError(ProtocolError):
+class LaunchSpecError(ProtocolError):
+    """A launch names a script, module or environment variable it may not; ``field`` says which."""
+
+
+_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}"
+#: A relative path of a ``.py`` file: no ``..``, no hidden or empty segment, nothing absolute.
+SCRIPT_PATTERN = rf"(?:{_SEGMENT}/){{0,15}}{_SEGMENT}\.py"
+MODULE_PATTERN = r"[A-Za-z_][A-Za-z0-9_]{0,99}(?:\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,15}"
+#: ``python -m`` finds these before the code directory (builtin and frozen modules) or they turn
+#: their arguments into code (``pdb -c``, ``timeit -s``, ``runpy``): never a training module.
+RESERVED_MODULES = frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names)
+
+
+def script_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a job's script, or None."""
+    if len(value) > MAX_SCRIPT or not re.fullmatch(SCRIPT_PATTERN, value):
+        return (f"must be a relative path to a .py file inside the code directory, at most {MAX_SCRIPT} "
+                "characters: letters, digits, '.', '_', '-' and '/'; no '..', no segment starting with '.' "
+                "or '-', not absolute")
+    return None
+
+
+def module_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a job's module, or None."""
+    if len(value) > MAX_MODULE or not re.fullmatch(MODULE_PATTERN, value):
+        return f"must be a dotted Python module name such as pkg.train, at most {MAX_MODULE} characters"
+    if value.split(".")[0] in RESERVED_MODULES:
+        return f"{value.split('.')[0]!r} is a standard-library module; name a module of the code directory"
+    return None
+
+
+def validate_launch_target(script: str | None, module: str | None) -> None:
+    """Exactly one of ``script`` and ``module``, each well-formed; ``LaunchSpecError`` otherwise."""
+    if (script is None) == (module is None):
+        raise LaunchSpecError("script", "give exactly one of script and module")
+    field_name, problem = ("script", script_problem(script)) if script is not None else (
+        "module", module_problem(module or ""))
+    if problem:
+        raise LaunchSpecError(field_name, problem)
+
+
+def module_files(module: str) -> list[tuple[str, ...]]:
+    """The files, relative to the code directory, that make ``module`` one of its own: each
+    alternative is complete. Every package on the way needs its ``__init__.py``: a namespace
+    package would let a regular package of the same name elsewhere on ``sys.path`` win."""
+    *packages, last = module.split(".")
+    inits = tuple("/".join([*packages[:i + 1], "__init__.py"]) for i in range(len(packages)))
+    base = "/".join([*packages, last])
+    return [(*inits, f"{base}.py"), (*inits, f"{base}/__init__.py", f"{base}/__main__.py")]
+
+
+# --- NCCL environment profile ----------------------------------------------------------------
+# Validated here too, for the same reason: same rules on both ends.
+
+class NcclProfileError(LaunchSpecError):
     """A job's NCCL profile names an unknown variable or gives one a bad value."""
 
     def __init__(self, name: str, reason: str):
@@ -251,8 +316,12 @@ def _name_list(item: str, *, prefixes: str = "", names: tuple[str, ...] = ()) ->
     return check
 
 
-def _absolute_path(value: str) -> str | None:
-    return None if value.startswith("/") and "\n" not in value else "must be an absolute path"
+def _file_name(value: str) -> str | None:
+    """A file NCCL writes: only its name; the launcher places it in the generation's log directory."""
+    if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.%-]{0,99}", value):
+        return None
+    return ("must be a bare file name (letters, digits, '.', '_', '-', NCCL's %h and %p); it is written "
+            "to the generation's log directory")
 
 
 _FLAG = _one_of("0", "1")
@@ -272,8 +341,8 @@ NCCL_PROFILE_RULES: dict[str, Callable[[str], str | None]] = {
     "NCCL_DEBUG_SUBSYS": _name_list("", prefixes="^", names=(
         "INIT", "COLL", "P2P", "SHM", "NET", "GRAPH", "TUNING", "ENV", "ALLOC", "CALL", "PROXY", "NVLS",
         "BOOTSTRAP", "REG", "PROFILE", "RAS", "ALL")),
-    "NCCL_DEBUG_FILE": _absolute_path,
-    "NCCL_TOPO_DUMP_FILE": _absolute_path,
+    "NCCL_DEBUG_FILE": _file_name,
+    "NCCL_TOPO_DUMP_FILE": _file_name,
     "NCCL_SOCKET_IFNAME": _name_list(_IFNAME, prefixes="^="),
     "GLOO_SOCKET_IFNAME": _name_list(_IFNAME),
     "NCCL_IB_HCA": _name_list(r"[A-Za-z0-9_.-]{1,32}(:[0-9]{1,3})?", prefixes="^="),
@@ -316,11 +385,37 @@ def validate_nccl_profile(env: Mapping[str, Any]) -> dict[str, str]:
         if isinstance(raw, bool) or not isinstance(raw, (str, int)):
             raise NcclProfileError(name, f"expected a string such as '1', got {raw!r}")
         value = str(raw)
+        # Every rule is an allow-list already; this one holds for any rule added later.
+        if any(c in value for c in "\0\n\r"):
+            raise NcclProfileError(name, "must not contain NUL or line breaks")
         problem = rule(value)
         if problem:
             raise NcclProfileError(name, f"{value!r} {problem}")
         out[name] = value
     return out
+
+
+#: Profile variables naming a file NCCL writes; the profile gives a bare name (``_file_name``).
+NCCL_FILE_VARIABLES = ("NCCL_DEBUG_FILE", "NCCL_TOPO_DUMP_FILE")
+
+
+def nccl_environment(profile: Mapping[str, Any], log_dir: str, prefix: str = "") -> dict[str, str]:
+    """The validated profile as it is exported: file names become ``log_dir/prefix+name``, so a
+    job can never make NCCL write anywhere but its generation's log directory."""
+    env = validate_nccl_profile(profile)
+    for name in NCCL_FILE_VARIABLES:
+        if name in env:
+            env[name] = f"{log_dir.rstrip('/')}/{prefix}{env[name]}"
+    return env
+
+
+def validate_launch(payload: LaunchPayload) -> None:
+    """What the wire schema cannot say about a launch: its target, its arguments, its profile."""
+    validate_launch_target(payload.script, payload.module)
+    for index, arg in enumerate(payload.args):
+        if "\0" in arg:  # execve could not pass it; refused, never cut short
+            raise LaunchSpecError(f"args.{index}", "must not contain NUL")
+    validate_nccl_profile(payload.nccl_env)
 
 
 COMMAND_PAYLOADS: dict[str, type] = {
@@ -342,7 +437,7 @@ def parse_command_payload(command: Command) -> Any:
         raise ProtocolError("generation", f"a {command.kind} command needs a job and a generation")
     payload = parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
     if isinstance(payload, LaunchPayload):
-        validate_nccl_profile(payload.nccl_env)
+        validate_launch(payload)
     return payload
 
 

@@ -2,20 +2,54 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
+from collections.abc import Mapping
 
+from django.conf import settings
 from rest_framework import serializers
 
-from agents.protocol.agent import NcclProfileError, validate_nccl_profile
+from agents.protocol.agent import (
+    MAX_MODULE,
+    MAX_SCRIPT,
+    LaunchSpecError,
+    module_problem,
+    script_problem,
+    validate_nccl_profile,
+)
 from jobs.models import Event, Generation, Incident, Job
 
 
-class CheckpointPolicySerializer(serializers.Serializer):
-    dir = serializers.CharField(max_length=1000, required=False,
-                                help_text="Checkpoint directory shared by the nodes and the control plane. "
-                                          "Default: <checkpoint root>/job-<id>.")
-    replica_dir = serializers.CharField(max_length=1000, required=False,
-                                        help_text="Second storage location for verified checkpoints.")
+class StrictSerializer(serializers.Serializer):
+    """Refuses keys it does not know, naming them: a misspelt policy field must not fall back to
+    its default in silence, and nothing that was sent is dropped."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, Mapping):
+            known = [name for name, f in self.fields.items() if not f.read_only]
+            unknown = {str(key): [_unknown(str(key), known)] for key in data if key not in known}
+            if unknown:
+                raise serializers.ValidationError(unknown)
+        return super().to_internal_value(data)
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"Unknown field; did you mean {close[0]!r}?" if close else f"Unknown field; known: {', '.join(known)}."
+
+
+def _text(**kwargs) -> serializers.CharField:
+    """A string taken as sent: never trimmed (NUL is refused by DRF's CharField)."""
+    return serializers.CharField(trim_whitespace=False, **kwargs)
+
+
+class CheckpointPolicySerializer(StrictSerializer):
+    dir = _text(max_length=1000, required=False,
+                help_text="Checkpoint directory shared by the nodes and the control plane, inside "
+                          "NIGHTWATCH_CHECKPOINT_ROOT. Default: <checkpoint root>/job-<id>.")
+    replica_dir = _text(max_length=1000, required=False,
+                        help_text="Second storage location for verified checkpoints.")
     interval = serializers.ChoiceField(choices=["fixed", "auto"], default="fixed",
                                        help_text="auto: follow the Young/Daly recommendation.")
     interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=100)
@@ -23,12 +57,21 @@ class CheckpointPolicySerializer(serializers.Serializer):
     permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30, default=12,
                                                      help_text="0 disables permanent checkpoints.")
 
+    def validate_dir(self, value):
+        # realpath on both sides: neither "..", nor a symlink inside the root, may lead out of it.
+        root = os.path.realpath(settings.NIGHTWATCH["CHECKPOINT_ROOT"])
+        if not os.path.isabs(value) or ".." in value.split("/"):
+            raise serializers.ValidationError(f"Must be an absolute path inside the checkpoint root {root}.")
+        if os.path.commonpath([root, os.path.realpath(value)]) != root or os.path.realpath(value) == root:
+            raise serializers.ValidationError(f"Must lie inside the checkpoint root {root}.")
+        return value
+
 
 STARTUP_TIMEOUT_RANGE = ("Must be between 10 and 86400 seconds (24 h), or null to derive it from the job's "
                          "earlier starts.")
 
 
-class RecoveryPolicySerializer(serializers.Serializer):
+class RecoveryPolicySerializer(StrictSerializer):
     max_restarts = serializers.IntegerField(min_value=0, max_value=1000, default=5,
                                             help_text="Automatic restarts allowed per window.")
     window_minutes = serializers.IntegerField(min_value=1, max_value=7 * 24 * 60, default=60)
@@ -50,21 +93,33 @@ class RecoveryPolicySerializer(serializers.Serializer):
                                                 help_text="Consecutive loss-spike steps before pausing.")
 
 
-class JobSpecSerializer(serializers.ModelSerializer):
-    """What a launch request may contain. Policies are stored with their defaults filled in."""
+class JobSpecSerializer(StrictSerializer, serializers.ModelSerializer):
+    """What a launch request may contain. Policies are stored with their defaults filled in.
 
-    args = serializers.ListField(child=serializers.CharField(max_length=1000, allow_blank=True), max_length=200,
-                                 default=list)
+    The script rules are the agent's own (``agents.protocol.agent``), checked on both ends: the
+    node refuses a launch whose script or module is not a file of its code directory.
+    """
+
+    name = _text(max_length=100)
+    entrypoint = _text(max_length=MAX_SCRIPT, required=False,
+                       help_text="Training script: a relative path to a .py file inside the nodes' code "
+                                 "directory, such as examples/train.py. Give this or module.")
+    module = _text(max_length=MAX_MODULE, required=False,
+                   help_text="Or a module of the code directory, run as `python -m` (torchrun --module), "
+                             "such as pkg.train.")
+    args = serializers.ListField(child=_text(max_length=1000, allow_blank=True), max_length=200, default=list,
+                                 help_text="Passed verbatim after the script: never split, trimmed or read "
+                                           "by a shell.")
     nnodes = serializers.IntegerField(min_value=1, max_value=4096, default=1)
     nproc_per_node = serializers.IntegerField(min_value=1, max_value=64, default=1)
     rdzv_port = serializers.IntegerField(min_value=1024, max_value=65535, default=29400)
-    nccl_profile = serializers.DictField(child=serializers.CharField(max_length=256), default=dict)
+    nccl_profile = serializers.DictField(child=_text(max_length=256), default=dict)
     checkpoint_policy = CheckpointPolicySerializer(default=dict)
     recovery_policy = RecoveryPolicySerializer(default=dict)
 
     class Meta:
         model = Job
-        fields = ["name", "entrypoint", "args", "nnodes", "nproc_per_node", "accelerator", "rdzv_port",
+        fields = ["name", "entrypoint", "module", "args", "nnodes", "nproc_per_node", "accelerator", "rdzv_port",
                   "nccl_profile", "checkpoint_policy", "recovery_policy"]
 
     def validate_name(self, value):
@@ -73,16 +128,27 @@ class JobSpecSerializer(serializers.ModelSerializer):
         return value
 
     def validate_entrypoint(self, value):
-        if value.startswith("/") or ".." in value.split("/"):
-            raise serializers.ValidationError("Must be a relative path inside the job's work directory.")
+        if problem := script_problem(value):
+            raise serializers.ValidationError(problem[0].upper() + problem[1:] + ".")
+        return value
+
+    def validate_module(self, value):
+        if problem := module_problem(value):
+            raise serializers.ValidationError(problem[0].upper() + problem[1:] + ".")
         return value
 
     def validate_nccl_profile(self, value):
         # The agent applies the same rules before it launches: one definition, both ends.
         try:
             return validate_nccl_profile(value)
-        except NcclProfileError as exc:
+        except LaunchSpecError as exc:
             raise serializers.ValidationError(str(exc)) from None
+
+    def validate(self, attrs):
+        if ("entrypoint" in attrs) == ("module" in attrs):
+            raise serializers.ValidationError({"entrypoint": "Give exactly one of entrypoint (a .py file) and "
+                                                             "module (run as python -m)."})
+        return attrs
 
     def to_internal_value(self, data):
         values = super().to_internal_value(data)
@@ -110,7 +176,7 @@ class JobSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Job
-        fields = ["id", "name", "entrypoint", "args", "nnodes", "nproc_per_node", "world_size", "accelerator",
+        fields = ["id", "name", "entrypoint", "module", "args", "nnodes", "nproc_per_node", "world_size", "accelerator",
                   "rdzv_port", "nccl_profile",
                   "checkpoint_policy", "recovery_policy", "state", "generation", "restart_count",
                   "state_changed_at", "pause_reason", "last_step", "last_step_at", "recommended_interval_steps",

@@ -146,7 +146,8 @@ def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent
                                                        wait_until: Callable[..., Any], train_script: Path) -> None:
     hot = scenario_file("gpus: 2\nevents: [{at: 0, gpu: 1, temperature: 92}]\n")
     running = start_agent(agent_config(scenario=hot))
-    payload = LaunchPayload(script=str(train_script), nnodes=1, nproc_per_node=2, node_rank=0,
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                            nnodes=1, nproc_per_node=2, node_rank=0,
                             rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-1")
     control_plane.send(command("launch", payload, id="l1", job="j", generation=1))
     [ack] = wait_until(lambda: control_plane.acks, 20, "the launch ack")
@@ -168,7 +169,8 @@ def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refu
     running = start_agent(agent_config())
     wait_until(lambda: control_plane.registrations, 20, "registration")
     alive_port = control_plane.registrations[0].probe_port
-    payload = LaunchPayload(script=str(train_script), nnodes=2, nproc_per_node=1, node_rank=0,
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                            nnodes=2, nproc_per_node=1, node_rank=0,
                             rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-2", require_gpu=False,
                             probe_peers=[
                                 ProbePeer(node="good", address="127.0.0.1", port=alive_port, expected_mbps=1.0),
@@ -210,7 +212,8 @@ def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_co
     running = start_agent(agent_config())
     out = tmp_path / "out"
     out.mkdir()
-    payload = LaunchPayload(script=str(train_script), args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                            args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
                             node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="j-2", require_gpu=False)
     control_plane.ack_answers["l2"] = 503  # "try again later": the agent keeps the ack spooled
     control_plane.send(command("launch", payload, id="l2", job="j", generation=2))
@@ -284,3 +287,17 @@ def test_config_mistakes_are_refused(tmp_path: Path, text: str, message: str) ->
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(["--config", str(path)], {})
+
+
+def test_an_injected_launch_is_acked_with_the_reason_and_runs_nothing(
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
+        wait_until: Callable[..., Any], tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    running = start_agent(agent_config())
+    payload = LaunchPayload(script="--no-python", args=["sh", "-c", f"touch {marker}"], nnodes=1, nproc_per_node=1,
+                            node_rank=0, rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-3", require_gpu=False)
+    control_plane.send(command("launch", payload, id="l3", job="j", generation=1))
+    [ack] = wait_until(lambda: control_plane.acks, 20, "the launch ack")
+    assert ack.status == "failed" and "invalid launch command: script: must be a relative path" in ack.detail
+    assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
+    assert not marker.exists()

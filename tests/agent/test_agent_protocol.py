@@ -120,7 +120,7 @@ def test_a_typical_profile_passes_and_becomes_strings() -> None:
     profile = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_TIMEOUT": 1800,
                "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_SOCKET_IFNAME": "^lo,docker0",
                "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", "NCCL_IB_DISABLE": "0", "NCCL_P2P_DISABLE": "0",
-               "GLOO_SOCKET_IFNAME": "eth0", "NCCL_ALGO": "Ring,Tree", "NCCL_TOPO_DUMP_FILE": "/tmp/topo.xml"}
+               "GLOO_SOCKET_IFNAME": "eth0", "NCCL_ALGO": "Ring,Tree", "NCCL_TOPO_DUMP_FILE": "topo.xml"}
     assert validate_nccl_profile(profile) == {k: str(v) for k, v in profile.items()}
 
 
@@ -134,7 +134,11 @@ def test_a_typical_profile_passes_and_becomes_strings() -> None:
     ({"NCCL_SOCKET_IFNAME": "eth0;reboot"}, "NCCL_SOCKET_IFNAME: 'eth0;reboot' must be a comma-separated list"),
     ({"GLOO_SOCKET_IFNAME": "^eth0"}, "GLOO_SOCKET_IFNAME: '^eth0' must be a comma-separated list of names"),
     ({"NCCL_PROTO": "LL,Fast"}, "NCCL_PROTO: 'LL,Fast' unknown 'Fast'"),
-    ({"NCCL_TOPO_DUMP_FILE": "topo.xml"}, "must be an absolute path"),
+    # File variables are bare names, placed in the generation's log directory (nccl_environment).
+    ({"NCCL_TOPO_DUMP_FILE": "/tmp/topo.xml"}, "must be a bare file name"),
+    ({"NCCL_DEBUG_FILE": "../../etc/cron.d/x"}, "must be a bare file name"),
+    ({"NCCL_DEBUG_FILE": "x\nNCCL_DEBUG=TRACE"}, "must not contain NUL or line breaks"),
+    ({"NCCL_DEBUG_SUBSYS": "INIT\0"}, "must not contain NUL or line breaks"),
     # The agent sets these itself; a profile must not be able to override them.
     ({"NIGHTWATCH_GENERATION": "9"}, "NIGHTWATCH_GENERATION: unknown variable"),
     ({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE: unknown variable"),

@@ -38,7 +38,8 @@ def launch(supervisor: Supervisor, train_script: Path, tmp_path: Path,
     def start(mode: str, generation: int = 1, **overrides: Any) -> Path:
         out = tmp_path / f"out-{mode}-{generation}"
         out.mkdir()
-        payload = LaunchPayload(script=str(train_script), args=[str(out), mode], nnodes=1, nproc_per_node=2,
+        payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                                args=[str(out), mode], nnodes=1, nproc_per_node=2,
                                 node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"job-{generation}",
                                 require_gpu=False, **overrides)
         supervisor.launch("job", generation, payload)
@@ -112,7 +113,8 @@ def test_an_older_generation_is_refused(tmp_path: Path, train_script: Path) -> N
     work.mkdir()
     (work / "generations.json").write_text(json.dumps({"job": 5}))  # seen before the agent restarted
     sup = Supervisor(work, on_exit=lambda *a: None)
-    payload = LaunchPayload(script=str(train_script), nnodes=1, nproc_per_node=1, node_rank=0,
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                            nnodes=1, nproc_per_node=1, node_rank=0,
                             rdzv_endpoint="127.0.0.1:1", rdzv_id="x")
     with pytest.raises(StaleGeneration, match="generation 4 is older than generation 5"):
         sup.launch("job", 4, payload)
@@ -131,7 +133,8 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
     def run(sup: Supervisor, generation: int) -> tuple[LaunchedDetail, dict[str, Any]]:
         out = tmp_path / f"out-{sup.work_dir.name}-{generation}"
         out.mkdir()
-        payload = LaunchPayload(script=str(train_script), args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
+        payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
+                                args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
                                 node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"g{generation}",
                                 nccl_env={"NCCL_DEBUG": "INFO"}, hooks_url="http://cp:8000", hooks_token="t0k")
         detail = sup.launch("job", generation, payload)
@@ -173,10 +176,11 @@ def test_a_generation_ends_when_torchrun_has_printed_its_failure_table(
         tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool]) -> None:
     fake = tmp_path / "torchrun.py"
     fake.write_text(LINGERING_TORCHRUN)
+    (tmp_path / "train.py").write_text("")
     sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report),
                      torchrun=[sys.executable, str(fake)])
     try:
-        payload = LaunchPayload(script="train.py", nnodes=1, nproc_per_node=2, node_rank=0,
+        payload = LaunchPayload(script="train.py", workdir=str(tmp_path), nnodes=1, nproc_per_node=2, node_rank=0,
                                 rdzv_endpoint="127.0.0.1:1", rdzv_id="x")
         detail = sup.launch("job", 1, payload)
         report = exits.get(timeout=20)  # not after the 120 s the fake torchrun would take

@@ -76,7 +76,8 @@ def script(tmp_path: Path) -> Path:
 def payload(script: Path, tmp_path: Path, free_port: Callable[[], int]) -> Callable[[Path], LaunchPayload]:
     def make(out: Path) -> LaunchPayload:
         out.mkdir(exist_ok=True)
-        return LaunchPayload(script=str(script), args=[str(out)], nnodes=1, nproc_per_node=2, node_rank=0,
+        return LaunchPayload(script=script.name, workdir=str(script.parent),
+                             args=[str(out)], nnodes=1, nproc_per_node=2, node_rank=0,
                              rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="job-1", require_gpu=False)
     return make
 

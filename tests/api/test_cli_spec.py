@@ -58,7 +58,7 @@ def test_every_problem_is_reported_with_its_line(tmp_path):
         nccl_profile: {NCCL_DEBG: INFO}
     """)
     assert found == [
-        (1, "entrypoint", "required"),
+        (1, "entrypoint", "required (or module: a module to run as python -m)"),
         (2, "entrypont", "unknown field; did you mean 'entrypoint'?"),
         (3, "nproc_per_node", "expected an integer, got 'two'"),
         (4, "accelerator", "expected one of gpu, cpu, got 'tpu'"),
@@ -76,6 +76,27 @@ def test_broken_yaml_and_wrong_shapes(tmp_path):
     assert problems(tmp_path, "name: a\nentrypoint: t.py\nargs: --steps 4\n") == [
         (3, "args", "expected a list of arguments")]
     assert problems(tmp_path, "name: a\nname: b\nentrypoint: t.py\n") == [(2, "name", "given twice")]
+
+
+def test_a_module_instead_of_a_script(tmp_path):
+    spec = specs.load(write(tmp_path, "name: a\nmodule: pkg.train\nargs: ['  --lr ', '1e-3']\n"))
+    assert spec.body == {"name": "a", "module": "pkg.train", "args": ["  --lr ", "1e-3"]}  # verbatim
+    assert problems(tmp_path, "name: a\nentrypoint: t.py\nmodule: pkg.train\n") == [
+        (3, "module", "give entrypoint or module, not both")]
+
+
+@pytest.mark.parametrize(("line", "field", "reason"), [
+    ("entrypoint: --no-python", "entrypoint", "relative path to a .py file"),
+    ("entrypoint: /etc/train.py", "entrypoint", "relative path to a .py file"),
+    ("entrypoint: ../train.py", "entrypoint", "relative path to a .py file"),
+    ("module: -m pkg", "module", "dotted Python module name"),
+    ("module: pdb", "module", "standard-library module"),
+    ("nccl_profile: {NCCL_DEBUG_FILE: /tmp/x}", "nccl_profile", "bare file name"),
+])
+def test_an_injected_target_is_refused_by_the_agents_own_rules(tmp_path, line, field, reason):
+    text = "name: a\n" + line + "\n" + ("entrypoint: t.py\n" if line.startswith("nccl") else "")
+    [(at, named, why)] = problems(tmp_path, text)
+    assert (at, named) == (2, field) and reason in why
 
 
 def test_the_message_reads_file_line_field(tmp_path):

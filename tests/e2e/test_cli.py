@@ -29,7 +29,7 @@ def write_spec(tmp_path, name: str, extra_args: list[str]):
         "nproc_per_node": 2,
         "accelerator": "cpu",
         "rdzv_port": free_port(),
-        "checkpoint_policy": {"dir": str(tmp_path / f"ckpt-{name}")},
+        "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / f"ckpt-{name}")},
         "recovery_policy": {"backoff_seconds": 0},
     }
     path = tmp_path / f"{name}.yaml"

@@ -144,7 +144,7 @@ def test_a_partitioned_node_pauses_and_escalates_and_resumes_once_after_approval
             "accelerator": "cpu", "rdzv_port": free_port(), "nccl_profile": {"GLOO_SOCKET_IFNAME": IFNAME},
             "args": ["--steps", str(STEPS), "--ckpt-every", "5", "--dataset-size", "256", "--check-every", "5",
                      "--min-step-time", "0.25"],
-            "checkpoint_policy": {"dir": str(tmp_path / "ckpt")},
+            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},
             "recovery_policy": {"backoff_seconds": 0}}
     status, job = api(cluster, tokens["operator"], "POST", "/api/v1/jobs", body)
     assert status == 201, job

@@ -36,7 +36,7 @@ def launch(cluster, tokens, tmp_path: Path, *, extra_args=(), recovery_policy=No
             "accelerator": "cpu", "rdzv_port": free_port(),
             "args": [*TRAIN_ARGS, "--min-step-time", "0.15", "--final-state", str(tmp_path / "final"),
                      *extra_args],
-            "checkpoint_policy": {"dir": str(tmp_path / "ckpt")},
+            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},
             "recovery_policy": {"backoff_seconds": 0, **(recovery_policy or {})}}
     status, job = api(cluster, tokens["operator"], "POST", "/api/v1/jobs", body)
     assert status == 201, job

@@ -63,6 +63,79 @@ def test_bad_launch_names_the_field_and_writes_nothing(cast, api, body, field, r
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("body", "field", "reason"),
+    [
+        # torchrun would read these as its own options (--no-python runs the args as a command).
+        ({"name": "x", "entrypoint": "--no-python", "args": ["sh", "-c", "id"]}, "entrypoint", "relative path"),
+        ({"name": "x", "entrypoint": "-m"}, "entrypoint", "relative path"),
+        ({"name": "x", "entrypoint": "examples/train.sh"}, "entrypoint", ".py file"),
+        ({"name": "x", "entrypoint": " t.py"}, "entrypoint", "relative path"),  # not trimmed into shape
+        ({"name": "x", "module": "pdb", "args": ["-c", "import os"]}, "module", "standard-library"),
+        ({"name": "x", "module": "-m pkg.train"}, "module", "dotted Python module name"),
+        ({"name": "x", "entrypoint": "t.py", "module": "pkg.train"}, "entrypoint", "exactly one"),
+        ({"name": "x"}, "entrypoint", "exactly one"),
+        ({"name": "x ", "entrypoint": "t.py"}, "name", "letters, digits"),
+        ({"name": "x", "entrypoint": "t.py", "entrypont": "u.py"}, "entrypont", "did you mean 'entrypoint'"),
+        ({"name": "x", "entrypoint": "t.py", "env": {"LD_PRELOAD": "/x.so"}}, "env", "Unknown field"),
+        ({"name": "x", "entrypoint": "t.py", "recovery_policy": {"max_restart": 3}},
+         "recovery_policy.max_restart", "did you mean 'max_restarts'"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"keep": 3}}, "checkpoint_policy.keep",
+         "Unknown field"),
+        ({"name": "x", "entrypoint": "t.py", "nccl_profile": {"NCCL_DEBUG_FILE": "/etc/cron.d/x"}},
+         "nccl_profile", "bare file name"),
+        ({"name": "x", "entrypoint": "t.py", "nccl_profile": {"NCCL_TOPO_DUMP_FILE": "../../x.xml"}},
+         "nccl_profile", "bare file name"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"dir": "/etc"}}, "checkpoint_policy.dir",
+         "inside the checkpoint root"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"dir": "relative/ckpt"}},
+         "checkpoint_policy.dir", "absolute path"),
+    ],
+)
+def test_an_injected_or_sloppy_spec_names_the_field_and_writes_nothing(cast, api, body, field, reason):
+    before = Job.objects.count()
+    response = launch(api, cast.tokens["ci"], body)
+    assert response.status_code == 400, response.content
+    assert any(e["field"] == field and reason in e["reason"] for e in response.json()["errors"]), response.json()
+    assert Job.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_an_argument_holding_nul_is_refused_not_cut(cast, api):
+    before = Job.objects.count()
+    response = launch(api, cast.tokens["ci"], {"name": "x", "entrypoint": "t.py", "args": ["ok", "a\u0000b"]})
+    assert response.status_code == 400 and Job.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_dir_must_resolve_inside_the_root(cast, api, settings, tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "job-a").mkdir(parents=True)
+    (root / "escape").symlink_to("/etc")
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "CHECKPOINT_ROOT": str(root)}
+    for outside in (root / "escape" / "x", root / "job-a" / ".." / ".." / "x", root):
+        response = launch(api, cast.tokens["ci"], {"name": "x", "entrypoint": "t.py",
+                                                    "checkpoint_policy": {"dir": str(outside)}})
+        assert response.status_code == 400, outside
+        assert response.json()["errors"][0]["field"] == "checkpoint_policy.dir"
+    inside = launch(api, cast.tokens["ci"], {"name": "x", "entrypoint": "t.py",
+                                             "checkpoint_policy": {"dir": str(root / "job-a" / "run-1")}})
+    assert inside.status_code == 201, inside.content
+    assert inside.json()["checkpoint_policy"]["dir"] == str(root / "job-a" / "run-1")
+
+
+@pytest.mark.django_db
+def test_args_are_stored_verbatim_and_a_module_job_launches(cast, api):
+    args = ["  --lr ", "1e-3", "", "two words", "--no-python", "$(id)"]
+    response = launch(api, cast.tokens["ci"], {"name": "mod", "module": "pkg.train", "args": args,
+                                                "nccl_profile": {"NCCL_DEBUG_FILE": "nccl.%h.%p.log"}})
+    assert response.status_code == 201, response.content
+    job = Job.objects.get(pk=response.json()["id"])
+    assert (job.module, job.entrypoint, job.args) == ("pkg.train", "", args)
+    assert response.json()["module"] == "pkg.train"
+
+
+@pytest.mark.django_db
 def test_malformed_json_gets_problem_details(cast, api):
     response = api(cast.tokens["ci"]).post("/api/v1/jobs", data='{"name": "x",', content_type="application/json")
     assert response.status_code == 400

@@ -59,3 +59,54 @@ def test_a_node_name_that_is_not_one_name_is_refused(bad):
     with pytest.raises(ValueError, match="not a single Slurm node name"):
         script.render(job="7", generation=3, payload=payload(), hostnames=[bad], excluded=[], python="python",
                       workdir="/w", output_path="/o", spool_dir="/s")
+
+
+def target_check(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("if ! "))
+
+
+def test_a_module_runs_with_torchrun_module_after_every_option_and_must_be_in_the_work_directory(tmp_path):
+    text = render(payload(script=None, module="pkg.train", args=["--no-python", "sh"])).script
+    lines = text.rstrip("\n").splitlines()
+    assert shlex.split(lines[-1]) == ["--module", "pkg.train", "--no-python", "sh"]
+    assert "--max-restarts=0" in lines[-2]  # torchrun's own options all come before
+    check = target_check(text)
+    missing = subprocess.run(["bash", "-c", check], cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert missing.returncode == 2 and "module pkg.train is not in the work directory" in missing.stderr
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text("")
+    # Without __init__.py, pkg is a namespace package: an installed "pkg" would win the import.
+    assert subprocess.run(["bash", "-c", check], cwd=tmp_path, check=False).returncode == 2
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    assert subprocess.run(["bash", "-c", check], cwd=tmp_path, check=False).returncode == 0
+
+
+def test_the_script_must_be_in_the_work_directory(tmp_path):
+    check = target_check(render().script)
+    assert subprocess.run(["bash", "-c", check], cwd=tmp_path, capture_output=True, check=False).returncode == 2
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "train.py").write_text("")
+    assert subprocess.run(["bash", "-c", check], cwd=tmp_path, check=False).returncode == 0
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"script": "--no-python"}, "script"),
+    ({"script": "/bin/sh"}, "script"),
+    ({"script": "../outside.py"}, "script"),
+    ({"script": None, "module": "pdb"}, "module"),
+    ({"script": None}, "script"),
+    ({"args": ["ok", "nul\0"]}, "args.1"),
+    ({"nccl_env": {"NCCL_DEBUG_FILE": "/etc/cron.d/x"}}, "nccl_env.NCCL_DEBUG_FILE"),
+])
+def test_a_payload_nobody_parsed_is_checked_again(overrides, field):
+    raw = {"script": "examples/train.py", "nnodes": 1, "nproc_per_node": 1, "node_rank": 0,
+           "rdzv_endpoint": "gpu-01:29400", "rdzv_id": "nw-7-g3", **overrides}
+    with pytest.raises(wire.LaunchSpecError) as caught:
+        render(wire.LaunchPayload(**raw))
+    assert caught.value.field == field
+
+
+def test_nccl_files_are_written_next_to_the_generations_output():
+    text = render(payload(nccl_env={"NCCL_DEBUG_FILE": "nccl.%h.%p.log", "NCCL_TOPO_DUMP_FILE": "topo.xml"})).script
+    assert "export NCCL_DEBUG_FILE=/logs/generation-3-nccl.%h.%p.log" in text.splitlines()
+    assert "export NCCL_TOPO_DUMP_FILE=/logs/generation-3-topo.xml" in text.splitlines()

@@ -24,7 +24,8 @@ def launch(cluster, token, tmp_path) -> int:
     body = {"name": "tiny-lm-slurm", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
             "accelerator": "cpu", "rdzv_port": free_port(), "args": TRAIN_ARGS,
             "nccl_profile": {"GLOO_SOCKET_IFNAME": "lo"},
-            "checkpoint_policy": {"dir": str(tmp_path / "ckpt")}, "recovery_policy": {"backoff_seconds": 0}}
+            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},  # inside the cluster's root
+            "recovery_policy": {"backoff_seconds": 0}}
     status, job = api(cluster, token, "POST", "/api/v1/jobs", body)
     assert status == 201, job
     return job["id"]
