@@ -64,6 +64,8 @@ def test_a_job_runs_through_slurm_and_a_killed_rank_is_resubmitted_from_the_late
     assert (first.state, first.slurm_state) == ("ended", "FAILED") and first.exit_code not in (0, None)
     assert second.slurm_job_id != first.slurm_job_id
     assert first.token.revoked_at is not None, "the dead generation's hooks token is revoked"
+    # The hooks held a job token of that generation, never the node's agent token.
+    assert (first.token.scope, first.token.job_id, first.token.generation) == ("job", job_id, 1)
 
     incident = Incident.objects.get(job_id=job_id)
     assert (incident.kind, incident.decision) == ("crash", "restart")
