@@ -292,8 +292,9 @@ def remove_files(checkpoint: Checkpoint, *, actor: str) -> bool:
     checked right before the removal; one outside is refused, logged and recorded, never touched.
     """
     clean = True
-    copies = [(checkpoint.location, False), (checkpoint.replica_location, True)]
-    for location, replica in (copy for copy in copies if copy[0]):
+    for location, replica in ((checkpoint.location, False), (checkpoint.replica_location, True)):
+        if not location:
+            continue
         try:
             roots = paths.replica_roots() if replica else [paths.job_checkpoint_root(checkpoint.job)]
             disk.remove_checkpoint_dir(location, roots)
