@@ -244,7 +244,8 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {"CheckpointStateEnum": "checkpoints.choices.CheckpointState",
                             "IncidentKindEnum": "jobs.choices.IncidentKind",
                             "IncidentStateEnum": "jobs.choices.IncidentState",
-                            "AlertSeverityEnum": "alerts.choices.Severity"},
+                            "AlertSeverityEnum": "alerts.choices.Severity",
+                            "DeliveryStateEnum": "alerts.choices.DeliveryState"},
 }
 
 # --- Static files, i18n ---------------------------------------------------------------------
