@@ -195,7 +195,6 @@ def test_an_operator_issues_a_re_registration_token_through_the_api_once_and_aud
 def test_two_registrations_racing_with_one_token_only_one_wins(cast):
     from agents.protocol import parse
     from agents.protocol.agent import Register
-    from nodes import services
 
     results = []
 
