@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import shutil
@@ -37,9 +38,15 @@ def test_production_asgi_app_refuses_to_load_when_unsafe(tmp_path):
     assert "refusing to start in production" in result.stderr and "nightwatch.E001" in result.stderr
 
 
+def _secrets_key() -> str:
+    """A key for the alert channels' secrets: production warns without one (nightwatch.alerts.W001)."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
+
+
 def test_check_deploy_passes_with_production_settings(tmp_path):
     result = manage("check", "--deploy", "--fail-level", "WARNING", tmp_path=tmp_path, env_overrides={
         "NIGHTWATCH_ENV": "production", "SECRET_KEY": secrets.token_urlsafe(60), "ALLOWED_HOSTS": "nw.example.com",
+        "NIGHTWATCH_SECRETS_KEY": _secrets_key(),
     })
     assert result.returncode == 0, result.stderr
     assert "no issues" in result.stdout
@@ -56,6 +63,7 @@ def test_secret_key_can_come_from_a_file(tmp_path):
     key_file.write_text(secrets.token_urlsafe(60))
     result = manage("check", "--deploy", "--fail-level", "WARNING", tmp_path=tmp_path, env_overrides={
         "NIGHTWATCH_ENV": "production", "SECRET_KEY_FILE": str(key_file), "ALLOWED_HOSTS": "nw.example.com",
+        "NIGHTWATCH_SECRETS_KEY": _secrets_key(),
     })
     assert result.returncode == 0, result.stderr
 
