@@ -3,7 +3,7 @@
 One real ``daphne`` (the production ASGI server) with the Redis channel layer, backed by
 PostgreSQL. ``--clients`` WebSocket clients (default 100) open the job page's socket
 (``/ws/dashboard/jobs/<id>/``) with a signed-in viewer's session; a simulated training job posts
-its step reports through the real hooks API (``POST /api/v1/jobs/<id>/reports``, an agent token),
+its step reports through the real hooks API (``POST /api/v1/jobs/<id>/reports``, the generation's job token),
 one step every ``--every`` seconds. Each client notes when each step arrives.
 
 The alternative, in the same run and interleaved with it run by run: the same number of clients
@@ -111,14 +111,15 @@ class Server:
 
         from controlplane.models import ApiToken
         from controlplane.roles import ensure_roles
+        from controlplane.tokens import job_token_for
         from jobs import services
-        from jobs.models import Job
+        from jobs.models import Generation, Job
         from nodes.models import Node
 
         ensure_roles()
         tag = uuid.uuid4().hex[:8]
-        node = Node.objects.create(hostname=f"bench-{tag}", address="127.0.0.1", health="healthy")
-        _, self.agent_token = ApiToken.issue(name=f"bench {tag}", scope="agent", node=node)
+        Node.objects.create(  # the node the job is placed on
+            hostname=f"bench-{tag}", address="127.0.0.1", health="healthy")
         viewer = User.objects.create_user(f"bench-viewer-{tag}")
         viewer.groups.add(Group.objects.get(name="viewer"))
         _, self.viewer_token = ApiToken.issue(name=f"bench {tag}", scope="viewer", user=viewer)
@@ -132,6 +133,9 @@ class Server:
         services.start_job(job, actor="bench")
         job.refresh_from_db()
         self.job, self.generation = job.pk, job.generation
+        # What the hooks hold: the job token of the generation, as its launch delivers it.
+        placed = Generation.objects.get(job=job, number=job.generation).nodes.first()
+        self.hooks_token = job_token_for(job, job.generation, placed)
 
     def report(self) -> tuple[int, float, float]:
         """Post the next step of both ranks, as the hooks do; returns (step, sent_at, answered_at)."""
@@ -146,7 +150,7 @@ class Server:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
             sent = time.monotonic()
             conn.request("POST", f"/api/v1/jobs/{self.job}/reports", body=body,
-                         headers={"Authorization": f"Bearer {self.agent_token}", "Content-Type": "application/json"})
+                         headers={"Authorization": f"Bearer {self.hooks_token}", "Content-Type": "application/json"})
             response = conn.getresponse()
             response.read()
             answered = time.monotonic()

@@ -39,7 +39,7 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
         return {
             "type": "http",
             "scheme": "bearer",
-            "description": "An API token (`nw_…`) with scope viewer, ci, operator, oncall, agent or bootstrap. "
+            "description": "An API token (`nw_…`) with scope viewer, ci, operator, oncall, agent, job or bootstrap. "
             "Issue one with `manage.py nightwatch_token issue`. Repeated failures from one address are "
             "answered 429 for a while.",
         }
@@ -95,10 +95,13 @@ class AutoSchema(BaseAutoSchema):
         if capability is None:
             auth = "**Authorisation:** none (the body carries a one-time bootstrap token)."
         elif capability == "token":
-            auth = "**Authorisation:** any bearer token except a bootstrap token; it is the token rotated."
+            auth = ("**Authorisation:** any bearer token except a bootstrap or job token; it is the token "
+                    "rotated.")
         elif capability == roles.AGENT:
-            auth = ("**Authorisation:** an `agent` token, acting only for its own node (and for jobs that node "
-                    "runs).")
+            auth = "**Authorisation:** an `agent` token, acting only for its own node."
+        elif capability == roles.HOOKS:
+            auth = ("**Authorisation:** the `hooks` capability — the generation's `job` token, or the `agent` token "
+                    "of a node the generation is placed on; for that generation only.")
         elif capability in _PEOPLE:
             auth = (f"**Authorisation:** the `{capability}` capability — token scopes "
                     f"{', '.join(_HOLDERS[capability])}; signed-in {_PEOPLE[capability]}.")
