@@ -7,6 +7,7 @@ import time
 import pytest
 
 from checkpoints.models import Checkpoint
+from checkpoints.paths import checkpoint_dir
 from jobs import state
 from jobs.choices import JobState
 from jobs.models import Generation, Job, StepMetric, TrainingEvent
@@ -140,12 +141,13 @@ def commit(job, step, path, generation=1):
 @pytest.mark.django_db
 def test_checkpoint_commits_form_a_lineage_and_replays_are_idempotent(running, api):
     client = api(running.tokens["agent"])
+    root = checkpoint_dir(running.job)  # commits name directories inside the job's checkpoint directory
     url = f"/api/v1/jobs/{running.job.pk}/checkpoints"
-    first = client.post(url, commit(running.job, 10, "/ckpt/step-10"), format="json")
+    first = client.post(url, commit(running.job, 10, f"{root}/step-10"), format="json")
     assert first.status_code == 201, first.content
-    second = client.post(url, commit(running.job, 20, "/ckpt/step-20"), format="json")
+    second = client.post(url, commit(running.job, 20, f"{root}/step-20"), format="json")
     assert second.json()["parent"] == first.json()["id"]
-    replay = client.post(url, commit(running.job, 20, "/ckpt/step-20"), format="json")
+    replay = client.post(url, commit(running.job, 20, f"{root}/step-20"), format="json")
     assert replay.status_code == 200 and replay.json()["id"] == second.json()["id"]
     assert Checkpoint.objects.filter(job=running.job).count() == 2
     # The next generation resumes from step 10: its first checkpoint branches off there.
@@ -156,7 +158,7 @@ def test_checkpoint_commits_form_a_lineage_and_replays_are_idempotent(running, a
     generation = Generation.objects.create(job=running.job, number=2, world_size=2,
                                            resumed_from_id=first.json()["id"])
     generation.nodes.add(running.node1)
-    branch = client.post(url, commit(running.job, 15, "/ckpt/b/step-15", generation=2), format="json")
+    branch = client.post(url, commit(running.job, 15, f"{root}/b/step-15", generation=2), format="json")
     assert branch.json()["parent"] == first.json()["id"]
-    stale = client.post(url, commit(running.job, 30, "/ckpt/step-30", generation=1), format="json")
+    stale = client.post(url, commit(running.job, 30, f"{root}/step-30", generation=1), format="json")
     assert stale.status_code == 409
