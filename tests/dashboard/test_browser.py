@@ -126,13 +126,13 @@ def world(transactional_db, tmp_path_factory):
                            "where datname = current_database() and pid <> pg_backend_pid()")
 
 
-def test_the_dashboard_in_a_browser(world, tmp_path):
+def test_the_dashboard_in_a_browser(world):
     """One server and one browser for every scenario (each is a few seconds; starting them is not)."""
     try:
         reports_spikes_breaker_approve_and_reconnect(world)
         a_viewer_sees_no_button_and_a_forged_post_is_refused(world)
         drain_from_the_nodes_page(world)
-        rollback_from_the_lineage_tree_starts_a_new_branch(world, tmp_path)
+        rollback_from_the_lineage_tree_starts_a_new_branch(world)
         assert world.csp_violations == []
     except BaseException:
         print(world.cluster.dump_logs())
@@ -293,18 +293,27 @@ def drain_from_the_nodes_page(world):
     page.context.close()
 
 
-def rollback_from_the_lineage_tree_starts_a_new_branch(world, tmp_path):
+def rollback_from_the_lineage_tree_starts_a_new_branch(world):
+    from django.conf import settings
+    from django.test import override_settings
+
     from checkpoints import services as checkpoint_services
+    from checkpoints.paths import checkpoint_dir
     from jobs.models import Event
     from tests.checkpoints.conftest import build_checkpoint, commit_for
 
     job = _job("rollback-me")
     checkpoints = {}
-    for step in (2, 4):
-        path = build_checkpoint(tmp_path / f"step-{step}", step=step, data_cursor=step * 8, config_hash="c0ffee")
-        checkpoint, _ = checkpoint_services.record_commit(job, commit_for(job, path, generation=job.generation),
-                                                          actor="node:test")
-        checkpoints[step] = checkpoint_services.verify(checkpoint)
+    # Checkpoints lie in the job's directory under the cluster's root, as the hooks would write them:
+    # the control plane (here and in the server) refuses any other place.
+    root = world.cluster.env["NIGHTWATCH_CHECKPOINT_ROOT"]
+    with override_settings(NIGHTWATCH={**settings.NIGHTWATCH, "CHECKPOINT_ROOT": root}):
+        for step in (2, 4):
+            path = build_checkpoint(Path(checkpoint_dir(job)) / f"step-{step}", step=step, data_cursor=step * 8,
+                                    config_hash="c0ffee")
+            checkpoint, _ = checkpoint_services.record_commit(job, commit_for(job, path, generation=job.generation),
+                                                              actor="node:test")
+            checkpoints[step] = checkpoint_services.verify(checkpoint)
     job = _pause(job)
     page = world.page_as("olga")
     page.goto(f"{world.cluster.url}/jobs/{job.pk}/")
