@@ -6,8 +6,8 @@ import difflib
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
-from django.conf import settings
 from rest_framework import serializers
 
 from agents.protocol.agent import (
@@ -18,6 +18,7 @@ from agents.protocol.agent import (
     script_problem,
     validate_nccl_profile,
 )
+from checkpoints.paths import OutsideRoot, checkpoint_root, confine, confine_directory, replica_roots
 from jobs.models import Event, Generation, Incident, Job
 
 
@@ -58,13 +59,42 @@ class CheckpointPolicySerializer(StrictSerializer):
                                                      help_text="0 disables permanent checkpoints.")
 
     def validate_dir(self, value):
-        # realpath on both sides: neither "..", nor a symlink inside the root, may lead out of it.
-        root = os.path.realpath(settings.NIGHTWATCH["CHECKPOINT_ROOT"])
-        if not os.path.isabs(value) or ".." in value.split("/"):
-            raise serializers.ValidationError(f"Must be an absolute path inside the checkpoint root {root}.")
-        if os.path.commonpath([root, os.path.realpath(value)]) != root or os.path.realpath(value) == root:
-            raise serializers.ValidationError(f"Must lie inside the checkpoint root {root}.")
+        # Confined like every checkpoint path (realpath: neither ".." nor a symlink inside the root may
+        # lead out of it), and never shared: a job whose directory holds, or lies in, another job's could
+        # commit, verify and prune that job's checkpoints as its own.
+        try:
+            confine(value, [checkpoint_root()], what="dir")
+        except OutsideRoot as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        if (other := _job_sharing(value)) is not None:
+            raise serializers.ValidationError(f"Overlaps job {other}'s checkpoint directory; give each job its own.")
         return value
+
+    def validate_replica_dir(self, value):
+        try:
+            confine_directory(value, replica_roots(), what="replica_dir")
+        except OutsideRoot as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return value
+
+
+#: The default checkpoint directory of a job (``<root>/job-<id>``), reserved for that job.
+_DEFAULT_DIR = re.compile(r"job-\d+")
+
+
+def _job_sharing(directory: str) -> int | None:
+    """A job whose checkpoint directory is ``directory``, holds it, or lies inside it; else None.
+
+    A new job has no id yet, so every default directory (``<root>/job-<id>``) belongs to another one."""
+    real = os.path.realpath(directory)
+    first = Path(os.path.relpath(real, os.path.realpath(checkpoint_root()))).parts[0]
+    if _DEFAULT_DIR.fullmatch(first):
+        return int(first.removeprefix("job-"))
+    for job in Job.objects.filter(checkpoint_policy__has_key="dir").only("pk", "checkpoint_policy"):
+        theirs = os.path.realpath(job.checkpoint_policy["dir"])
+        if os.path.commonpath([real, theirs]) in (real, theirs):
+            return job.pk
+    return None
 
 
 STARTUP_TIMEOUT_RANGE = ("Must be between 10 and 86400 seconds (24 h), or null to derive it from the job's "

@@ -87,7 +87,9 @@ def test_bad_launch_names_the_field_and_writes_nothing(cast, api, body, field, r
         ({"name": "x", "entrypoint": "t.py", "nccl_profile": {"NCCL_TOPO_DUMP_FILE": "../../x.xml"}},
          "nccl_profile", "bare file name"),
         ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"dir": "/etc"}}, "checkpoint_policy.dir",
-         "inside the checkpoint root"),
+         "is outside"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"replica_dir": "/etc"}},
+         "checkpoint_policy.replica_dir", "no root is configured"),
         ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"dir": "relative/ckpt"}},
          "checkpoint_policy.dir", "absolute path"),
     ],
@@ -122,6 +124,38 @@ def test_a_checkpoint_dir_must_resolve_inside_the_root(cast, api, settings, tmp_
                                              "checkpoint_policy": {"dir": str(root / "job-a" / "run-1")}})
     assert inside.status_code == 201, inside.content
     assert inside.json()["checkpoint_policy"]["dir"] == str(root / "job-a" / "run-1")
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_dir_is_never_another_jobs(cast, api, settings, tmp_path):
+    """A job whose directory holds or lies in another job's could commit, verify and prune that job's
+    checkpoints as its own: each job's directory is its own, the defaults (<root>/job-<id>) included."""
+    root = tmp_path / "checkpoints"
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "CHECKPOINT_ROOT": str(root)}
+    first = launch(api, cast.tokens["ci"], {"name": "a", "entrypoint": "t.py",
+                                            "checkpoint_policy": {"dir": str(root / "team" / "a")}})
+    assert first.status_code == 201, first.content
+    for shared in (root / "team" / "a", root / "team", root / "team" / "a" / "inner", root / f"job-{cast.job.pk}",
+                   root / "job-999" / "x"):
+        response = launch(api, cast.tokens["ci"], {"name": "b", "entrypoint": "t.py",
+                                                    "checkpoint_policy": {"dir": str(shared)}})
+        assert response.status_code == 400, shared
+        assert "Overlaps job" in response.json()["errors"][0]["reason"], response.json()
+    assert launch(api, cast.tokens["ci"], {"name": "b", "entrypoint": "t.py",
+                                           "checkpoint_policy": {"dir": str(root / "team" / "b")}}).status_code == 201
+
+
+@pytest.mark.django_db
+def test_a_replica_dir_must_lie_in_a_replica_root(cast, api, settings, tmp_path):
+    replicas = tmp_path / "replicas"
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "REPLICA_ROOTS": [str(replicas)]}
+    outside = launch(api, cast.tokens["ci"], {"name": "x", "entrypoint": "t.py",
+                                              "checkpoint_policy": {"replica_dir": str(tmp_path / "elsewhere")}})
+    assert outside.status_code == 400
+    assert outside.json()["errors"][0]["field"] == "checkpoint_policy.replica_dir"
+    inside = launch(api, cast.tokens["ci"], {"name": "x", "entrypoint": "t.py",
+                                             "checkpoint_policy": {"replica_dir": str(replicas / "job-x")}})
+    assert inside.status_code == 201, inside.content
 
 
 @pytest.mark.django_db
