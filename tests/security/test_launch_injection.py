@@ -62,7 +62,9 @@ def injected_specs(marker: Path) -> list[tuple[dict, str, str]]:
         ({"name": "pwn", "entrypoint": "t.py", "recovery_policy": {"max_restart": 0}},
          "recovery_policy.max_restart", "Unknown field"),
         ({"name": "pwn", "entrypoint": "t.py", "checkpoint_policy": {"dir": "/etc"}}, "checkpoint_policy.dir",
-         "inside the checkpoint root"),
+         "is outside"),
+        ({"name": "pwn", "entrypoint": "t.py", "checkpoint_policy": {"replica_dir": "/etc"}},
+         "checkpoint_policy.replica_dir", "no root is configured"),
         ({"name": "pwn", "entrypoint": "t.py", "checkpoint_policy": {"keep": 1}}, "checkpoint_policy.keep",
          "Unknown field"),
     ]
