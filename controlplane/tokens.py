@@ -38,8 +38,11 @@ def job_token_for(job, generation: int, node) -> str:
     token's row: the row stores only its SHA-256, and only the control plane can re-derive it.
     """
     with transaction.atomic():
-        token = (ApiToken.objects.usable().select_for_update()
-                 .filter(scope=Scope.JOB, job=job, generation=generation, node=node).order_by("pk").first())
+        minted = (ApiToken.objects.usable().select_for_update()
+                  .filter(scope=Scope.JOB, job=job, generation=generation, node=node).order_by("pk"))
+        # One minted under an earlier SECRET_KEY cannot be re-derived: a fresh one is minted beside
+        # it (the old one may already be in use; both die with the generation).
+        token = next((t for t in minted if hash_token(_derived(t.pk)) == t.digest), None)
         if token is None:
             token = _mint(job, generation, node)
     return _derived(token.pk)

@@ -236,3 +236,17 @@ def test_a_redelivered_launch_carries_the_same_token_and_the_payload_stores_none
         "job token of job 1 generation 2"]
     command.refresh_from_db()
     assert "hooks_token" not in command.payload
+
+
+@pytest.mark.django_db
+def test_after_secret_key_rotation_a_redelivery_gets_a_fresh_working_token(world, settings, api):
+    from controlplane.models import ApiToken, hash_token
+
+    before = world.tokens["job token of job 1 generation 2"]
+    settings.SECRET_KEY = "rotated-" + "k" * 50
+    after = job_token_for(world.job, 2, world.node_a)
+    assert after != before
+    assert ApiToken.objects.usable().filter(digest=hash_token(after)).exists()
+    assert job_token_for(world.job, 2, world.node_a) == after
+    for token in (before, after):  # the one a running generation may hold keeps working
+        assert api(token).get(f"/api/v1/jobs/{world.job.pk}/control", {"generation": 2}).status_code == 200
