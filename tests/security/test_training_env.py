@@ -45,7 +45,8 @@ def test_the_ranks_hold_only_their_generations_job_token(cluster, tokens, tmp_pa
     body = {"name": "user-code", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
             "accelerator": "cpu", "rdzv_port": free_port(),
             "args": ["--steps", "100000", "--ckpt-every", "1000", "--dataset-size", "256", "--min-step-time", "0.05"],
-            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")}, "recovery_policy": {"backoff_seconds": 0}}
+            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},
+            "recovery_policy": {"backoff_seconds": 0}}
     status, job = api(cluster, tokens["operator"], "POST", "/api/v1/jobs", body)
     assert status == 201, job
     job_id = job["id"]
