@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,10 +36,12 @@ def test_hooks_train_through_an_outage_and_deliver_every_report_exactly_once(clu
            "NIGHTWATCH_GENERATION": "1", "NIGHTWATCH_SPOOL_DIR": str(tmp_path / "spool"),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     samples = tmp_path / "samples"
+    # Where the control plane expects the job's checkpoints (it refuses commits anywhere else).
+    checkpoints = Path(cluster.env["NIGHTWATCH_CHECKPOINT_ROOT"]) / f"job-{job.pk}"
     started = time.monotonic()
     run = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "examples/train.py",
-         "--steps", str(steps), "--ckpt-every", "10", "--min-step-time", "0.15", "--ckpt-dir", str(tmp_path / "ckpt"),
+         "--steps", str(steps), "--ckpt-every", "10", "--min-step-time", "0.15", "--ckpt-dir", str(checkpoints),
          "--log-samples", str(samples)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
