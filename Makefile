@@ -33,6 +33,8 @@ services:
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	env -u DATABASE_URL -u REDIS_URL NIGHTWATCH_VAR_DIR=$$(mktemp -d) $(BIN)/python manage.py makemigrations --check --dry-run
 
 test: $(INSTALLED) system-deps services lint

@@ -81,7 +81,7 @@ class Outbox:
         delivered = 0
         while records := self.spool.peek(MAX_SAMPLES_PER_BATCH):
             kind = records[0][1]
-            run = []
+            run: list[tuple[int, str, dict[str, Any]]] = []
             for record in records:
                 if record[1] != kind or len(run) == _BATCH_LIMITS[kind]:
                     break

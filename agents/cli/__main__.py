@@ -234,8 +234,10 @@ def _skip_range(text: str) -> tuple[int, int]:
 
 def _describe(exc: ApiError) -> str:
     lines = [str(exc)]
-    lines += [f"  {e.get('field') or 'body'}: {e.get('reason')}" for e in exc.errors
-              if e.get("reason") and e.get("reason") not in exc.detail]
+    for error in exc.errors:
+        reason = error.get("reason")
+        if reason and reason not in exc.detail:
+            lines.append(f"  {error.get('field') or 'body'}: {reason}")
     return "\n".join(lines)
 
 
@@ -252,7 +254,7 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _size(count: int) -> str:
+def _size(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1024:
             return f"{count:.0f} {unit}"

@@ -243,7 +243,8 @@ class Hooks:
             return False
         if exchange and (exchange.checkpoint_now or exchange.pause):
             return True
-        return bool(self.checkpoint_every) and self.step_count % self.checkpoint_every == 0
+        every = self.checkpoint_every
+        return every is not None and every != 0 and self.step_count % every == 0
 
     def _save(self) -> None:
         if self.checkpointer is None:

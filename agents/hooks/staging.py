@@ -23,6 +23,7 @@ after the kernels that produced the values and before the optimizer kernels queu
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ class OverlappedStager(AsyncStager):
         """Before ``async_save``: where the checkpoint goes and which tensors (by data_ptr) are stable."""
         self._directory, self._stable = directory, stable
 
-    def stage(self, state_dict: dict[str, Any]) -> Any:  # type: ignore[override]
+    def stage(self, state_dict: dict[str, Any]) -> Any:
         if not _plain_tensors_only(state_dict):
             # DTensor / ShardedTensor (FSDP, tensor parallel): DCP's own staging keeps their sharding.
             return DefaultStager(StagingOptions(False, False, False, False)).stage(state_dict)
@@ -108,11 +109,12 @@ def _mirror(src: Any, buffers: Any, stable: frozenset[int], now: _Pairs, later: 
         (later if src.data_ptr() in stable else now).append((src, buffers))
         return buffers, buffers
     if isinstance(src, dict):
-        old = buffers if isinstance(buffers, dict) else {}
-        pairs = {key: _mirror(value, old.get(key), stable, now, later) for key, value in src.items()}
-        return {k: b for k, (b, _) in pairs.items()}, {k: s for k, (_, s) in pairs.items()}
+        old_by_key = buffers if isinstance(buffers, dict) else {}
+        by_key = {key: _mirror(value, old_by_key.get(key), stable, now, later) for key, value in src.items()}
+        return {k: b for k, (b, _) in by_key.items()}, {k: s for k, (_, s) in by_key.items()}
     if isinstance(src, (list, tuple)):
-        old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(src) else [None] * len(src)
+        old: Sequence[Any] = (buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(src)
+                              else [None] * len(src))
         pairs = [_mirror(value, b, stable, now, later) for value, b in zip(src, old, strict=True)]
         return type(src)(b for b, _ in pairs), type(src)(s for _, s in pairs)
     return None, src  # ints, floats, strings, bytes blobs: immutable, staged as they are

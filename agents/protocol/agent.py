@@ -435,7 +435,7 @@ def parse_command_payload(command: Command) -> Any:
     """The validated payload object of ``command`` (its class depends on ``kind``)."""
     if command.kind in ("launch", "stop") and (command.job is None or command.generation is None):
         raise ProtocolError("generation", f"a {command.kind} command needs a job and a generation")
-    payload = parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
+    payload: object = parse(COMMAND_PAYLOADS[command.kind], command.payload, path="payload")
     if isinstance(payload, LaunchPayload):
         validate_launch(payload)
     return payload
@@ -559,7 +559,7 @@ class LaunchedDetail:
 @dataclass(frozen=True)
 class HealthCheck:
     name: str = field(choices=HEALTH_CHECKS)
-    ok: bool
+    ok: bool = field()
     detail: str = field(max_len=500)
     gpu: int | None = field(default=None, min=0, max=MAX_GPUS - 1)
     value: float | None = None
@@ -571,7 +571,7 @@ class BandwidthResult:
     peer: str = field(pattern=ID_PATTERN)
     address: str = field(max_len=253)
     expected_mbps: float = field(min=0)
-    ok: bool
+    ok: bool = field()
     mbps: float | None = field(default=None, min=0)
     error: str | None = field(default=None, max_len=500)
 
@@ -608,7 +608,7 @@ class XidDetail:
 @dataclass(frozen=True)
 class AgentStarted:
     agent_version: str = field(max_len=32)
-    gpu_telemetry: bool
+    gpu_telemetry: bool = field()
     gpu_telemetry_reason: str | None = field(default=None, max_len=500)
 
 

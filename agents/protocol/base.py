@@ -92,8 +92,7 @@ def parse(cls: type[T], data: Any, *, path: str = "") -> T:
         raise ProtocolError(where, exc.reason) from None
 
 
-@functools.cache
-def _validator(cls: type) -> Check:
+def _compile_class(cls: type) -> Check:
     hints = typing.get_type_hints(cls)
     fields = [(f.name, _compile(hints[f.name], f.metadata),
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -119,6 +118,11 @@ def _validator(cls: type) -> Check:
     return check
 
 
+#: Each message class compiled once. Typed as a plain callable because typeshed's cache wrapper
+#: takes ``Hashable`` arguments and mypy does not count a class object as one.
+_validator: Callable[[type], Check] = functools.cache(_compile_class)
+
+
 def _null(value: Any) -> _Invalid:
     return _Invalid("may not be null")
 
@@ -142,8 +146,9 @@ def _compile(tp: Any, meta: typing.Mapping) -> Check:
     if origin is list:
         return _list(typing.get_args(tp)[0], meta.get("max_len"))
     if origin is dict:
-        return _dict(*typing.get_args(tp), meta.get("max_len"), meta.get("choices"))
-    if dataclasses.is_dataclass(tp):
+        key_tp, value_tp = typing.get_args(tp)
+        return _dict(key_tp, value_tp, meta.get("max_len"), meta.get("choices"))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         validator = _validator(tp)
 
         def nested(value: Any) -> Any:

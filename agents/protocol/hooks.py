@@ -50,14 +50,14 @@ EVENT_KINDS = (
     "model",                # detail: parameters, flops_per_token (when overridden), tokens_per_sample
 )
 
-_JOB = {"max_len": 128}
+_JOB_MAX_LEN = 128
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepReport:
     """What one rank did in one optimizer step (sent for every step)."""
 
-    job: str = field(**_JOB)
+    job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
     rank: int = field(min=0, max=1_000_000)
     step: int = field(min=1)  # steps completed, counting this one
@@ -80,7 +80,7 @@ class StepReport:
 class Event:
     """Something worth a line in the job's timeline; ``key`` makes a replay idempotent."""
 
-    job: str = field(**_JOB)
+    job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
     rank: int = field(min=0, max=1_000_000)
     step: int = field(min=0)
@@ -95,7 +95,7 @@ class Event:
 class ReportBatch:
     """Step reports and events of one rank, oldest first; all of the batch's job and generation."""
 
-    job: str = field(**_JOB)
+    job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
     reports: list[StepReport] = field(default_factory=list, max_len=1000)
     events: list[Event] = field(default_factory=list, max_len=1000)
@@ -111,7 +111,7 @@ class ReportBatch:
 class CheckpointCommit:
     """Rank 0 committed a checkpoint (manifest and commit marker are on disk)."""
 
-    job: str = field(**_JOB)
+    job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
     step: int = field(min=0)
     path: str = field(max_len=4096)

@@ -11,7 +11,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 from agents.protocol.agent import GpuInfo
 from agents.telemetry.base import GpuReading, XidEvent
@@ -21,6 +21,19 @@ log = logging.getLogger(__name__)
 
 class _GpuLost(Exception):
     pass
+
+
+_NvlinkCounter = Literal["nvlink_replay_errors", "nvlink_recovery_errors", "nvlink_crc_flit_errors",
+                         "nvlink_crc_data_errors"]
+
+
+class _NvlinkErrors(TypedDict):
+    """``GpuReading``'s NVLink counters, each summed over the GPU's active links (None: none readable)."""
+
+    nvlink_replay_errors: int | None
+    nvlink_recovery_errors: int | None
+    nvlink_crc_flit_errors: int | None
+    nvlink_crc_data_errors: int | None
 
 
 class NvmlSource:
@@ -161,12 +174,14 @@ class NvmlSource:
             log.error("GPU %d: NVML reports the GPU as lost", gpu)
             return GpuReading(gpu=gpu, reachable=False)
 
-    def _nvlink_errors(self, gpu: int, h: Any) -> dict[str, int | None]:
+    def _nvlink_errors(self, gpu: int, h: Any) -> _NvlinkErrors:
         n = self._nvml
-        counters = {"nvlink_replay_errors": n.NVML_NVLINK_ERROR_DL_REPLAY,
-                    "nvlink_recovery_errors": n.NVML_NVLINK_ERROR_DL_RECOVERY,
-                    "nvlink_crc_flit_errors": n.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                    "nvlink_crc_data_errors": n.NVML_NVLINK_ERROR_DL_CRC_DATA}
+        counters: dict[_NvlinkCounter, int] = {
+            "nvlink_replay_errors": n.NVML_NVLINK_ERROR_DL_REPLAY,
+            "nvlink_recovery_errors": n.NVML_NVLINK_ERROR_DL_RECOVERY,
+            "nvlink_crc_flit_errors": n.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+            "nvlink_crc_data_errors": n.NVML_NVLINK_ERROR_DL_CRC_DATA,
+        }
         if gpu not in self._links:
             # Probing all 36 possible links is slow and noisy: find the active ones once.
             self._links[gpu] = []
@@ -176,10 +191,11 @@ class NvmlSource:
                         self._links[gpu].append(link)
                 except n.NVMLError:
                     continue
+        totals = _NvlinkErrors(nvlink_replay_errors=None, nvlink_recovery_errors=None,
+                               nvlink_crc_flit_errors=None, nvlink_crc_data_errors=None)
         links = self._links[gpu]
         if not links:
-            return dict.fromkeys(counters)
-        totals: dict[str, int | None] = {}
+            return totals
         for name, counter in counters.items():
             values = [self._read(gpu, f"NVLink {name}", n.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
                       for link in links]
