@@ -23,6 +23,7 @@ from django.conf import settings
 
 from agents.hooks.manifest import Budget, UnsafePath, inside
 from jobs.models import Job
+from jobs.policies import CheckpointPolicy
 
 
 class OutsideRoot(UnsafePath):
@@ -35,7 +36,7 @@ def checkpoint_root() -> str:
 
 def checkpoint_dir(job: Job) -> str:
     """The directory the job's hooks write checkpoints into (the spec's ``dir`` or the default)."""
-    configured = (job.checkpoint_policy or {}).get("dir")
+    configured = CheckpointPolicy.of(job).dir
     return configured or str(Path(checkpoint_root()) / f"job-{job.pk}")
 
 

@@ -27,6 +27,7 @@ from jobs import state
 from jobs.choices import IncidentState, JobState
 from jobs.models import Generation, Incident, Job
 from jobs.placement import Candidate, place
+from jobs.policies import RecoveryPolicy
 from nodes.choices import Health, Schedulability
 from nodes.models import Node
 
@@ -51,7 +52,7 @@ def startup_timeout_s(job: Job) -> float:
        may restore a bigger checkpoint on a colder node).
     3. Else ``STARTUP_TIMEOUT_S``.
     """
-    configured = (job.recovery_policy or {}).get("startup_timeout_s")
+    configured = RecoveryPolicy.of(job).startup_timeout_s
     if configured:
         return float(configured)
     start = ExpressionWrapper(F("first_step_at") - F("started_at"), output_field=DurationField())
@@ -125,14 +126,13 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
     from nodes import transports
 
     job.refresh_from_db()
-    policy = job.recovery_policy or {}
     pool = candidates(job)
     previous = set(
         Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname", flat=True)
     )
     pool = one_transport(pool, previous=previous, nnodes=job.nnodes)
     placement = place([Candidate(n.hostname, n.is_spare, n.hostname in previous) for n in pool],
-                      nnodes=job.nnodes, allow_shrink=bool(policy.get("allow_shrink")))
+                      nnodes=job.nnodes, allow_shrink=RecoveryPolicy.of(job).allow_shrink)
     if not placement.ok:
         if resume is not None:
             raise state.TransitionConflict(f"job {job.pk}: no healthy node is free to resume on "

@@ -30,6 +30,7 @@ from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
 from jobs.launching import candidates, end_generations, spec_hash, start_generation
 from jobs.models import Event, Generation, Incident, Job, StepMetric
+from jobs.policies import RecoveryPolicy
 from jobs.services import PROGRESS_WATCHED
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     from nodes.choices import Health
     from nodes.models import Node
 
-    rp = job.recovery_policy or {}
-    window_start = timezone.now() - timedelta(minutes=rp.get("window_minutes", 60))
+    rp = RecoveryPolicy.of(job)
+    window_start = timezone.now() - timedelta(minutes=rp.window_minutes)
     if job.breaker_reset_at and job.breaker_reset_at > window_start:
         window_start = job.breaker_reset_at
     restarts = Incident.objects.filter(job=job, detected_at__gte=window_start, decision__in=RESTARTING).count()
@@ -111,12 +112,12 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     spares = [n for n in candidates(job) if n.hostname not in gen_nodes]
     return policy.Evidence(
         signal=signal, config_hash=spec_hash(job), nodes=tuple(nodes), unhealthy_nodes=unhealthy,
-        spike_limit=rp.get("loss_spike_limit", 3),
+        spike_limit=rp.loss_spike_limit,
         nodes_lost_in_window=lost.values("node").distinct().count(),
         partition_threshold=settings.NIGHTWATCH["PARTITION_NODES"],
-        restarts_in_window=restarts, max_restarts=rp.get("max_restarts", 5),
-        backoff_base_s=rp.get("backoff_seconds", 5), spares_available=len(spares),
-        allow_shrink=bool(rp.get("allow_shrink")), history=history,
+        restarts_in_window=restarts, max_restarts=rp.max_restarts,
+        backoff_base_s=rp.backoff_seconds, spares_available=len(spares),
+        allow_shrink=rp.allow_shrink, history=history,
         **{k: v for k, v in given.items() if k in _EVIDENCE_FIELDS},
     )
 
@@ -394,7 +395,7 @@ def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inco
         report_fault(job.pk, policy.NAN, generation=generation, detail={"last_step": job.last_step})
     elif inconsistent:
         report_fault(job.pk, policy.INCONSISTENCY, generation=generation, detail=inconsistent)
-    elif spikes >= (job.recovery_policy or {}).get("loss_spike_limit", 3):
+    elif spikes >= RecoveryPolicy.of(job).loss_spike_limit:
         report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
                      detail={"last_step": job.last_step})
 

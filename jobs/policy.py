@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jobs.policies import RecoveryPolicy
+
 # Signals, as the orchestrator names the evidence it saw.
 EXIT = "exit"
 HANG = "hang"
@@ -36,6 +38,8 @@ STRAGGLER = "straggler"
 HARDWARE_SIGNATURES = frozenset({"xid", "cuda_error"})
 #: Exit signatures that are requests, not failures.
 REQUESTED_SIGNATURES = frozenset({"paused", "stale_generation"})
+#: The job's limits when the evidence names none: the recovery policy's defaults.
+_DEFAULTS = RecoveryPolicy()
 
 
 @dataclass(frozen=True)
@@ -65,17 +69,17 @@ class Evidence:
     step_tolerance: int = 1
     #: spike: how many consecutive steps spiked; the job's limit.
     consecutive_spikes: int = 0
-    spike_limit: int = 3
+    spike_limit: int = _DEFAULTS.loss_spike_limit
     #: partition: how many distinct nodes became unreachable inside the window.
     nodes_lost_in_window: int = 0
     partition_threshold: int = 2
     #: budget: automatic restarts already made inside the window, and the budget.
     restarts_in_window: int = 0
-    max_restarts: int = 5
-    backoff_base_s: float = 5.0
+    max_restarts: int = _DEFAULTS.max_restarts
+    backoff_base_s: float = _DEFAULTS.backoff_seconds
     #: placement: are there free healthy nodes to replace the blamed ones? May the job shrink?
     spares_available: int = 0
-    allow_shrink: bool = False
+    allow_shrink: bool = _DEFAULTS.allow_shrink
     history: tuple[PastFailure, ...] = ()
 
 

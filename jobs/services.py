@@ -16,6 +16,7 @@ from agents.protocol import hooks as hooks_protocol
 from jobs import state
 from jobs.choices import GenerationState, JobState
 from jobs.models import Event, Generation, Incident, Job, StepMetric, TrainingEvent
+from jobs.policies import CheckpointPolicy, RecoveryPolicy
 
 
 @transaction.atomic
@@ -69,7 +70,7 @@ class IngestResult:
 
 def progress_timeout_s(job: Job, step_seconds: list[float]) -> float:
     """How long the job may go without a new step before it counts as hung."""
-    configured = (job.recovery_policy or {}).get("progress_timeout_s")
+    configured = RecoveryPolicy.of(job).progress_timeout_s
     if configured:
         return float(configured)
     if not step_seconds:
@@ -138,7 +139,7 @@ def end_startup(job: Job, generation: int, now) -> bool:
 def _earlier_step_seconds(job: Job, generation: int) -> list[float]:
     """Rank 0's recent step times in the newest earlier generation that trained (the starting
     one has none yet), for a progress timeout derived from them; none when the policy sets it."""
-    if (job.recovery_policy or {}).get("progress_timeout_s"):
+    if RecoveryPolicy.of(job).progress_timeout_s:
         return []
     previous = (Generation.objects.filter(job=job, number__lt=generation, first_step_at__isnull=False)
                 .order_by("-number").values_list("number", flat=True).first())
@@ -192,8 +193,7 @@ def _raise_flags(job: Job, generation: int, fresh: list) -> None:
             if not spiked:
                 break
             spikes += 1
-    limit = (job.recovery_policy or {}).get("loss_spike_limit", 3)
-    if nan or inconsistent or spikes >= limit:
+    if nan or inconsistent or spikes >= RecoveryPolicy.of(job).loss_spike_limit:
         detail = None
         if inconsistent:
             event = TrainingEvent.objects.filter(job=job, generation=generation, kind="inconsistency").last()
@@ -226,8 +226,7 @@ def _utc(epoch: float):
 def control_for(job: Job, generation: int) -> hooks_protocol.Control:
     """What a running generation should do next (polled by the hooks). Stale: an older generation,
     or any generation of a job that has ended (the hooks stop on it)."""
-    policy = job.checkpoint_policy or {}
-    interval = job.recommended_interval_steps if policy.get("interval") == "auto" else None
+    interval = job.recommended_interval_steps if CheckpointPolicy.of(job).interval == "auto" else None
     return hooks_protocol.Control(
         generation=job.generation,
         stale=generation != job.generation or job.state in JobState.TERMINAL,

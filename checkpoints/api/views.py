@@ -33,6 +33,7 @@ from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from controlplane.schema import protocol_schema
 from jobs.models import Job
+from jobs.policies import CheckpointPolicy
 from jobs.state import TransitionError
 
 _FILTERS = [
@@ -265,5 +266,5 @@ class JobCheckpointInterval(APIView):
     def get(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         recommendation = services.recommend_interval(job)
-        pushed = job.recommended_interval_steps if (job.checkpoint_policy or {}).get("interval") == "auto" else None
+        pushed = job.recommended_interval_steps if CheckpointPolicy.of(job).interval == "auto" else None
         return Response(IntervalSerializer({**recommendation.as_dict(), "pushed_interval_steps": pushed}).data)

@@ -37,6 +37,7 @@ from agents.detectors import young_daly_interval
 from checkpoints.models import Checkpoint
 from jobs.choices import IncidentKind, JobState
 from jobs.models import Event, Incident, Job, StepMetric
+from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def _median_step_time(job: Job) -> tuple[float | None, int]:
 
 def push_interval(job: Job, *, now: datetime | None = None, actor: str = "system:interval") -> bool:
     """Store the recommended interval (steps) on a job whose policy says "auto"; True if it changed."""
-    if (job.checkpoint_policy or {}).get("interval") != "auto":
+    if CheckpointPolicy.of(job).interval != "auto":
         return False
     recommendation = recommend_interval(job, now=now)
     new = recommendation.interval_steps

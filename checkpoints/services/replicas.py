@@ -34,6 +34,7 @@ from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from checkpoints.services.registry import record_event
 from jobs.models import Job
+from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ COPY_LEASE = timedelta(hours=1)
 def replica_root(job: Job) -> Path | None:
     """Where the job's replicas go; ``paths.OutsideRoot`` when its ``replica_dir`` is outside the
     configured replica roots (``NIGHTWATCH["REPLICA_ROOTS"]``, ``CHECKPOINT_REPLICA_ROOT``)."""
-    configured = (job.checkpoint_policy or {}).get("replica_dir")
+    configured = CheckpointPolicy.of(job).replica_dir
     if configured:
         paths.confine_directory(configured, paths.replica_roots(), what=f"job {job.pk}'s replica_dir")
         return Path(configured)

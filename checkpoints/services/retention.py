@@ -49,12 +49,10 @@ from checkpoints.services.registry import (
     remove_files,
 )
 from jobs.models import Job
+from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
-#: The policy defaults, as ``jobs.api.serializers.CheckpointPolicySerializer`` fills them in.
-DEFAULT_KEEP_LAST = 3
-DEFAULT_PERMANENT_EVERY_HOURS = 12
 RETENTION_ACTOR = "system:retention"
 
 
@@ -117,18 +115,13 @@ def storage_used(job: Job) -> StorageUsage:
                         replica_bytes=totals["replica"] or 0)
 
 
-def policy_of(job: Job) -> tuple[int, int]:
-    policy = job.checkpoint_policy or {}
-    keep_last = int(policy.get("keep_last") or DEFAULT_KEEP_LAST)
-    every = policy.get("permanent_every_hours")
-    return max(1, keep_last), int(DEFAULT_PERMANENT_EVERY_HOURS if every is None else every)
-
-
 def apply_retention(job: Job, *, now: datetime | None = None, dry_run: bool = False,
                     actor: str = RETENTION_ACTOR) -> RetentionPlan:
     """Decide (and unless ``dry_run``, carry out) retention for one job; see the module doc."""
     now = now or timezone.now()
-    keep_last, every_hours = policy_of(job)
+    policy = CheckpointPolicy.of(job)
+    # At least one: the window below starts at the N-th last restorable checkpoint.
+    keep_last, every_hours = max(1, policy.keep_last), policy.permanent_every_hours
     rows = list(Checkpoint.objects.filter(job=job).live().select_related("generation").order_by("created_at", "pk"))
     restorable = [c for c in rows if c.restorable]
     promote = _promotions(restorable, every_hours)

@@ -20,6 +20,7 @@ from agents.protocol.agent import (
 )
 from checkpoints.paths import OutsideRoot, checkpoint_root, confine, confine_directory, replica_roots
 from jobs.models import Event, Generation, Incident, Job
+from jobs.policies import CheckpointPolicy, RecoveryPolicy
 
 
 class StrictSerializer(serializers.Serializer):
@@ -45,17 +46,23 @@ def _text(**kwargs) -> serializers.CharField:
     return serializers.CharField(trim_whitespace=False, **kwargs)
 
 
+#: The defaults each policy serializer fills in: ``jobs.policies``'s, written there once.
+_CHECKPOINT = CheckpointPolicy()
+_RECOVERY = RecoveryPolicy()
+
+
 class CheckpointPolicySerializer(StrictSerializer):
     dir = _text(max_length=1000, required=False,
                 help_text="Checkpoint directory shared by the nodes and the control plane, inside "
                           "NIGHTWATCH_CHECKPOINT_ROOT. Default: <checkpoint root>/job-<id>.")
     replica_dir = _text(max_length=1000, required=False,
                         help_text="Second storage location for verified checkpoints.")
-    interval = serializers.ChoiceField(choices=["fixed", "auto"], default="fixed",
+    interval = serializers.ChoiceField(choices=["fixed", "auto"], default=_CHECKPOINT.interval,
                                        help_text="auto: follow the Young/Daly recommendation.")
-    interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=100)
-    keep_last = serializers.IntegerField(min_value=1, max_value=1000, default=3)
-    permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30, default=12,
+    interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=_CHECKPOINT.interval_steps)
+    keep_last = serializers.IntegerField(min_value=1, max_value=1000, default=_CHECKPOINT.keep_last)
+    permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30,
+                                                     default=_CHECKPOINT.permanent_every_hours,
                                                      help_text="0 disables permanent checkpoints.")
 
     def validate_dir(self, value):
@@ -91,7 +98,7 @@ def _job_sharing(directory: str) -> int | None:
     if _DEFAULT_DIR.fullmatch(first):
         return int(first.removeprefix("job-"))
     for job in Job.objects.filter(checkpoint_policy__has_key="dir").only("pk", "checkpoint_policy"):
-        theirs = os.path.realpath(job.checkpoint_policy["dir"])
+        theirs = os.path.realpath(CheckpointPolicy.of(job).dir)
         if os.path.commonpath([real, theirs]) in (real, theirs):
             return job.pk
     return None
@@ -102,24 +109,26 @@ STARTUP_TIMEOUT_RANGE = ("Must be between 10 and 86400 seconds (24 h), or null t
 
 
 class RecoveryPolicySerializer(StrictSerializer):
-    max_restarts = serializers.IntegerField(min_value=0, max_value=1000, default=5,
+    max_restarts = serializers.IntegerField(min_value=0, max_value=1000, default=_RECOVERY.max_restarts,
                                             help_text="Automatic restarts allowed per window.")
-    window_minutes = serializers.IntegerField(min_value=1, max_value=7 * 24 * 60, default=60)
-    backoff_seconds = serializers.IntegerField(min_value=0, max_value=3600, default=5)
-    allow_shrink = serializers.BooleanField(default=False,
+    window_minutes = serializers.IntegerField(min_value=1, max_value=7 * 24 * 60, default=_RECOVERY.window_minutes)
+    backoff_seconds = serializers.IntegerField(min_value=0, max_value=3600, default=_RECOVERY.backoff_seconds)
+    allow_shrink = serializers.BooleanField(default=_RECOVERY.allow_shrink,
                                             help_text="Restart on fewer nodes when no spare is free.")
-    progress_timeout_s = serializers.IntegerField(min_value=5, max_value=24 * 3600, allow_null=True, default=None,
+    progress_timeout_s = serializers.IntegerField(min_value=5, max_value=24 * 3600, allow_null=True,
+                                                  default=_RECOVERY.progress_timeout_s,
                                                   help_text="No step within this long = hang. Null: derive "
                                                             "from recent step times.")
     startup_timeout_s = serializers.IntegerField(
-        min_value=10, max_value=24 * 3600, allow_null=True, default=None,
+        min_value=10, max_value=24 * 3600, allow_null=True, default=_RECOVERY.startup_timeout_s,
         error_messages={"min_value": STARTUP_TIMEOUT_RANGE, "max_value": STARTUP_TIMEOUT_RANGE,
                         "invalid": "A whole number of seconds is required. " + STARTUP_TIMEOUT_RANGE},
         help_text="A new generation that reports no first step within this long is hung (the restore is "
                   "included). Null: 3 × the job's slowest earlier start, at least NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S "
                   "(60), or NIGHTWATCH_STARTUP_TIMEOUT_S (180) before the job has one. Once the ranks report "
                   "that they restored (or started from scratch), progress_timeout_s applies.")
-    loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000, default=3,
+    loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000,
+                                                default=_RECOVERY.loss_spike_limit,
                                                 help_text="Consecutive loss-spike steps before pausing.")
 
 

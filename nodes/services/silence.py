@@ -37,6 +37,7 @@ from django.db.models import Count, Max, Min, Q
 from django.utils import timezone
 
 from jobs.models import Event
+from jobs.policies import RecoveryPolicy
 from nodes.models import Node
 from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
 
@@ -135,7 +136,7 @@ def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
         nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
         jobs = 0
         for job in Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now + grace):
-            timeout = (job.recovery_policy or {}).get("progress_timeout_s") or 0
+            timeout = RecoveryPolicy.of(job).progress_timeout_s or 0
             deadline = now + max(grace, timedelta(seconds=timeout))
             jobs += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(
                 progress_deadline=deadline)

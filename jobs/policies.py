@@ -1,0 +1,67 @@
+"""A job's two policies, typed: what ``Job.recovery_policy`` and ``Job.checkpoint_policy`` hold.
+
+The defaults are written here and nowhere else: ``jobs.api.serializers`` takes its defaults from
+these classes, and every reader goes through ``RecoveryPolicy.of(job)`` / ``CheckpointPolicy.of(job)``.
+
+The API stores a policy with its defaults filled in, but a row may still lack a field (a launch
+that sent no policy stores ``{}``; a row written before the field existed, or by the demo command),
+so ``of`` fills in the default for a missing or null field and ignores a field it no longer knows.
+Pure Python: no Django, so the pure modules may use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Protocol, TypeVar
+
+
+class _HasPolicies(Protocol):
+    recovery_policy: Mapping[str, Any] | None
+    checkpoint_policy: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    #: Automatic restarts allowed per window (then the circuit breaker opens).
+    max_restarts: int = 5
+    window_minutes: int = 60
+    backoff_seconds: int = 5
+    #: Restart on fewer nodes when no spare is free.
+    allow_shrink: bool = False
+    #: No step within this long = hang; None: derived from recent step times.
+    progress_timeout_s: int | None = None
+    #: First step of a new generation within this long; None: derived from the job's earlier starts.
+    startup_timeout_s: int | None = None
+    #: Consecutive loss-spike steps before pausing.
+    loss_spike_limit: int = 3
+
+    @classmethod
+    def of(cls, job: _HasPolicies) -> RecoveryPolicy:
+        return _load(cls, job.recovery_policy)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    #: Checkpoint directory; None: ``<checkpoint root>/job-<id>``.
+    dir: str | None = None
+    #: Second storage location for verified checkpoints; None: the replica root's default, if any.
+    replica_dir: str | None = None
+    #: auto: follow the Young/Daly recommendation pushed to the hooks.
+    interval: Literal["fixed", "auto"] = "fixed"
+    interval_steps: int = 100
+    keep_last: int = 3
+    #: 0 disables permanent checkpoints.
+    permanent_every_hours: int = 12
+
+    @classmethod
+    def of(cls, job: _HasPolicies) -> CheckpointPolicy:
+        return _load(cls, job.checkpoint_policy)
+
+
+_Policy = TypeVar("_Policy", RecoveryPolicy, CheckpointPolicy)
+
+
+def _load(cls: type[_Policy], stored: Mapping[str, Any] | None) -> _Policy:
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in (stored or {}).items() if k in known and v is not None})
