@@ -20,6 +20,7 @@ from alerts import channels, crypto, messages, rules
 from alerts.choices import Action, AlertState, DeliveryState, Rule, Severity
 from alerts.models import Alert, Channel, Delivery
 from alerts.rules import AlertSpec
+from core.events import EventKind, record_event
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +252,6 @@ def test_send(channel: Channel, *, actor: str) -> Delivery:
     """Queue a test message to ``channel`` (one attempt, by ``tasks.deliver``) and audit it. The
     caller gets the delivery record; its outcome — sent with a status code, or failed with the
     error's class — is read later from the channel, never the receiver's answer."""
-    from jobs.models import Event
-
     now = timezone.now()
     with transaction.atomic():
         stale = Delivery.objects.filter(channel=channel, action=Action.TEST).order_by("-created_at", "-pk") \
@@ -260,8 +259,8 @@ def test_send(channel: Channel, *, actor: str) -> Delivery:
         Delivery.objects.filter(pk__in=list(stale)).delete()
         delivery = Delivery.objects.create(channel=channel, action=Action.TEST, created_at=now, next_attempt_at=now,
                                            payload=messages.test_message(channel, now=now, actor=actor))
-        Event.objects.create(kind="alert.channel.test", actor=actor, reason=f"test-send to {channel.name}",
-                             new_state=delivery.state, evidence={"channel": channel.pk, "delivery": delivery.pk})
+        record_event(EventKind.ALERT_CHANNEL_TEST, actor=actor, reason=f"test-send to {channel.name}",
+                     new_state=delivery.state, evidence={"channel": channel.pk, "delivery": delivery.pk})
         transaction.on_commit(lambda: _deliver_later([delivery.pk]), robust=True)
     return delivery
 
@@ -301,20 +300,20 @@ def evaluate_event(event_id: int) -> list[Alert]:
     if event is None:
         return []
     touched = []
-    if event.kind == "job.state" and event.job is not None:
+    if event.kind == EventKind.JOB_STATE and event.job is not None:
         job = event.job
         if event.new_state == JobState.PAUSED and job.state == JobState.PAUSED:
             incident = rules.open_incident(job)
             spec = rules.for_incident(incident) if incident else rules.operator_pause(job, event)
             touched.append(apply(spec))
         touched += recheck_all(Alert.objects.filter(job=job, state=AlertState.FIRING))
-    elif event.kind == "node.drain" and event.node is not None:
+    elif event.kind == EventKind.NODE_DRAIN and event.node is not None:
         touched.append(apply(rules.drain(event.node, event)))
-    elif event.kind == "node.blame" and event.node is not None:
+    elif event.kind == EventKind.NODE_BLAME and event.node is not None:
         touched.append(apply(rules.lemon(event.node)))
-    elif event.kind in ("node.undrain", "node.lemon_cleared") and event.node is not None:
+    elif event.kind in (EventKind.NODE_UNDRAIN, EventKind.NODE_LEMON_CLEARED) and event.node is not None:
         touched += recheck_all(Alert.objects.filter(node=event.node, state=AlertState.FIRING))
-    elif event.kind == "checkpoint.verify" and event.job is not None:
+    elif event.kind == EventKind.CHECKPOINT_VERIFY and event.job is not None:
         from checkpoints.choices import CheckpointState
         from checkpoints.models import Checkpoint
 

@@ -12,18 +12,20 @@ from django.db import transaction
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 
+from core.events import EventKind
 from jobs.models import Event, Incident
 
 #: Event kinds that can raise or clear an alert (see ``alerts.services.evaluate_event``).
-WATCHED_EVENTS = frozenset({"job.state", "node.drain", "node.blame", "node.undrain", "node.lemon_cleared",
-                            "checkpoint.verify"})
+WATCHED_EVENTS = frozenset({EventKind.JOB_STATE, EventKind.NODE_DRAIN, EventKind.NODE_BLAME, EventKind.NODE_UNDRAIN,
+                            EventKind.NODE_LEMON_CLEARED, EventKind.CHECKPOINT_VERIFY})
 
 
 @receiver(post_save, sender=Event, dispatch_uid="alerts.event_saved")
 def on_event_saved(sender, instance: Event, created: bool, **kwargs):
     if not created or instance.kind not in WATCHED_EVENTS:
         return
-    if instance.kind == "checkpoint.verify" and instance.new_state != "corrupt" and not _corrupt_alert_firing(instance):
+    if (instance.kind == EventKind.CHECKPOINT_VERIFY and instance.new_state != "corrupt"
+            and not _corrupt_alert_firing(instance)):
         return  # the common case, a checkpoint verified: nothing to raise, nothing to clear
     from alerts.tasks import evaluate_event
 

@@ -21,6 +21,7 @@ from rest_framework.views import APIView
 from controlplane.auth import actor_label
 from controlplane.models import TOKEN_PREFIX, ApiToken, Scope, hash_token
 from controlplane.problems import Unprocessable
+from core.events import EventKind, record_event
 
 #: After a job ends (cancelled, failed, completed) its tokens live this much longer, so that the
 #: hooks of ranks still stopping hear "stale" (409) and stop cleanly; then they expire even if a
@@ -89,17 +90,15 @@ class TokenRotation:
     @staticmethod
     def rotate(token: ApiToken, *, actor: str) -> tuple[ApiToken, str]:
         """Revoke ``token`` and issue its successor, in one transaction, with an audit event."""
-        from jobs.models import Event
-
         with transaction.atomic():
             locked = ApiToken.objects.select_for_update().get(pk=token.pk)
             if locked.revoked_at is not None:
                 raise Unprocessable("This token was already rotated or revoked.")
             locked.revoke()
             new, raw = locked.successor()
-            Event.objects.create(kind="token.rotate", actor=actor, node=locked.node,
-                                 reason=f"token {locked.name!r} ({locked.scope}) rotated itself",
-                                 evidence={"old_prefix": locked.prefix, "new_prefix": new.prefix})
+            record_event(EventKind.TOKEN_ROTATE, actor=actor, node=locked.node,
+                         reason=f"token {locked.name!r} ({locked.scope}) rotated itself",
+                         evidence={"old_prefix": locked.prefix, "new_prefix": new.prefix})
             return new, raw
 
 

@@ -36,6 +36,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Max, Q
 
+from core.events import CHART_KINDS
 from dashboard import events, sections
 from dashboard.tail import Tail
 from jobs.models import Event, StepMetric
@@ -54,9 +55,6 @@ SLOW_GAP_S = 1.0
 IDLE_STOP_S = 5.0
 LEASE_KEY = "nightwatch:dashboard:relay"
 LEASE_MS = 3000
-#: Event kinds that move markers on the chart (restarts, checkpoints).
-CHART_KINDS = ("job.state", "checkpoint.")
-
 
 @dataclass
 class Pending:
@@ -199,7 +197,7 @@ class Relay:
         for event in new_events:
             if event.job_id is not None:
                 names = list(sections.JOB_EVENT_SECTIONS)
-                if event.kind.startswith(CHART_KINDS):
+                if event.kind in CHART_KINDS:
                     names.append("chart")
                 self._pending(events.job_group(event.job_id), event.job_id).sections.update(names)
                 self._pending(events.CLUSTER_GROUP).sections.update(sections.CLUSTER_JOB_SECTIONS)

@@ -26,6 +26,7 @@ from django.db import transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
+from core.events import EventKind, record_event
 from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
 from jobs.launching import candidates, end_generations, spec_hash, start_generation
@@ -76,8 +77,8 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             from nodes.models import Node
 
             incident.nodes.set(Node.objects.filter(hostname__in=blamed))
-        Event.objects.create(kind="incident.open", actor=actor, job=job, generation=generation,
-                             reason=decision.reason, evidence={"incident": incident.pk, "decision": decision.action})
+        record_event(EventKind.INCIDENT_OPEN, actor=actor, job=job, generation=generation,
+                     reason=decision.reason, evidence={"incident": incident.pk, "decision": decision.action})
         if decision.action == Decision.ALERT:
             incident.state, incident.resolved_at = IncidentState.RESOLVED, now
             incident.save(update_fields=["state", "resolved_at"])
@@ -104,7 +105,7 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
         for i in Incident.objects.filter(job=job, evidence__signal=policy.EXIT).order_by("detected_at")
     )
     lost_window = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["PARTITION_WINDOW_S"])
-    lost = Event.objects.filter(kind="node.health", new_state=Health.UNREACHABLE, created_at__gte=lost_window)
+    lost = Event.objects.filter(kind=EventKind.NODE_HEALTH, new_state=Health.UNREACHABLE, created_at__gte=lost_window)
     gen_nodes = set(Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname",
                                                                                            flat=True))
     unhealthy = tuple(sorted(Node.objects.filter(hostname__in=set(nodes) | gen_nodes, health=Health.UNHEALTHY)

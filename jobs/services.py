@@ -13,6 +13,7 @@ from django.db.models.functions import Cast, Coalesce, Greatest
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
+from core.events import EventKind, record_event
 from jobs import state
 from jobs.choices import GenerationState, JobState
 from jobs.models import Event, Generation, Incident, Job, StepMetric, TrainingEvent
@@ -23,8 +24,8 @@ from jobs.policies import CheckpointPolicy, RecoveryPolicy
 def launch_job(spec: dict, *, actor: str) -> Job:
     """Record a validated job spec as a pending job. Placement and the first generation follow."""
     job = Job.objects.create(created_by=actor, **spec)
-    Event.objects.create(kind="job.launch", actor=actor, job=job, new_state=job.state, generation=0,
-                         evidence={"spec": spec})
+    record_event(EventKind.JOB_LAUNCH, actor=actor, job=job, new_state=job.state, generation=0,
+                 evidence={"spec": spec})
 
     def enqueue():
         from jobs.tasks import start_job_task
@@ -360,7 +361,7 @@ def goodput_of(job: Job, *, now=None):
 def _paused_spans(job: Job, end) -> list[tuple]:
     """(entered, left) of every stay in ``paused``, from the state events."""
     spans, entered = [], None
-    for event in Event.objects.filter(job=job, kind="job.state").order_by("created_at", "pk"):
+    for event in Event.objects.filter(job=job, kind=EventKind.JOB_STATE).order_by("created_at", "pk"):
         if event.new_state == JobState.PAUSED and entered is None:
             entered = event.created_at
         elif event.old_state == JobState.PAUSED and entered is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
+from core.events import EventKind, record_event
 from jobs.choices import JobState as S
 from jobs.models import Event, Job
 
@@ -140,10 +141,10 @@ def transition(
         won = Job.objects.filter(pk=job_id, state=current.state, generation=current.generation).update(**changes)
         if won != 1:
             raise TransitionConflict(f"job {job_id} changed while transitioning to {new_state}")
-        event = Event.objects.create(
-            kind="job.state",
+        event = record_event(
+            EventKind.JOB_STATE,
             actor=actor,
-            job_id=job_id,
+            job=job_id,
             generation=changes.get("generation", current.generation),
             old_state=current.state,
             new_state=new_state,

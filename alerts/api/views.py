@@ -26,13 +26,14 @@ from alerts.choices import Action
 from alerts.models import Alert, Channel, Delivery, EfficiencyTarget
 from controlplane import roles
 from controlplane.auth import actor_label
-from jobs.models import Event, Job
+from core.events import EventKind, record_event
+from jobs.models import Job
 
 
 def _audit(request, action: str, channel: Channel, **evidence) -> None:
-    Event.objects.create(kind="alert.channel", actor=actor_label(request), new_state=action,
-                         reason=f"alert channel {channel.name!r} {action}",
-                         evidence={"channel": channel.pk, "name": channel.name, "kind": channel.kind, **evidence})
+    record_event(EventKind.ALERT_CHANNEL, actor=actor_label(request), new_state=action,
+                 reason=f"alert channel {channel.name!r} {action}",
+                 evidence={"channel": channel.pk, "name": channel.name, "kind": channel.kind, **evidence})
 
 
 def channels_with_test_sends():
@@ -136,6 +137,6 @@ class JobEfficiencyTarget(APIView):
         values = {name: body.validated_data.get(name) for name in ("expected_mfu", "mfu_margin", "flops_per_token")}
         with transaction.atomic():
             target, _ = EfficiencyTarget.objects.update_or_create(job=job, defaults=values)
-            Event.objects.create(kind="job.efficiency_target", actor=actor_label(request), job=job,
-                                 reason="efficiency target set", evidence=values)
+            record_event(EventKind.JOB_EFFICIENCY_TARGET, actor=actor_label(request), job=job,
+                         reason="efficiency target set", evidence=values)
         return Response(EfficiencyTargetSerializer(target).data)

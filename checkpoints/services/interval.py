@@ -35,8 +35,9 @@ from django.utils import timezone
 
 from agents.detectors import young_daly_interval
 from checkpoints.models import Checkpoint
+from core.events import EventKind, record_event
 from jobs.choices import IncidentKind, JobState
-from jobs.models import Event, Incident, Job, StepMetric
+from jobs.models import Incident, Job, StepMetric
 from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
@@ -147,11 +148,11 @@ def push_interval(job: Job, *, now: datetime | None = None, actor: str = "system
     if not Job.objects.filter(pk=job.pk, recommended_interval_steps=current).update(recommended_interval_steps=new):
         return False
     job.recommended_interval_steps = new
-    Event.objects.create(kind="checkpoint.interval", actor=actor, job=job, generation=job.generation,
-                         old_state=str(current or ""), new_state=str(new),
-                         reason=f"checkpoint every {new} steps: {recommendation.explanation}",
-                         evidence={k: (v.isoformat() if isinstance(v, datetime) else v)
-                                   for k, v in recommendation.as_dict().items()})
+    record_event(EventKind.CHECKPOINT_INTERVAL, actor=actor, job=job, generation=job.generation,
+                 old_state=str(current or ""), new_state=str(new),
+                 reason=f"checkpoint every {new} steps: {recommendation.explanation}",
+                 evidence={k: (v.isoformat() if isinstance(v, datetime) else v)
+                           for k, v in recommendation.as_dict().items()})
     return True
 
 

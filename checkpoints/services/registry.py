@@ -18,6 +18,7 @@ from agents.protocol import hooks as hooks_protocol
 from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
+from core.events import EventKind, record_event
 from jobs import state
 from jobs.choices import JobState
 from jobs.models import Event, Generation, Job
@@ -37,11 +38,11 @@ class ProtectedCheckpoint(CheckpointError):
         self.reasons = reasons
 
 
-def record_event(kind: str, checkpoint: Checkpoint, *, actor: str, reason: str, old_state: str = "",
-                 new_state: str = "", **evidence) -> Event:
-    return Event.objects.create(kind=kind, actor=actor, job_id=checkpoint.job_id, old_state=old_state,
-                                new_state=new_state, reason=reason,
-                                evidence={"checkpoint": checkpoint.pk, "step": checkpoint.step, **evidence})
+def checkpoint_event(kind: EventKind, checkpoint: Checkpoint, *, actor: str, reason: str, old_state: str = "",
+                     new_state: str = "", **evidence) -> Event:
+    """Record ``kind`` about one checkpoint: its row names the checkpoint and its step."""
+    return record_event(kind, actor=actor, job=checkpoint.job_id, old_state=old_state, new_state=new_state,
+                        reason=reason, evidence={"checkpoint": checkpoint.pk, "step": checkpoint.step, **evidence})
 
 
 # --- commits ---------------------------------------------------------------------------------------
@@ -79,10 +80,10 @@ def record_commit(job: Job, commit: hooks_protocol.CheckpointCommit, *, actor: s
         blocking_s=commit.blocking_s, total_s=commit.total_s,
     )
     Job.objects.filter(pk=job.pk, checkpoint_requested_at__lte=timezone.now()).update(checkpoint_requested_at=None)
-    Event.objects.create(kind="checkpoint.commit", actor=actor, job=job, generation=commit.generation,
-                         reason=f"step {commit.step} committed at {commit.path}",
-                         evidence={"checkpoint": checkpoint.pk, "blocking_s": commit.blocking_s,
-                                   "total_s": commit.total_s, "size_bytes": commit.size_bytes})
+    record_event(EventKind.CHECKPOINT_COMMIT, actor=actor, job=job, generation=commit.generation,
+                 reason=f"step {commit.step} committed at {commit.path}",
+                 evidence={"checkpoint": checkpoint.pk, "blocking_s": commit.blocking_s,
+                           "total_s": commit.total_s, "size_bytes": commit.size_bytes})
     transaction.on_commit(lambda: _enqueue_verification(checkpoint.pk))
     return checkpoint, True
 
@@ -239,7 +240,7 @@ def pin(checkpoint: Checkpoint, *, actor: str, reason: str) -> Checkpoint:
     if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=False, state__in=CheckpointState.LIVE).update(
         permanent=True
     ):
-        record_event("checkpoint.pin", checkpoint, actor=actor, reason=reason or "made permanent")
+        checkpoint_event(EventKind.CHECKPOINT_PIN, checkpoint, actor=actor, reason=reason or "made permanent")
     checkpoint.refresh_from_db()
     return checkpoint
 
@@ -247,7 +248,7 @@ def pin(checkpoint: Checkpoint, *, actor: str, reason: str) -> Checkpoint:
 def unpin(checkpoint: Checkpoint, *, actor: str, reason: str) -> Checkpoint:
     """Make a permanent checkpoint ordinary again; retention decides its fate from then on."""
     if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=True).update(permanent=False):
-        record_event("checkpoint.unpin", checkpoint, actor=actor, reason=reason or "no longer permanent")
+        checkpoint_event(EventKind.CHECKPOINT_UNPIN, checkpoint, actor=actor, reason=reason or "no longer permanent")
     checkpoint.refresh_from_db()
     return checkpoint
 
@@ -277,9 +278,9 @@ def delete_checkpoint(checkpoint: Checkpoint, *, actor: str, reason: str, protec
         )
         if not won:
             raise CheckpointError(f"checkpoint {checkpoint.pk} changed while being deleted; look again")
-        record_event("checkpoint.delete", checkpoint, actor=actor, reason=reason, old_state=checkpoint.state,
-                     new_state=CheckpointState.DELETED, location=checkpoint.location,
-                     replica_location=checkpoint.replica_location, size_bytes=checkpoint.size_bytes)
+        checkpoint_event(EventKind.CHECKPOINT_DELETE, checkpoint, actor=actor, reason=reason,
+                         old_state=checkpoint.state, new_state=CheckpointState.DELETED, location=checkpoint.location,
+                         replica_location=checkpoint.replica_location, size_bytes=checkpoint.size_bytes)
     checkpoint.refresh_from_db()
     remove_files(checkpoint, actor=actor)
     return checkpoint
@@ -301,6 +302,6 @@ def remove_files(checkpoint: Checkpoint, *, actor: str) -> bool:
         except (OSError, disk.UnsafePath) as error:
             clean = False
             log.warning("could not remove %s of checkpoint %s: %s", location, checkpoint.pk, error)
-            record_event("checkpoint.delete_failed", checkpoint, actor=actor, location=location,
-                         reason=f"could not remove {location}: {error}")
+            checkpoint_event(EventKind.CHECKPOINT_DELETE_FAILED, checkpoint, actor=actor, location=location,
+                             reason=f"could not remove {location}: {error}")
     return clean

@@ -32,7 +32,8 @@ from django.utils import timezone
 from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
-from checkpoints.services.registry import record_event
+from checkpoints.services.registry import checkpoint_event
+from core.events import EventKind
 from jobs.models import Job
 from jobs.policies import CheckpointPolicy
 
@@ -131,11 +132,11 @@ def restore_from_replica(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | 
         _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
         return None
     Checkpoint.objects.filter(pk=checkpoint.pk).update(replica_checked_at=timezone.now())
-    record_event("checkpoint.restore_from_replica", checkpoint, actor=actor,
-                 reason=f"primary copy at {checkpoint.location} is {checkpoint.state} "
-                        f"({checkpoint.state_reason or 'no reason recorded'}); restoring from the replica at "
-                        f"{checkpoint.replica_location}",
-                 location=checkpoint.location, replica_location=checkpoint.replica_location)
+    checkpoint_event(EventKind.CHECKPOINT_RESTORE_FROM_REPLICA, checkpoint, actor=actor,
+                     reason=f"primary copy at {checkpoint.location} is {checkpoint.state} "
+                            f"({checkpoint.state_reason or 'no reason recorded'}); restoring from the replica at "
+                            f"{checkpoint.replica_location}",
+                     location=checkpoint.location, replica_location=checkpoint.replica_location)
     served = Checkpoint.objects.get(pk=checkpoint.pk)
     served.location = checkpoint.replica_location
     served.served_from_replica = True
@@ -186,9 +187,10 @@ def _record(checkpoint: Checkpoint, state: str, reason: str, actor: str, note: s
     _set_replica(checkpoint, state, reason)
     after = Checkpoint.objects.get(pk=checkpoint.pk)
     if after.replica_state != before.replica_state or reason:
-        record_event("checkpoint.replica", after, actor=actor, old_state=f"replica:{before.replica_state or 'none'}",
-                     new_state=f"replica:{after.replica_state or 'none'}", reason=reason or note,
-                     replica_location=after.replica_location)
+        checkpoint_event(EventKind.CHECKPOINT_REPLICA, after, actor=actor,
+                         old_state=f"replica:{before.replica_state or 'none'}",
+                         new_state=f"replica:{after.replica_state or 'none'}", reason=reason or note,
+                         replica_location=after.replica_location)
     if reason:
         log.warning("replica of checkpoint %s: %s", checkpoint.pk, reason)
     return after

@@ -42,12 +42,13 @@ from checkpoints.models import Checkpoint
 from checkpoints.services.registry import (
     CheckpointError,
     active_resumptions,
+    checkpoint_event,
     delete_checkpoint,
     latest_verified_checkpoint,
     protection_reasons,
-    record_event,
     remove_files,
 )
+from core.events import EventKind
 from jobs.models import Job
 from jobs.policies import CheckpointPolicy
 
@@ -188,7 +189,7 @@ def _carry_out(plan: RetentionPlan, rows: dict[int, Checkpoint], *, actor: str) 
         try:
             if decision.make_permanent:
                 if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=False).update(permanent=True):
-                    record_event("checkpoint.pin", checkpoint, actor=actor, reason=decision.reason)
+                    checkpoint_event(EventKind.CHECKPOINT_PIN, checkpoint, actor=actor, reason=decision.reason)
             elif not decision.keep:
                 # protections=[]: the plan has just checked them; the compare-and-set in
                 # delete_checkpoint still refuses one that was pinned meanwhile.

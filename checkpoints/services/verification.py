@@ -11,7 +11,8 @@ from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.inspection import Finding, inspect_directory
 from checkpoints.models import Checkpoint
 from checkpoints.services import replicas
-from checkpoints.services.registry import active_branch, record_event
+from checkpoints.services.registry import active_branch, checkpoint_event
+from core.events import EventKind
 from jobs.models import Job
 
 
@@ -61,8 +62,9 @@ def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", record_unc
         current.state, current.state_reason, current.verified_at = new_state, finding.reason, timezone.now()
         current.save(update_fields=["state", "state_reason", "verified_at"])
         if changed or record_unchanged:
-            record_event("checkpoint.verify", current, actor=actor, old_state=old_state, new_state=new_state,
-                         reason=finding.reason or f"step {current.step} verified", location=current.location)
+            checkpoint_event(EventKind.CHECKPOINT_VERIFY, current, actor=actor, old_state=old_state,
+                             new_state=new_state, reason=finding.reason or f"step {current.step} verified",
+                             location=current.location)
         # Only on the way in: a re-verification must not queue a second copy while one runs (the
         # replica sweep retries failed and lost copies).
         if changed and new_state == CheckpointState.VERIFIED and current.replica_state != ReplicaState.VERIFIED:

@@ -23,8 +23,9 @@ from django.db.models import F
 from django.utils import timezone
 
 from agents.protocol import agent as wire
+from core.events import EventKind, record_event
 from jobs import state
-from jobs.models import Event, Job
+from jobs.models import Job
 from nodes import signals
 from nodes.choices import CommandKind, CommandState
 from nodes.models import Node, NodeCommand
@@ -151,11 +152,11 @@ def ack_command(node: Node, command_id: int, ack: wire.CommandAck, *, actor: str
         if not won:
             command.refresh_from_db()
             return command
-        Event.objects.create(kind="node.command", actor=actor, node=node, job_id=command.job_id,
-                             generation=command.generation, old_state=old_state, new_state=new_state,
-                             reason=f"{command.kind} {ack.status}" + (f": {ack.detail}" if ack.detail else ""),
-                             evidence={"command": command.pk, "idempotency_key": command.idempotency_key},
-                             created_at=now)
+        record_event(EventKind.NODE_COMMAND, actor=actor, node=node, job=command.job_id,
+                     generation=command.generation, old_state=old_state, new_state=new_state,
+                     reason=f"{command.kind} {ack.status}" + (f": {ack.detail}" if ack.detail else ""),
+                     evidence={"command": command.pk, "idempotency_key": command.idempotency_key},
+                     created_at=now)
         signals.send_on_commit(signals.command_acked, node=node, command_id=command.pk, kind=command.kind,
                                job_id=command.job_id, generation=command.generation, status=ack.status,
                                state=new_state, detail=ack.detail)

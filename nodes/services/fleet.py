@@ -19,6 +19,7 @@ from django.utils import timezone
 from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
 from controlplane.models import ApiToken, Scope, hash_token
+from core.events import EventKind, record_event
 from jobs.choices import JobState
 from jobs.models import Event, Generation
 from nodes import health as rules
@@ -93,11 +94,10 @@ def issue_bootstrap_token(*, name: str, actor: str, hostname: str = "", node: No
         token, raw = ApiToken.issue(name=name, scope=Scope.BOOTSTRAP, single_use=True, expires_at=expires_at,
                                     hostname=node.hostname if node is not None else hostname, node=node)
         if node is not None:
-            Event.objects.create(kind="node.bootstrap_token", actor=actor, node=node, created_at=now,
-                                 reason=f"bootstrap token {token.name!r} issued to re-register {node.hostname}"
-                                 + (f": {reason}" if reason else ""),
-                                 evidence={"token": token.name, "prefix": token.prefix,
-                                           "expires_at": expires_at.isoformat()})
+            record_event(EventKind.NODE_BOOTSTRAP_TOKEN, actor=actor, node=node, created_at=now,
+                         reason=f"bootstrap token {token.name!r} issued to re-register {node.hostname}"
+                         + (f": {reason}" if reason else ""),
+                         evidence={"token": token.name, "prefix": token.prefix, "expires_at": expires_at.isoformat()})
     return token, raw
 
 
@@ -184,8 +184,8 @@ def _node_registered(message: wire.Register, node: Node | None, now) -> tuple[No
 
 def _record_registration(node: Node, message: wire.Register, *, actor: str, previous: dict | None, now) -> None:
     again = "" if previous is None else "re-registered (its earlier agent tokens revoked); "
-    Event.objects.create(
-        kind="node.register", actor=actor, node=node, created_at=now,
+    record_event(
+        EventKind.NODE_REGISTER, actor=actor, node=node, created_at=now,
         reason=f"{again}agent {message.agent_version} registered with {len(message.gpus)} GPU(s)"
         + ("" if message.gpu_telemetry else f"; no GPU telemetry: {message.gpu_telemetry_reason}"),
         evidence={"address": message.address, "labels": message.labels,
@@ -269,8 +269,8 @@ def set_health(node: Node, new: str, *, reason: str, evidence: dict | None = Non
                                                                    health_changed_at=now):
             node.refresh_from_db(fields=["health", "health_reason", "health_changed_at"])
             return False
-        event = Event.objects.create(kind="node.health", actor=actor, node=node, old_state=old, new_state=new,
-                                     reason=reason, evidence=evidence, created_at=now)
+        event = record_event(EventKind.NODE_HEALTH, actor=actor, node=node, old_state=old, new_state=new,
+                             reason=reason, evidence=evidence, created_at=now)
         node.health, node.health_reason, node.health_changed_at = new, reason, now
         signals.send_on_commit(signals.node_health_changed, node=node, old=old, new=new, evidence=evidence,
                                reasons=list(evidence.get("reasons") or [reason]), event_id=event.pk)
@@ -293,7 +293,8 @@ def drain_node(node: Node, *, actor: str, reason: str) -> bool:
         nodes=node, ended_at__isnull=True, job__state__in=JobState.ACTIVE).exists()
     new = Schedulability.DRAINING if busy else Schedulability.DRAINED
     with transaction.atomic():
-        event = _move_schedulability(node, new, kind="node.drain", actor=actor, reason=reason, drain_reason=reason)
+        event = _move_schedulability(node, new, kind=EventKind.NODE_DRAIN, actor=actor, reason=reason,
+                                     drain_reason=reason)
         if event is None:
             return False
         if node.transport == Transport.AGENT:
@@ -306,7 +307,7 @@ def finish_drain(node: Node, *, actor: str, reason: str) -> bool:
     """A draining node runs nothing any more: it is drained."""
     if node.schedulability != Schedulability.DRAINING:
         return False
-    return _move_schedulability(node, Schedulability.DRAINED, kind="node.drained", actor=actor,
+    return _move_schedulability(node, Schedulability.DRAINED, kind=EventKind.NODE_DRAINED, actor=actor,
                                 reason=reason) is not None
 
 
@@ -315,7 +316,7 @@ def undrain_node(node: Node, *, actor: str, reason: str) -> bool:
     if node.schedulability == Schedulability.ACTIVE:
         return False
     with transaction.atomic():
-        if _move_schedulability(node, Schedulability.ACTIVE, kind="node.undrain", actor=actor, reason=reason,
+        if _move_schedulability(node, Schedulability.ACTIVE, kind=EventKind.NODE_UNDRAIN, actor=actor, reason=reason,
                                 drain_reason="") is None:
             return False
         # A drain the agent has not picked up yet must not reach it after the undrain.
@@ -324,7 +325,7 @@ def undrain_node(node: Node, *, actor: str, reason: str) -> bool:
     return True
 
 
-def _move_schedulability(node: Node, new: str, *, kind: str, actor: str, reason: str, **fields) -> Event | None:
+def _move_schedulability(node: Node, new: str, *, kind: EventKind, actor: str, reason: str, **fields) -> Event | None:
     old = node.schedulability
     now = timezone.now()
     with transaction.atomic():
@@ -332,8 +333,8 @@ def _move_schedulability(node: Node, new: str, *, kind: str, actor: str, reason:
                 schedulability=new, schedulability_changed_at=now, **fields):
             node.refresh_from_db(fields=["schedulability", "drain_reason", "schedulability_changed_at"])
             return None
-        event = Event.objects.create(kind=kind, actor=actor, node=node, old_state=old, new_state=new, reason=reason,
-                                     created_at=now, evidence={"health": node.health})
+        event = record_event(kind, actor=actor, node=node, old_state=old, new_state=new, reason=reason,
+                             created_at=now, evidence={"health": node.health})
     node.schedulability, node.schedulability_changed_at = new, now
     for name, value in fields.items():
         setattr(node, name, value)
@@ -347,8 +348,8 @@ def blame_node(node: Node, *, actor: str, reason: str, evidence: dict | None = N
     with transaction.atomic():
         Node.objects.filter(pk=node.pk).update(lemon_count=F("lemon_count") + 1)
         node.refresh_from_db(fields=["lemon_count"])
-        Event.objects.create(kind="node.blame", actor=actor, node=node, old_state=str(node.lemon_count - 1),
-                             new_state=str(node.lemon_count), reason=reason, evidence=evidence or {})
+        record_event(EventKind.NODE_BLAME, actor=actor, node=node, old_state=str(node.lemon_count - 1),
+                     new_state=str(node.lemon_count), reason=reason, evidence=evidence)
     return node.lemon_count
 
 
@@ -357,8 +358,8 @@ def clear_lemon(node: Node, *, actor: str, reason: str) -> None:
     with transaction.atomic():
         old = Node.objects.select_for_update().values_list("lemon_count", flat=True).get(pk=node.pk)
         Node.objects.filter(pk=node.pk).update(lemon_count=0)
-        Event.objects.create(kind="node.lemon_cleared", actor=actor, node=node, old_state=str(old), new_state="0",
-                             reason=reason)
+        record_event(EventKind.NODE_LEMON_CLEARED, actor=actor, node=node, old_state=str(old), new_state="0",
+                     reason=reason)
     node.lemon_count = 0
 
 

@@ -36,6 +36,7 @@ from django.db import transaction
 from django.db.models import Count, Max, Min, Q
 from django.utils import timezone
 
+from core.events import EventKind, record_event
 from jobs.models import Event
 from jobs.policies import RecoveryPolicy
 from nodes.models import Node
@@ -43,7 +44,6 @@ from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:fleet-watch"
-KIND = "fleet.silence"
 SILENT, RESTORED, GIVEN_UP = "silent", "restored", "given_up"
 
 
@@ -84,7 +84,7 @@ def _interval() -> timedelta:
 
 
 def last_transition() -> Event | None:
-    return Event.objects.filter(kind=KIND).order_by("-created_at", "-pk").first()
+    return Event.objects.filter(kind=EventKind.FLEET_SILENCE).order_by("-created_at", "-pk").first()
 
 
 def held(now: datetime | None = None) -> bool:
@@ -148,10 +148,10 @@ def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
 
 def _record(state: str, now: datetime, silence: Silence, reason: str, extra: dict | None = None) -> None:
     last = last_transition()
-    Event.objects.create(kind=KIND, actor=ACTOR, created_at=now, old_state=last.new_state if last else "",
-                         new_state=state, reason=reason,
-                         evidence={"silent": silence.silent, "expected": silence.expected,
-                                   "oldest_missed_deadline": silence.since.isoformat() if silence.since else None,
-                                   **(extra or {})})
+    record_event(EventKind.FLEET_SILENCE, actor=ACTOR, created_at=now, old_state=last.new_state if last else "",
+                 new_state=state, reason=reason,
+                 evidence={"silent": silence.silent, "expected": silence.expected,
+                           "oldest_missed_deadline": silence.since.isoformat() if silence.since else None,
+                           **(extra or {})})
     (log.warning if state != RESTORED else log.info)("fleet silence: %s", reason)
 

@@ -336,19 +336,20 @@ def test_a_newer_verified_checkpoint_clears_the_corrupt_checkpoint_page(cast, jo
                                                                        django_capture_on_commit_callbacks):
     from checkpoints.models import Checkpoint
     from checkpoints.services import verify
-    from checkpoints.services.registry import record_event
+    from checkpoints.services.registry import checkpoint_event
+    from core.events import EventKind
 
     with django_capture_on_commit_callbacks(execute=True):
         verify(Checkpoint.objects.create(job=job, step=10, location=str(tmp_path / "missing")))
     alert = Alert.objects.get(rule="checkpoint_corrupt")
     newer = Checkpoint.objects.create(job=job, step=20, location=str(tmp_path / "c20"), state="verified")
     with django_capture_on_commit_callbacks(execute=True):
-        record_event("checkpoint.verify", newer, actor="system:verifier", old_state="committed",
-                     new_state="verified", reason="step 20 verified")
+        checkpoint_event(EventKind.CHECKPOINT_VERIFY, newer, actor="system:verifier", old_state="committed",
+                         new_state="verified", reason="step 20 verified")
     alert.refresh_from_db()
     assert alert.state == AlertState.RESOLVED
     # With no corrupt-checkpoint page firing, a verification costs the alerts app nothing.
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        record_event("checkpoint.verify", newer, actor="system:verifier", old_state="verified",
-                     new_state="verified", reason="re-verified")
+        checkpoint_event(EventKind.CHECKPOINT_VERIFY, newer, actor="system:verifier", old_state="verified",
+                         new_state="verified", reason="re-verified")
     assert callbacks == []

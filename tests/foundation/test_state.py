@@ -33,7 +33,7 @@ def test_every_state_is_in_the_table():
 @pytest.mark.parametrize(("old", "new"), LEGAL)
 def test_legal_transition_changes_state_and_appends_one_event(old, new):
     job = make_job(old)
-    result = state.transition(job, new, actor="test:suite", reason="because", evidence={"k": 1})
+    result = state.transition(job, new, actor="test:suite", reason="because", evidence={"incident": 1})
     job.refresh_from_db()
     assert job.state == new
     assert result.old_state == old
@@ -41,7 +41,7 @@ def test_legal_transition_changes_state_and_appends_one_event(old, new):
     assert job.generation == expected_generation
     [event] = Event.objects.filter(job=job)
     assert (event.old_state, event.new_state, event.actor, event.reason) == (old, new, "test:suite", "because")
-    assert event.evidence == {"k": 1}
+    assert event.evidence == {"incident": 1}
     assert event.generation == expected_generation
 
 

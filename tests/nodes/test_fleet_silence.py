@@ -8,6 +8,7 @@ import pytest
 import time_machine
 from django.utils import timezone
 
+from core.events import EventKind
 from jobs import orchestrator
 from jobs.models import Event, Job
 from nodes import services, tasks
@@ -34,7 +35,7 @@ def beat(*nodes):
 
 
 def transitions() -> list[str]:
-    events = Event.objects.filter(kind=silence.KIND).order_by("created_at", "pk")
+    events = Event.objects.filter(kind=EventKind.FLEET_SILENCE).order_by("created_at", "pk")
     return list(events.values_list("new_state", flat=True))
 
 
@@ -63,7 +64,7 @@ def test_when_most_of_the_fleet_goes_silent_together_nobody_turns_unreachable(fl
         assert silence.held()
     assert set(Node.objects.values_list("health", flat=True)) == {Health.HEALTHY}
     assert transitions() == ["silent"]  # one event per transition, not per sweep
-    event = Event.objects.get(kind=silence.KIND)
+    event = Event.objects.get(kind=EventKind.FLEET_SILENCE)
     assert (event.evidence["silent"], event.evidence["expected"]) == (2, 3)
     assert "suspecting the control plane's own ingress" in event.reason
 
@@ -106,7 +107,7 @@ def test_contact_restored_restarts_the_deadlines_that_ran_out_meanwhile(fleet, c
         beat(fleet[0], fleet[1])  # fleet[2] never came back: after the grace it is a node problem again
         assert tasks.expire_heartbeats() == 1
     assert Node.objects.get(pk=fleet[2].pk).health == Health.UNREACHABLE
-    assert "restored after 20 s" in Event.objects.filter(kind=silence.KIND).last().reason
+    assert "restored after 20 s" in Event.objects.filter(kind=EventKind.FLEET_SILENCE).last().reason
 
 
 @pytest.mark.django_db

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from jobs.models import Event
+from core.events import EventKind, record_event
 from nodes.choices import Health, Transport
 from nodes.models import Node, SlurmController
 from nodes.transports.slurm.cli import SlurmError
@@ -57,9 +57,9 @@ def record_ok() -> None:
         SlurmController.objects.filter(pk=row.pk).update(reachable=True, last_contact_at=now, last_error="",
                                                          failing_since=None, consecutive_failures=0, retry_after=None)
         if was_down:
-            Event.objects.create(kind="slurm.reachable", actor=ACTOR, old_state="unreachable", new_state="reachable",
-                                 reason=f"Slurm controller answers again (down since {row.failing_since:%H:%M:%S})",
-                                 evidence={"cluster": row.cluster, "last_error": row.last_error})
+            record_event(EventKind.SLURM_REACHABLE, actor=ACTOR, old_state="unreachable", new_state="reachable",
+                         reason=f"Slurm controller answers again (down since {row.failing_since:%H:%M:%S})",
+                         evidence={"cluster": row.cluster, "last_error": row.last_error})
             for node in Node.objects.filter(transport=Transport.SLURM, health=Health.DEGRADED,
                                             health_reason__startswith=UNREACHABLE_PREFIX):
                 set_health(node, Health.HEALTHY, actor=ACTOR, reason="Slurm controller answers again")
@@ -80,8 +80,8 @@ def record_failure(error: SlurmError) -> None:
             failing_since=row.failing_since or now, retry_after=now + timedelta(seconds=backoff))
         if row.reachable:
             log.error("Slurm controller unreachable: %s (next try in %d s)", error, backoff)
-            Event.objects.create(kind="slurm.unreachable", actor=ACTOR, old_state="reachable", new_state="unreachable",
-                                 reason=str(error)[:2000], evidence={"cluster": row.cluster, "command": error.command})
+            record_event(EventKind.SLURM_UNREACHABLE, actor=ACTOR, old_state="reachable", new_state="unreachable",
+                         reason=str(error)[:2000], evidence={"cluster": row.cluster, "command": error.command})
             for node in Node.objects.filter(transport=Transport.SLURM, health__in=Health.USABLE):
                 set_health(node, Health.DEGRADED, actor=ACTOR, reason=f"{UNREACHABLE_PREFIX}{error}"[:2000],
                            evidence={"command": error.command})

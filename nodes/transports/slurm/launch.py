@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from agents.protocol import agent as wire
 from controlplane.models import ApiToken, Scope
-from jobs.models import Event
+from core.events import EventKind, record_event
 from nodes.choices import Health, Schedulability, SlurmAllocationState, Transport
 from nodes.models import Node, SlurmAllocation
 from nodes.transports.base import Launch
@@ -119,11 +119,10 @@ def submit(allocation_id: int, slurm: Slurm | None = None) -> bool:
         now = timezone.now()
         SlurmAllocation.objects.filter(pk=allocation.pk).update(
             state=SlurmAllocationState.QUEUED, slurm_job_id=job_id, submitted_at=now, last_error="")
-        Event.objects.create(kind="slurm.submit", actor=ACTOR, job_id=allocation.job_id,
-                             generation=allocation.generation, new_state="queued",
-                             reason=f"Slurm job {job_id} ({allocation.job_name}) on {','.join(allocation.hostnames)}",
-                             evidence={"slurm_job_id": job_id, "adopted": bool(existing),
-                                       "excluded": allocation.excluded})
+        record_event(EventKind.SLURM_SUBMIT, actor=ACTOR, job=allocation.job_id,
+                     generation=allocation.generation, new_state="queued",
+                     reason=f"Slurm job {job_id} ({allocation.job_name}) on {','.join(allocation.hostnames)}",
+                     evidence={"slurm_job_id": job_id, "adopted": bool(existing), "excluded": allocation.excluded})
     controller.record_ok()
     log.info("job %s generation %s submitted as Slurm job %s", allocation.job_id, allocation.generation, job_id)
     return True
@@ -184,6 +183,6 @@ def _record(exc: SlurmError, allocation: SlurmAllocation) -> None:
         controller.record_failure(exc)
     else:
         log.error("job %s generation %s: Slurm refused: %s", allocation.job_id, allocation.generation, exc)
-        Event.objects.create(kind="slurm.refused", actor=ACTOR, job_id=allocation.job_id,
-                             generation=allocation.generation, reason=str(exc)[:2000],
-                             evidence={"command": exc.command[:40]})
+        record_event(EventKind.SLURM_REFUSED, actor=ACTOR, job=allocation.job_id,
+                     generation=allocation.generation, reason=str(exc)[:2000],
+                     evidence={"command": exc.command[:40]})

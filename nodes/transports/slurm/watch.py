@@ -22,7 +22,7 @@ from django.utils import timezone
 from agents.protocol.agent import MAX_LOG_LINE, MAX_LOG_TAIL_LINES
 from agents.supervisor import OutputScan, classify_exit
 from controlplane.models import ApiToken
-from jobs.models import Event
+from core.events import EventKind, record_event
 from nodes import signals
 from nodes.choices import SlurmAllocationState
 from nodes.models import AgentEventRecord, Node, SlurmAllocation
@@ -125,9 +125,9 @@ def report_ended(row: SlurmAllocation, *, state: str, exit_status: int | None, e
             return 0
         if row.token_id:
             ApiToken.objects.filter(pk=row.token_id, revoked_at__isnull=True).update(revoked_at=now)
-        Event.objects.create(kind="slurm.ended", actor=ACTOR, job_id=row.job_id, generation=row.generation,
-                             new_state=state, reason=f"Slurm job {row.slurm_job_id or '-'} {state}"
-                             + (f": {note}" if note else ""), evidence={k: detail[k] for k in ("exit_code", "slurm")})
+        record_event(EventKind.SLURM_ENDED, actor=ACTOR, job=row.job_id, generation=row.generation,
+                     new_state=state, reason=f"Slurm job {row.slurm_job_id or '-'} {state}"
+                     + (f": {note}" if note else ""), evidence={k: detail[k] for k in ("exit_code", "slurm")})
         for node in Node.objects.filter(hostname__in=row.hostnames):
             record = AgentEventRecord.objects.create(
                 node=node, key=f"slurm:{row.job_id}:{row.generation}", kind=kind, time=now, job_id=row.job_id,
