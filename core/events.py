@@ -27,6 +27,7 @@ class EventKind(models.TextChoices):
     JOB_STATE = "job.state"
     JOB_EFFICIENCY_TARGET = "job.efficiency_target"
     INCIDENT_OPEN = "incident.open"
+    INCIDENT_RESOLVED = "incident.resolved"
     NODE_REGISTER = "node.register"
     NODE_BOOTSTRAP_TOKEN = "node.bootstrap_token"  # noqa: S105 (a kind, not a secret)
     NODE_COMMAND = "node.command"
@@ -87,6 +88,12 @@ class EfficiencyTargetEvidence(TypedDict, total=False):
 class IncidentOpenEvidence(TypedDict, total=False):
     incident: int
     decision: str
+
+
+class IncidentResolvedEvidence(TypedDict, total=False):
+    incident: int
+    decision: str
+    lost_steps: int | None  # steps trained past the restore point, redone after the restart
 
 
 class NodeRegisterEvidence(TypedDict, total=False):
@@ -219,6 +226,7 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.JOB_STATE: JobStateEvidence,
     EventKind.JOB_EFFICIENCY_TARGET: EfficiencyTargetEvidence,
     EventKind.INCIDENT_OPEN: IncidentOpenEvidence,
+    EventKind.INCIDENT_RESOLVED: IncidentResolvedEvidence,
     EventKind.NODE_REGISTER: NodeRegisterEvidence,
     EventKind.NODE_BOOTSTRAP_TOKEN: BootstrapTokenEvidence,
     EventKind.NODE_COMMAND: NodeCommandEvidence,

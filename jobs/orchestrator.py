@@ -80,8 +80,8 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
         record_event(EventKind.INCIDENT_OPEN, actor=actor, job=job, generation=generation,
                      reason=decision.reason, evidence={"incident": incident.pk, "decision": decision.action})
         if decision.action == Decision.ALERT:
-            incident.state, incident.resolved_at = IncidentState.RESOLVED, now
-            incident.save(update_fields=["state", "resolved_at"])
+            resolve_incident(incident, now=now, actor=actor, reason="alert only: nothing to recover")
+            incident.refresh_from_db()
             return incident
         _drain(decision.drain, incident, actor=actor)
         _blame_lemons(incident, actor=actor)
@@ -281,9 +281,22 @@ def record_first_step(job: Job, generation: int) -> None:
     for incident in ended:
         reached = (StepMetric.objects.filter(job=job, generation=incident.generation.number)
                    .aggregate(m=Max("step"))["m"] if incident.generation else None) or restored_step
-        Incident.objects.filter(pk=incident.pk).update(
-            first_step_at=now, state=IncidentState.RESOLVED, resolved_at=now,
-            lost_steps=max(0, reached - restored_step))
+        resolve_incident(incident, now=now, actor=SYSTEM, reason=f"generation {generation} trained a step",
+                         first_step_at=now, lost_steps=max(0, reached - restored_step))
+
+
+def resolve_incident(incident: Incident, *, now, actor: str, reason: str, **outcome) -> bool:
+    """Close an open incident (with ``outcome``: further fields of the row) and log it in the audit
+    log, where the timeline and the dashboard see it end. Only the call that closes it logs: a
+    concurrent one finds it resolved already and returns False."""
+    closed = Incident.objects.filter(pk=incident.pk, state=IncidentState.OPEN).update(
+        state=IncidentState.RESOLVED, resolved_at=now, **outcome)
+    if closed:
+        record_event(EventKind.INCIDENT_RESOLVED, actor=actor, job=incident.job_id, reason=reason,
+                     generation=incident.generation.number if incident.generation else None,
+                     evidence={"incident": incident.pk, "decision": incident.decision,
+                               "lost_steps": outcome.get("lost_steps")})
+    return bool(closed)
 
 
 # --- periodic one-shots (beat, tests and management commands call the same functions) ---------

@@ -20,6 +20,7 @@ SENT: dict[EventKind, dict] = {
     EventKind.JOB_STATE: {"nodes": ["gpu-1", "gpu-2"], "resume_from": None, "shrunk": False},
     EventKind.JOB_EFFICIENCY_TARGET: {"expected_mfu": 0.4, "mfu_margin": None, "flops_per_token": 6_000_000_000},
     EventKind.INCIDENT_OPEN: {"incident": 3, "decision": "restart"},
+    EventKind.INCIDENT_RESOLVED: {"incident": 3, "decision": "restart", "lost_steps": 30},
     EventKind.NODE_REGISTER: {"address": "10.0.0.5", "labels": {"rack": "a"}, "gpus": [{"index": 0}],
                               "previous": None},
     EventKind.NODE_BOOTSTRAP_TOKEN: {"token": "gpu-1-bootstrap", "prefix": "nwb_ab12",

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from jobs import orchestrator, services
 from jobs.choices import IncidentState, JobState
-from jobs.models import Generation, Incident, Job
+from jobs.models import Event, Generation, Incident, Job
 from nodes.models import NodeCommand
 
 
@@ -231,9 +231,26 @@ def test_the_resumed_first_step_records_lost_work_and_goodput_adds_up(cast, job,
     incident = Incident.objects.get(job=job)
     assert (incident.state, incident.lost_steps) == (IncidentState.RESOLVED, 30)
 
+    resolved = Event.objects.get(kind="incident.resolved")
+    assert (resolved.job_id, resolved.generation, resolved.evidence) == (
+        job.pk, 1, {"incident": incident.pk, "decision": incident.decision, "lost_steps": 30})
+    orchestrator.record_first_step(job, 2)  # a later batch of the same generation: resolved once, logged once
+    assert Event.objects.filter(kind="incident.resolved").count() == 1
+
     g = services.goodput_of(Job.objects.get(pk=job.pk), now=timezone.now() + timedelta(seconds=60))
     assert g.badput_s["lost_work"] == pytest.approx(30 * 0.1)
     assert sum(g.badput_s.values()) + g.productive_s == pytest.approx(g.wall_s)
     assert 0 < g.ettr < 1
     body = api(cast.tokens["viewer"]).get(f"/api/v1/jobs/{job.pk}/goodput").json()
     assert set(body["badput_s"]) == {"startup", "detection", "restart", "paused", "lost_work", "checkpoint_stall"}
+
+
+@pytest.mark.django_db
+def test_an_alert_only_incident_is_resolved_at_once_and_logged(cast, job):
+    from jobs import policy
+
+    incident = orchestrator.report_fault(job.pk, policy.SPIKE, generation=job.generation, consecutive_spikes=2,
+                                         actor="node:gpu-01")
+    assert (incident.decision, incident.state) == ("alert", IncidentState.RESOLVED)
+    resolved = Event.objects.get(kind="incident.resolved")
+    assert (resolved.actor, resolved.evidence["incident"]) == ("node:gpu-01", incident.pk)
