@@ -17,7 +17,7 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions, throttling
 
 from controlplane import roles
-from controlplane.models import ApiToken, hash_token
+from controlplane.models import ApiToken, Scope, hash_token
 
 AUTH_FAILURE_WINDOW_S = 60
 
@@ -208,9 +208,12 @@ class Requires(permissions.BasePermission):
 
 
 def actor_label(request) -> str:
-    """How the audit log names the caller: ``user:alice``, ``token:ci-main`` or ``node:gpu-01``."""
+    """How the audit log names the caller: ``user:alice``, ``token:ci-main``, ``node:gpu-01``, or
+    ``job:7/g3@gpu-01`` for the training processes of a generation (user code, not the node's agent)."""
     token = getattr(request, "auth", None)
     if isinstance(token, ApiToken):
+        if token.scope == Scope.JOB:
+            return f"job:{token.job_id}/g{token.generation}" + (f"@{token.node.hostname}" if token.node_id else "")
         if token.node_id:
             return f"node:{token.node.hostname}"
         who = token.user.get_username() if token.user else "-"
