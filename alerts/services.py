@@ -21,6 +21,7 @@ from alerts.choices import Action, AlertState, DeliveryState, Rule, Severity
 from alerts.models import Alert, Channel, Delivery
 from alerts.rules import AlertSpec
 from core.events import EventKind, record_event
+from core.models import Event
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,6 @@ def evaluate_incident(incident_id: int) -> Alert | None:
 def evaluate_event(event_id: int) -> list[Alert]:
     """React to one event of the append-only log: new conditions, and conditions that cleared."""
     from jobs.choices import JobState
-    from jobs.models import Event
 
     event = Event.objects.select_related("job", "node").filter(pk=event_id).first()
     if event is None:

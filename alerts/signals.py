@@ -13,7 +13,8 @@ from django.db.models.signals import post_save
 from django.dispatch import receiver
 
 from core.events import EventKind
-from jobs.models import Event, Incident
+from core.models import Event
+from jobs.models import Incident
 
 #: Event kinds that can raise or clear an alert (see ``alerts.services.evaluate_event``).
 WATCHED_EVENTS = frozenset({EventKind.JOB_STATE, EventKind.NODE_DRAIN, EventKind.NODE_BLAME, EventKind.NODE_UNDRAIN,

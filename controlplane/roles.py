@@ -28,7 +28,7 @@ CAPABILITY_PERMISSIONS = {
 }
 
 _VIEW_PERMS = [
-    "jobs.view_job", "jobs.view_generation", "jobs.view_incident", "jobs.view_event",
+    "jobs.view_job", "jobs.view_generation", "jobs.view_incident", "core.view_event",
     "nodes.view_node", "nodes.view_gpu", "checkpoints.view_checkpoint",
 ]
 ROLE_PERMISSIONS = {

@@ -17,9 +17,7 @@ from typing import Any, TypedDict
 from django.db import models
 from django.utils import timezone
 
-if typing.TYPE_CHECKING:
-    from jobs.models import Event, Job
-    from nodes.models import Node
+from core.models import Event
 
 
 class EventKind(models.TextChoices):
@@ -290,12 +288,11 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def record_event(kind: EventKind, *, actor: str, reason: str = "", job: Job | int | None = None,
-                 node: Node | None = None, generation: int | None = None, old_state: str = "", new_state: str = "",
+def record_event(kind: EventKind, *, actor: str, reason: str = "", job: models.Model | int | None = None,
+                 node: models.Model | None = None, generation: int | None = None, old_state: str = "",
+                 new_state: str = "",
                  evidence: dict[str, Any] | None = None, created_at: datetime | None = None) -> Event:
     """Append one row to the audit log. ``job`` is a job or its primary key."""
-    from jobs.models import Event  # the model moves here (issue 22); until then jobs owns the table
-
     kind = EventKind(kind)
     evidence = evidence or {}
     check_evidence(kind, evidence)

@@ -16,8 +16,9 @@ from django.utils import timezone
 
 from checkpoints.models import Checkpoint
 from checkpoints.services import lineage_tree
+from core.models import Event
 from jobs.choices import IncidentState, JobState
-from jobs.models import Event, Generation, Incident, Job, StepMetric
+from jobs.models import Generation, Incident, Job, StepMetric
 from jobs.services import goodput_of
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node

@@ -5,7 +5,7 @@ process, and the in-memory channel layer reaches only the consumers of the proce
 a pause the worker commits would never reach a browser. The API that takes step reports belongs
 to the jobs app, which should not know about browsers either. So the web process that holds the
 WebSockets follows the two append-only tables every state change and every report lands in —
-``jobs.models.Event`` (every transition, operator action, verification, drain …) and
+``core.models.Event`` (every transition, operator action, verification, drain …) and
 ``jobs.models.StepMetric`` — by primary key (``dashboard.tail``), and sends what it finds to the
 ``job.<id>`` and ``cluster`` groups. Only committed rows are visible to it, so pushes always
 follow the commit; a dashboard action also wakes it up on commit (``poke``).
@@ -37,9 +37,10 @@ from django.db import connection
 from django.db.models import Max, Q
 
 from core.events import CHART_KINDS
+from core.models import Event
 from dashboard import events, sections
 from dashboard.tail import Tail
-from jobs.models import Event, StepMetric
+from jobs.models import StepMetric
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 from django.contrib import admin
 
-from jobs.models import Event, Generation, Incident, Job
+from core.models import Event
+from jobs.models import Generation, Incident, Job
 
 
 class GenerationInline(admin.TabularInline):

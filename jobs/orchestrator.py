@@ -27,10 +27,11 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from core.events import EventKind, record_event
+from core.models import Event
 from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
 from jobs.launching import candidates, end_generations, spec_hash, start_generation
-from jobs.models import Event, Generation, Incident, Job, StepMetric
+from jobs.models import Generation, Incident, Job, StepMetric
 from jobs.policies import RecoveryPolicy
 from jobs.services import PROGRESS_WATCHED
 

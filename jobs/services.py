@@ -14,9 +14,10 @@ from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
 from core.events import EventKind, record_event
+from core.models import Event
 from jobs import state
 from jobs.choices import GenerationState, JobState
-from jobs.models import Event, Generation, Incident, Job, StepMetric, TrainingEvent
+from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
 from jobs.policies import CheckpointPolicy, RecoveryPolicy
 
 

@@ -19,8 +19,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.events import EventKind, record_event
+from core.models import Event
 from jobs.choices import JobState as S
-from jobs.models import Event, Job
+from jobs.models import Job
 
 ALLOWED: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.INITIALIZING, S.PAUSED, S.CANCELLED, S.FAILED}),

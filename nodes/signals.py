@@ -47,7 +47,7 @@ health_checked = Signal()
 drain_acked = Signal()
 
 #: ``Node.health`` changed (``nodes.services.set_health``). ``node``, ``old`` and ``new`` (``Health``
-#: values), ``reasons`` (list of str), ``evidence`` (dict), ``event_id`` (the ``jobs.Event`` pk).
+#: values), ``reasons`` (list of str), ``evidence`` (dict), ``event_id`` (the ``core.Event`` pk).
 node_health_changed = Signal()
 
 #: The agent acknowledged a command for the first time (``nodes.services.ack_command``).

@@ -19,9 +19,10 @@ from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
+from core.models import Event
 from jobs import state
 from jobs.choices import JobState
-from jobs.models import Event, Generation, Job
+from jobs.models import Generation, Job
 
 log = logging.getLogger(__name__)
 

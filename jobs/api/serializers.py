@@ -19,7 +19,8 @@ from agents.protocol.agent import (
     validate_nccl_profile,
 )
 from checkpoints.paths import OutsideRoot, checkpoint_root, confine, confine_directory, replica_roots
-from jobs.models import Event, Generation, Incident, Job
+from core.models import Event
+from jobs.models import Generation, Incident, Job
 from jobs.policies import CheckpointPolicy, RecoveryPolicy
 
 

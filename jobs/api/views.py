@@ -24,6 +24,7 @@ from controlplane.api import (
 from controlplane.auth import actor_label
 from controlplane.problems import Conflict
 from controlplane.schema import protocol_schema
+from core.models import Event
 from jobs import services
 from jobs.api.serializers import (
     ApproveSerializer,
@@ -39,7 +40,7 @@ from jobs.api.serializers import (
     RollbackSerializer,
 )
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
-from jobs.models import Event, Generation, Incident, Job
+from jobs.models import Generation, Incident, Job
 from jobs.state import TransitionError
 
 _JOB_FILTERS = [

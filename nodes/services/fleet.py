@@ -2,7 +2,7 @@
 
 ``set_health`` is the only code that changes ``Node.health``; ``drain_node``, ``finish_drain``
 and ``undrain_node`` are the only code that changes ``Node.schedulability``. Each is a
-compare-and-set that appends one ``jobs.models.Event`` row (who, old, new, why, evidence).
+compare-and-set that appends one ``core.models.Event`` row (who, old, new, why, evidence).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
 from controlplane.models import ApiToken, Scope, hash_token
 from core.events import EventKind, record_event
+from core.models import Event
 from jobs.choices import JobState
-from jobs.models import Event, Generation
+from jobs.models import Generation
 from nodes import health as rules
 from nodes import signals
 from nodes.addresses import address_problem

@@ -37,7 +37,7 @@ from django.db.models import Count, Max, Min, Q
 from django.utils import timezone
 
 from core.events import EventKind, record_event
-from jobs.models import Event
+from core.models import Event
 from jobs.policies import RecoveryPolicy
 from nodes.models import Node
 from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from core.events import EVIDENCE, EventKind, EvidenceError, check_evidence, record_event
-from jobs.models import Event
+from core.models import Event
 
 CHECKPOINT = {"checkpoint": 7, "step": 200}
 SCHEDULABILITY = {"health": "healthy"}
