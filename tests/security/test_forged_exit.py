@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import api, wait_for
+from tests.security.training import long_training_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -33,11 +33,7 @@ def test_an_exit_from_another_nodes_agent_changes_no_job(cluster, tokens, tmp_pa
     cluster.start_agent("node-b", bootstrap_token=tokens["bootstrap"]())
     wait_for(lambda: Node.objects.filter(health="healthy").count() == 2, timeout=60, what="two healthy nodes")
     Node.objects.filter(hostname="node-b").update(is_spare=True)  # the job goes to node A
-    body = {"name": "victim", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
-            "accelerator": "cpu", "rdzv_port": free_port(),
-            "args": ["--steps", "100000", "--ckpt-every", "1000", "--dataset-size", "256", "--min-step-time", "0.05"],
-            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},
-            "recovery_policy": {"backoff_seconds": 0}}
+    body = long_training_spec("victim", tmp_path)
     status, job = api(cluster, tokens["operator"], "POST", "/api/v1/jobs", body)
     assert status == 201, job
     job_id = job["id"]

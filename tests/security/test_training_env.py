@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import api, rank_pids, wait_for
+from tests.security.training import long_training_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -42,11 +42,7 @@ def test_the_ranks_hold_only_their_generations_job_token(cluster, tokens, tmp_pa
     node = wait_for(lambda: Node.objects.filter(hostname="node-a", health="healthy").first(), timeout=60,
                     what="node-a healthy")
     agent_token = json.loads((cluster.tmp / "agents" / "node-a" / "node-token.json").read_text())["node_token"]
-    body = {"name": "user-code", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
-            "accelerator": "cpu", "rdzv_port": free_port(),
-            "args": ["--steps", "100000", "--ckpt-every", "1000", "--dataset-size", "256", "--min-step-time", "0.05"],
-            "checkpoint_policy": {"dir": str(tmp_path / "checkpoints" / "ckpt")},
-            "recovery_policy": {"backoff_seconds": 0}}
+    body = long_training_spec("user-code", tmp_path)
     status, job = api(cluster, tokens["operator"], "POST", "/api/v1/jobs", body)
     assert status == 201, job
     job_id = job["id"]
