@@ -1,4 +1,4 @@
-"""Who may call what: every foundation endpoint × every kind of caller."""
+"""Who may call what: every core API endpoint × every kind of caller."""
 
 from __future__ import annotations
 
