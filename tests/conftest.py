@@ -74,6 +74,25 @@ def cast(db):
 
 
 @pytest.fixture
+def eager_celery():
+    """Run tasks enqueued on commit (or with ``.delay``) inline, so a service's follow-up work happens in
+    the test; retries run too, without their countdown."""
+    from controlplane.celery import app
+
+    app.conf.task_always_eager = True
+    yield
+    app.conf.task_always_eager = False
+
+
+@pytest.fixture
+def fast_password_hashing(settings):
+    """Cheap MD5 hashes: the cast's users get passwords, and PBKDF2 at production strength costs seconds
+    per test on 2 cores. A folder opts in with an autouse fixture that requests this one; a test whose real
+    server checks a password must keep the real hashers (the server does not use the test's settings)."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
 def api():
     """``api(token=None)`` -> a DRF client, authenticated with that raw token when given."""
     from rest_framework.test import APIClient

@@ -83,16 +83,6 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def eager_celery():
-    """Tasks enqueued on commit run inline (retries too, without their countdown)."""
-    from controlplane.celery import app
-
-    app.conf.task_always_eager = True
-    yield
-    app.conf.task_always_eager = False
-
-
-@pytest.fixture
 def alert_settings(settings):
     """Follow-ups unthrottled unless a test says otherwise; quick retries; the loopback receiver
     allow-listed (channels may reach no loopback address otherwise: alerts.channels.egress)."""
@@ -120,6 +110,5 @@ def channels(db, receiver, alert_settings):
 
 
 @pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    """The cast's users get passwords; hashing them with PBKDF2 costs seconds per test on 2 cores."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+def _cheap_hashes(fast_password_hashing):
+    """Every alerts test hashes the cast's passwords cheaply (tests/conftest.py)."""

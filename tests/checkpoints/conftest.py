@@ -121,9 +121,8 @@ def flip_byte(path: Path, offset: int = 4096) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fast_password_hashing(settings):
-    """The cast creates four users; PBKDF2 at production strength would dominate these tests' setup."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+def _cheap_hashes(fast_password_hashing):
+    """Every checkpoints test hashes the cast's passwords cheaply (tests/conftest.py)."""
 
 
 @pytest.fixture(autouse=True)
@@ -132,16 +131,6 @@ def _roots_in_tmp_path(settings, tmp_path):
     directory all lie inside); replicas may go under ``replica/`` (and CHECKPOINT_REPLICA_ROOT)."""
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "CHECKPOINT_ROOT": str(tmp_path),
                            "REPLICA_ROOTS": [str(tmp_path / "replica")]}
-
-
-@pytest.fixture
-def eager_celery():
-    """Run tasks queued with ``.delay`` inline (no broker needed)."""
-    from controlplane.celery import app
-
-    app.conf.task_always_eager = True
-    yield
-    app.conf.task_always_eager = False
 
 
 @pytest.fixture

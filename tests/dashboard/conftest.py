@@ -6,10 +6,11 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _fast_password_hashing(request, settings):
-    """Cheap hashes for the cast, except where a real server must check the password (browser tests)."""
+def _cheap_hashes(request):
+    """Cheap hashes for the cast (tests/conftest.py), except where a real server must check the
+    password (browser tests)."""
     if request.node.get_closest_marker("e2e") is None:
-        settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+        request.getfixturevalue("fast_password_hashing")
 
 
 @pytest.fixture
