@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,14 +20,8 @@ import pytest
 
 from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.hooks import CheckpointCommit, Control, ReportBatch
-from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, message: str = "condition") -> Any:
-    """``tests.waiting.wait_for`` with this folder's positional style."""
-    return wait_for(predicate, timeout=timeout, what=message, interval=0.02)
 
 
 # -- torchrun ---------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from agents.http import ControlPlaneClient
 from agents.protocol import dump
 from agents.protocol.hooks import CheckpointCommit, Event, StepReport
 from agents.spool import Spool
-from tests.hooks.conftest import wait_until
+from tests.waiting import wait_for
+
+POLL_S = 0.02  # the reporter delivers in milliseconds: poll often
 
 
 def step_report(step, *, rank=0, generation=1, loss=2.0):
@@ -59,13 +61,14 @@ def test_reports_events_and_commits_arrive_in_order_with_the_token(make_reporter
         reporter.report(step_report(step))
     reporter.event(event(3))
     reporter.commit(commit(5))
-    wait_until(lambda: len(control_plane.reports) == 5 and control_plane.commits, message="delivery")
+    wait_for(lambda: len(control_plane.reports) == 5 and control_plane.commits,
+             timeout=10, what="delivery", interval=POLL_S)
     sent_steps = [r["step"] for batch in control_plane.received for r in batch["reports"]]
     assert sent_steps == [1, 2, 3, 4, 5]  # each sent once, in order
     assert [e["step"] for e in control_plane.events] == [3]
     assert control_plane.commits[0]["step"] == 5
     assert set(control_plane.tokens) == {"Bearer agent-token"}
-    wait_until(lambda: len(reporter.spool) == 0, message="acknowledgement")
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="acknowledgement", interval=POLL_S)
 
 
 def test_an_outage_spools_everything_and_replays_it_in_order_exactly_once(make_reporter, control_plane):
@@ -76,11 +79,11 @@ def test_an_outage_spools_everything_and_replays_it_in_order_exactly_once(make_r
         if step % 10 == 0:
             reporter.event(event(step))
     reporter.commit(commit(50))
-    wait_until(lambda: len(reporter.spool) == 56, message="everything spooled while down")
+    wait_for(lambda: len(reporter.spool) == 56, timeout=10, what="everything spooled while down", interval=POLL_S)
     assert control_plane.received == []
 
     control_plane.up()  # same port: the reporter's backoff finds it again
-    wait_until(lambda: len(reporter.spool) == 0, message="replay after the outage")
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="replay after the outage", interval=POLL_S)
     sent_steps = [r["step"] for batch in control_plane.received for r in batch["reports"]]
     assert sent_steps == list(range(1, 51))  # in order, none twice
     assert [e["step"] for e in control_plane.events] == [10, 20, 30, 40, 50]
@@ -94,7 +97,7 @@ def test_records_delivered_but_not_acknowledged_before_a_crash_are_deduplicated(
     first = make_reporter(spool_name="crashy.sqlite3")
     for step in (1, 2, 3):
         first.report(step_report(step))
-    wait_until(lambda: len(control_plane.reports) == 3, message="first delivery")
+    wait_for(lambda: len(control_plane.reports) == 3, timeout=10, what="first delivery", interval=POLL_S)
     first.close()
     replayed = Spool(tmp_path / "crashy.sqlite3", max_records=100, droppable_kinds=DROPPABLE)
     for step in (1, 2, 3):
@@ -102,7 +105,8 @@ def test_records_delivered_but_not_acknowledged_before_a_crash_are_deduplicated(
     replayed.close()
     second = make_reporter(spool_name="crashy.sqlite3")
     second.report(step_report(4))
-    wait_until(lambda: len(second.spool) == 0 and len(control_plane.reports) == 4, message="replay")
+    wait_for(lambda: len(second.spool) == 0 and len(control_plane.reports) == 4,
+             timeout=10, what="replay", interval=POLL_S)
     assert delivered_steps(control_plane) == [1, 2, 3, 4]
     assert sum(len(b["reports"]) for b in control_plane.received) == 7  # 3 re-sent, stored once
 
@@ -115,9 +119,9 @@ def test_a_full_spool_drops_old_step_reports_but_never_events_or_commits(make_re
     for step in (5, 15, 25):
         reporter.event(event(step))
     reporter.commit(commit(30))
-    wait_until(lambda: reporter.spool.dropped.get("report") == 24, message="drops")
+    wait_for(lambda: reporter.spool.dropped.get("report") == 24, timeout=10, what="drops", interval=POLL_S)
     control_plane.up()
-    wait_until(lambda: len(reporter.spool) == 0, message="replay")
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="replay", interval=POLL_S)
     assert delivered_steps(control_plane) == list(range(25, 31))  # the newest reports survive
     assert [e["step"] for e in control_plane.events] == [5, 15, 25]
     assert [c["step"] for c in control_plane.commits] == [30]
@@ -127,7 +131,7 @@ def test_a_stale_generation_stops_delivery_and_raises_the_flag(make_reporter, co
     control_plane.generation = 2
     reporter = make_reporter(generation=1)
     reporter.report(step_report(1))
-    wait_until(lambda: reporter.stale, message="stale flag")
+    wait_for(lambda: reporter.stale, timeout=10, what="stale flag", interval=POLL_S)
     reporter.report(step_report(2))
     spool_path = reporter.spool.path
     reporter.close()  # its last flush must not send anything for a fenced-off generation either
@@ -143,7 +147,7 @@ def test_leftovers_of_an_older_generation_are_let_go_and_the_current_ones_delive
     control_plane.generation = 2
     reporter = make_reporter(generation=2, spool_name="shared.sqlite3")
     reporter.report(step_report(1, generation=2))
-    wait_until(lambda: len(reporter.spool) == 0, message="delivery")
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="delivery", interval=POLL_S)
     assert not reporter.stale
     assert list(control_plane.reports) == [(2, 0, 1)]
 
@@ -151,15 +155,15 @@ def test_leftovers_of_an_older_generation_are_let_go_and_the_current_ones_delive
 def test_control_answers_become_flags_and_checkpoint_now_fires_once_per_request(make_reporter, control_plane):
     control_plane.control = {"checkpoint_now": True, "checkpoint_interval_steps": 40}
     reporter = make_reporter(poll_control=True, control_interval=0.05)
-    wait_until(lambda: reporter.checkpoint_interval == 40, message="control poll")
+    wait_for(lambda: reporter.checkpoint_interval == 40, timeout=10, what="control poll", interval=POLL_S)
     assert reporter.take_checkpoint_request()
     polls = len(control_plane.tokens)
-    wait_until(lambda: len(control_plane.tokens) >= polls + 2, message="more polls")
+    wait_for(lambda: len(control_plane.tokens) >= polls + 2, timeout=10, what="more polls", interval=POLL_S)
     assert not reporter.take_checkpoint_request()  # the flag stayed up on the server: the same request
     control_plane.control = {"checkpoint_now": False, "pause": True}
-    wait_until(lambda: reporter.pause_requested, message="pause")
+    wait_for(lambda: reporter.pause_requested, timeout=10, what="pause", interval=POLL_S)
     control_plane.control = {"checkpoint_now": True}
-    wait_until(reporter.take_checkpoint_request, message="a second request")
+    wait_for(reporter.take_checkpoint_request, timeout=10, what="a second request", interval=POLL_S)
 
 
 def test_a_message_the_server_refuses_is_let_go_instead_of_blocking_the_queue(
@@ -171,7 +175,7 @@ def test_a_message_the_server_refuses_is_let_go_instead_of_blocking_the_queue(
         spool.append("report", dump(step_report(step)))
     spool.close()
     reporter = make_reporter(spool_name="old.sqlite3")
-    wait_until(lambda: len(reporter.spool) == 0, message="the queue to drain")
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="the queue to drain", interval=POLL_S)
     assert sorted(control_plane.reports) == [(1, 0, 2), (1, 0, 3)]  # the good records were not lost
     assert control_plane.bad_requests and "nonsense" in control_plane.bad_requests[0]
 

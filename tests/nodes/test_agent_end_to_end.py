@@ -21,6 +21,8 @@ from nodes.choices import CommandState, Health, Schedulability
 from nodes.models import AgentEventRecord, GpuSample, Node, NodeCommand
 from tests.waiting import wait_for
 
+POLL_S = 0.05  # the timing asserts below allow a fraction of a second: poll often
+
 pytestmark = pytest.mark.e2e
 
 SCENARIO = """
@@ -29,10 +31,6 @@ baseline: {temperature: 45, utilization: 95, memory_used: 2GiB}
 events:
   - {at: 2s, gpu: 1, xid: 79}
 """
-
-
-def wait_until(predicate, timeout: float, what: str):
-    return wait_for(predicate, timeout=timeout, what=what, interval=0.05)
 
 
 @pytest.fixture
@@ -66,37 +64,43 @@ def node_state():
 
 
 def test_a_scripted_xid_makes_the_node_unhealthy_and_drains_it_within_two_heartbeats(running_agent):
-    node = wait_until(lambda: (n := node_state()) and n.health == Health.HEALTHY and n, 15, "a healthy node")
+    node = wait_for(lambda: (n := node_state()) and n.health == Health.HEALTHY and n,
+                    timeout=15, what="a healthy node", interval=POLL_S)
     assert GpuSample.objects.filter(node=node).exists()
     assert AgentEventRecord.objects.filter(node=node, kind="agent_started").exists()
 
-    xid = wait_until(lambda: AgentEventRecord.objects.filter(node=node, kind="xid").first(), 15, "the Xid event")
+    xid = wait_for(lambda: AgentEventRecord.objects.filter(node=node, kind="xid").first(),
+                   timeout=15, what="the Xid event", interval=POLL_S)
     seen_at = xid.time  # when the agent saw it
-    unhealthy = wait_until(lambda: Event.objects.filter(kind="node.health", node=node, new_state="unhealthy").first(),
-                           5, "the node turning unhealthy")
-    drained = wait_until(lambda: Event.objects.filter(kind="node.drain", node=node).first(), 5, "the drain")
+    unhealthy = wait_for(lambda: Event.objects.filter(kind="node.health", node=node, new_state="unhealthy").first(),
+                         timeout=5, what="the node turning unhealthy", interval=POLL_S)
+    drained = wait_for(lambda: Event.objects.filter(kind="node.drain", node=node).first(),
+                       timeout=5, what="the drain", interval=POLL_S)
     assert (unhealthy.created_at - seen_at).total_seconds() <= 2 * 0.25 + 0.25
     assert (drained.created_at - seen_at).total_seconds() <= 2 * 0.25 + 0.25
     node.refresh_from_db()
     assert node.schedulability == Schedulability.DRAINED
     assert "critical Xid 79" in node.health_reason
     # The agent picks the drain up with its next heartbeats, runs it once and says so.
-    command = wait_until(lambda: NodeCommand.objects.filter(node=node, kind="drain", state=CommandState.ACKED).first(),
-                         10, "the drain acknowledged")
+    command = wait_for(lambda: NodeCommand.objects.filter(node=node, kind="drain", state=CommandState.ACKED).first(),
+                       timeout=10, what="the drain acknowledged", interval=POLL_S)
     assert command.delivery_count >= 1
-    wait_until(lambda: AgentEventRecord.objects.filter(node=node, kind="drain_ack").exists(), 10, "the drain_ack")
-    wait_until(lambda: Node.objects.get(pk=node.pk).agent_draining, 10, "the agent reporting that it drains")
+    wait_for(lambda: AgentEventRecord.objects.filter(node=node, kind="drain_ack").exists(),
+             timeout=10, what="the drain_ack", interval=POLL_S)
+    wait_for(lambda: Node.objects.get(pk=node.pk).agent_draining,
+             timeout=10, what="the agent reporting that it drains", interval=POLL_S)
 
 
 def test_an_agent_that_stops_heartbeating_makes_its_node_unreachable(running_agent):
     agent, thread = running_agent
-    node = wait_until(lambda: (n := node_state()) and n.last_heartbeat_at and n, 15, "the first heartbeat")
+    node = wait_for(lambda: (n := node_state()) and n.last_heartbeat_at and n,
+                    timeout=15, what="the first heartbeat", interval=POLL_S)
     assert services.expire_one_heartbeat() is False
     agent.stop()
     thread.join(timeout=30)
     started = time.monotonic()
-    wait_until(lambda: services.expire_one_heartbeat() or Node.objects.get(pk=node.pk).health == Health.UNREACHABLE,
-               5, "the node marked unreachable")
+    wait_for(lambda: services.expire_one_heartbeat() or Node.objects.get(pk=node.pk).health == Health.UNREACHABLE,
+             timeout=5, what="the node marked unreachable", interval=POLL_S)
     node.refresh_from_db()
     assert node.health == Health.UNREACHABLE
     assert time.monotonic() - started <= 3 * 0.25 + 1.0
