@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from agents import supervisor as supervisor_module
 from agents.protocol.agent import ExitReport, LaunchedDetail, LaunchPayload
 from agents.supervisor import OutputScan, StaleGeneration, Supervisor, attach_xids, classify_exit
+from agents.supervisor import _core as supervisor_module
 
 pytestmark = pytest.mark.e2e
 

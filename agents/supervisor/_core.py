@@ -1,343 +1,46 @@
-"""Runs ``torchrun`` for one generation of a job on this node, reports how it ended, and stops it
-completely.
-
-- One generation per job at a time, and the generation is the fencing token: a launch or stop
-  for a generation older than the newest one seen here raises ``StaleGeneration`` (persisted, so
-  an agent restart does not forget it).
-- torchrun runs in its own session and process group with ``--max-restarts=0`` (Nightwatch
-  decides restarts), the job's validated NCCL profile and the hooks' variables.
-- Its output goes straight to a log file in the generation's directory, never to a pipe to the
-  agent: a pipe would break (EPIPE) when the agent dies or is upgraded, and take training down
-  with it. The supervisor tails the file (rotating it by copy-and-truncate, since torchrun keeps
-  it open); a tail is kept in memory for the exit report, and the whole stream is scanned for
-  torchrun's failure table (per-rank exit codes, first rank to fail), exception lines and
-  failure signatures.
-- A running generation is recorded on disk (job, generation, torchrun's pid and process start
-  time, log path), so an agent that restarts *adopts* it: it is reported as running again, its
-  end is detected by polling /proc (it is no longer our child, so its exit status is unknown and
-  derived from the log), and it can be stopped. A record whose torchrun is gone is reported as
-  exited once; a pid reused by another process is never taken for torchrun (start times differ).
-- ``stop`` sends SIGTERM to the process group, SIGKILL after the grace period, and confirms in
-  /proc that every process of the generation is gone, children that left the group included.
-- Once torchrun says it is closing the worker group (a worker failed), a rank that is still there
-  after ``WORKER_CLOSE_GRACE_S`` is SIGCONT'ed and SIGKILLed: torchrun would wait 30 s for a rank
-  that cannot act on SIGTERM (a stopped one, say), and the generation is lost anyway.
-- Restarts are fast because nothing waits that need not: a warm launcher (``agents.launcher``,
-  torch already imported) is handed each new generation instead of a cold interpreter, and a
-  generation counts as ended as soon as torchrun has printed its failure table — by then its
-  workers are stopped and its rendezvous closed, and what is left is a torchrun tearing its
-  interpreter down (≈ 0.4 s), which the supervisor cuts short.
-"""
+"""The supervisor: launches, watches, adopts and stops generations (see the package's docstring)."""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import logging
 import logging.handlers
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.protocol import ProtocolError, dump, parse
+from agents.protocol import ProtocolError, dump
 from agents.protocol.agent import (
     MAX_LOG_LINE,
-    MAX_LOG_TAIL_LINES,
     ExitReport,
     LaunchedDetail,
     LaunchPayload,
     LaunchSpecError,
-    RankExit,
     RunningGeneration,
     module_files,
     nccl_environment,
     validate_launch,
 )
-from agents.protocol.hooks import EXIT_PAUSED, EXIT_RESUME_REFUSED, EXIT_STALE_GENERATION
+from agents.supervisor.generation import _Generation, _read_record, _record_path
+from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
+from agents.supervisor.output import _derived_exit_code, classify_exit
+from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat
 
-log = logging.getLogger(__name__)
-
-#: The agent's own interpreter: torch is installed next to the agent on a GPU node.
-DEFAULT_TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
-#: torch 2.13 shares the rendezvous store across restarts and restarted workers then dial a dead
-#: peer (see PLATFORM-NOTES). Unbuffered: a crash must not eat the last lines.
-_TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+#: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
+log = logging.getLogger(__package__)
 
 
 class StaleGeneration(Exception):
     """A command names a generation older than the newest this node has seen for the job."""
 
 
-# --- reading how a generation ended ----------------------------------------------------------
-
-_RANK_LINE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
-_EXIT_LINE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
-_ROOT_CAUSE = "Root Cause (first observed failure)"
-_RULE = re.compile(r"^={20,}\s*$")
-_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
-_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure)\b.*)$")
-#: Exceptions of torchrun itself, which only repeat that a rank failed.
-_LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
-#: Log evidence, most specific first: a CUDA error makes the other ranks time out, not the reverse.
-_LOG_SIGNATURES = (
-    ("xid", re.compile(r"\bXid\b|NVRM: ")),
-    ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")),
-    ("cuda_error", re.compile(r"CUDA error|cudaError|CUBLAS_STATUS|illegal memory access|uncorrectable ECC")),
-    ("nccl_watchdog", re.compile(r"[Ww]atchdog got stuck|Heartbeat monitor timed out|watchdog thread terminated")),
-    ("nccl_timeout", re.compile(r"Watchdog caught collective operation timeout|NCCL.*[Tt]ime(d )?out|"
-                                r"[Gg]loo.*[Tt]imed out|[Cc]ollective operation timeout")),
-)
-#: torchrun closing its worker group, which it only does once a worker failed or torchrun itself
-#: was told to stop ("Sending process 1234 closing signal SIGTERM", from
-#: torch.distributed.elastic.multiprocessing.api ``_close``).
-_CLOSING_LINE = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
-_EXIT_CODE_SIGNATURES = {EXIT_PAUSED: "paused", EXIT_STALE_GENERATION: "stale_generation",
-                         EXIT_RESUME_REFUSED: "resume_refused"}
-
-
-class OutputScan:
-    """What torchrun's output says, read line by line as it streams (not only the tail, which a
-    chatty rank can flush): torchrun's failure table (per-rank exit codes, the first rank to
-    fail), the exception lines in order, and which failure signatures appeared."""
-
-    def __init__(self) -> None:
-        self.ranks: dict[int, RankExit] = {}
-        self.root_cause_rank: int | None = None
-        #: (rank, line): torch prefixes an uncaught exception's lines with "[rank<N>]: ".
-        self.error_lines: list[tuple[int | None, str]] = []
-        self.signatures: set[str] = set()
-        #: torchrun has printed its whole failure table: everything it does after that is exiting.
-        self.table_complete = False
-        #: Worker pids torchrun is closing (signalling, then waiting up to 30 s for): the
-        #: generation is over once this is not empty.
-        self.closing_pids: set[int] = set()
-        self._pending: tuple[int, int] | None = None
-        self._in_root_cause = False
-
-    def feed(self, line: str) -> None:
-        for signature, pattern in _LOG_SIGNATURES:
-            if signature not in self.signatures and pattern.search(line):
-                self.signatures.add(signature)
-        rank_prefix = _RANK_PREFIX.match(line)
-        text = line[rank_prefix.end():] if rank_prefix else line
-        error = _ERROR_LINE.match(text)
-        # Only the first few matter: the root cause fails first, the rest is collateral.
-        if error and len(self.error_lines) < 16 and not any(e in text for e in _LAUNCHER_ERRORS):
-            rank = int(rank_prefix.group(1)) if rank_prefix else None
-            self.error_lines.append((rank, error.group(1)[:MAX_LOG_LINE]))
-        if closing := _CLOSING_LINE.search(line):
-            self.closing_pids.add(int(closing.group(1)))
-        if _ROOT_CAUSE in line:
-            self._in_root_cause = True
-        elif self._in_root_cause and self.root_cause_rank is not None and _RULE.match(line):
-            self.table_complete = True
-        elif match := _RANK_LINE.match(line):
-            self._pending = (int(match.group(1)), int(match.group(2)))
-        elif (match := _EXIT_LINE.match(line)) and self._pending is not None:
-            rank, local_rank = self._pending
-            code = int(match.group(1))
-            self.ranks[rank] = RankExit(rank=rank, local_rank=local_rank, pid=int(match.group(2)),
-                                        exit_code=code if code >= 0 else None,
-                                        signal=-code if code < 0 else None)
-            if self._in_root_cause and self.root_cause_rank is None:
-                self.root_cause_rank = rank
-            self._pending = None
-
-
-def classify_exit(exit_code: int | None, scan: OutputScan) -> tuple[str | None, str | None]:
-    """(signature, error line) of a generation that ended on its own; (None, None) on success.
-
-    1. A rank that exited with one of the hooks' exit codes asked for it (paused, fenced off).
-    2. Log evidence, most specific first (``_LOG_SIGNATURES``).
-    3. The root-cause rank killed by a signal: the other ranks' tracebacks are only collateral
-       (their peer vanished), so no error line is reported.
-    4. Otherwise a traceback: the root-cause rank's exception line, or the first one seen.
-    """
-    ranks = list(scan.ranks.values())
-    if exit_code == 0 and all(r.exit_code == 0 for r in ranks):
-        return None, None
-    root_errors = [text for rank, text in scan.error_lines
-                   if scan.root_cause_rank is not None and rank == scan.root_cause_rank]
-    first_error = next(iter(root_errors or [text for _, text in scan.error_lines]), None)
-    for rank in ranks:
-        if rank.exit_code in _EXIT_CODE_SIGNATURES:
-            return _EXIT_CODE_SIGNATURES[rank.exit_code], first_error
-    for signature, _ in _LOG_SIGNATURES:
-        if signature in scan.signatures:
-            return signature, first_error
-    root = scan.ranks.get(scan.root_cause_rank) if scan.root_cause_rank is not None else None
-    if (root is not None and root.signal) or (not ranks and exit_code is not None and exit_code < 0):
-        return "signal", None
-    if first_error:
-        return "traceback", first_error
-    return "unknown", None
-
-
-def attach_xids(report: ExitReport, xids: list[int]) -> ExitReport:
-    """``report`` with the Xids seen while the generation ran; they outrank log evidence."""
-    if not xids:
-        return report
-    signature = report.signature
-    if not report.requested_stop and signature not in ("paused", "stale_generation", "resume_refused", None):
-        signature = "xid"
-    return dataclasses.replace(report, xids=xids[:64], signature=signature)
-
-
-# --- /proc ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Proc:
-    pid: int
-    ppid: int
-    pgid: int
-    state: str
-    started: int  # clock ticks after boot: tells a process from a later one with the same pid
-
-
-def _parse_stat(pid: int, raw: str) -> _Proc:
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
-    return _Proc(pid=pid, state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
-
-
-def _stat(pid: int) -> _Proc | None:
-    """``pid`` as /proc shows it now; None when there is no such process."""
-    try:
-        return _parse_stat(pid, Path(f"/proc/{pid}/stat").read_text())
-    except OSError:
-        return None
-
-
-def _proc_table() -> dict[int, _Proc]:
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        table[int(entry)] = _parse_stat(int(entry), raw)
-    return table
-
-
-def _alive(procs: Iterable[_Proc]) -> list[_Proc]:
-    """Those still running; a zombie has finished (it only waits for its parent to reap it)."""
-    table = _proc_table()
-    return [p for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
-
-
-def _family(root: int, pgid: int) -> set[_Proc]:
-    """``root``, everything below it, and everything in its process group."""
-    table = _proc_table()
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for proc in table.values():
-        children[proc.ppid].append(proc.pid)
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table:
-            found.add(table[pid])
-            todo.extend(children[pid])
-    return found | {p for p in table.values() if p.pgid == pgid}
-
-
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether torchrun has exited, *without reaping it*: while it is a zombie its pid, which is
-    also the process-group id, cannot be given to another process, so signalling the group
-    stays safe until the watcher has cleaned up and reaps it."""
-    if proc.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped meanwhile by the watcher
-        return True
-
-
-def _dismiss(warm: subprocess.Popen[bytes]) -> None:
-    """Let an unused warm launcher go: end of input makes it exit; kill it if it does not."""
-    try:
-        if warm.stdin is not None:
-            warm.stdin.close()
-        warm.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        warm.kill()
-        warm.wait()
-
-
-def _signal_all(procs: Iterable[_Proc], sig: int) -> None:
-    for proc in procs:
-        try:
-            os.kill(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _derived_exit_code(scan: OutputScan) -> int | None:
-    """torchrun's exit status when it was not our child (adopted), so nobody could wait for it.
-
-    After printing its failure table torchrun raises ``ChildFailedError`` out of ``main``, and
-    the interpreter exits 1; without a table the status is not known, and is not guessed."""
-    return 1 if scan.table_complete else None
-
-
 # --- the supervisor ---------------------------------------------------------------------------
-
-@dataclass
-class _Generation:
-    job: str
-    generation: int
-    #: torchrun's pid and start time (clock ticks after boot, /proc/PID/stat): together they tell
-    #: torchrun from a later process that the kernel gave the same pid.
-    pid: int
-    pid_started: int
-    #: Our child; None for a generation adopted from an earlier agent process, which can only be
-    #: watched in /proc (its exit status goes to whoever reaps it, not to us).
-    proc: subprocess.Popen[bytes] | None
-    log_path: Path
-    launched: LaunchedDetail
-    started_at: float
-    started_monotonic: float
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=MAX_LOG_TAIL_LINES))
-    scan: OutputScan = field(default_factory=OutputScan)
-    #: Every process seen in the family, so that a child that left the process group (setsid)
-    #: and was re-parented when its parent died is still found and killed.
-    seen: set[_Proc] = field(default_factory=set)
-    requested_stop: bool = False
-    report: ExitReport | None = None
-    #: Set when torchrun exited or printed its failure table: the watcher can finish the generation.
-    over: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)
-    #: Set by the watcher once the family is gone: the log reader reads to the end and stops.
-    output_done: threading.Event = field(default_factory=threading.Event)
-    #: When torchrun was first seen closing its worker group (monotonic clock); None before.
-    closing_since: float | None = None
-    #: Wall-clock end of a generation that ended while no agent watched it (from its log's mtime).
-    ended_at: float | None = None
-
-    def torchrun_present(self) -> bool:
-        """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then
-        is walking the tree below it and its process group safe."""
-        if self.proc is not None:
-            return self.proc.returncode is None  # reaped: its pid may belong to someone else by now
-        now = _stat(self.pid)
-        return now is not None and now.started == self.pid_started
-
-    def torchrun_exited(self) -> bool:
-        if self.proc is not None:
-            return _exited(self.proc)
-        now = _stat(self.pid)
-        return now is None or now.started != self.pid_started or now.state == "Z"
-
 
 def _await_exit(gen: _Generation) -> None:
     """Block until torchrun exits, then tell the watcher. Our child is waited for without being
@@ -353,34 +56,6 @@ def _await_exit(gen: _Generation) -> None:
     gen.over.set()
 
 
-def _file_of(root: Path, name: str) -> bool:
-    """Whether ``name`` is a regular file inside ``root`` once every symlink is resolved."""
-    path = (root / name).resolve()
-    return path.is_relative_to(root) and path != root and path.is_file()
-
-
-def _record_path(records_dir: Path, job: str, generation: int) -> Path:
-    return records_dir / f"{job}@{generation}.json"  # "@" cannot occur in a job id (ID_PATTERN)
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    """A running-generation record, checked field by field: a torn or foreign file must not make
-    the agent adopt (and later signal) an arbitrary pid."""
-    record = json.loads(path.read_text())
-    if not isinstance(record, dict):
-        raise ValueError("not a JSON object")
-    for name, kind in (("job", str), ("generation", int), ("pid", int), ("pid_started", int),
-                       ("log_path", str), ("started_at", (int, float)), ("launched", dict)):
-        if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
-            raise ValueError(f"field {name!r} is missing or not {kind}")
-    if record["pid"] < 2 or record["generation"] < 0:
-        raise ValueError(f"pid {record['pid']} / generation {record['generation']} out of range")
-    record["launched"] = parse(LaunchedDetail, record["launched"])
-    return record
-
-
-#: Command line of the warm launcher; it only replaces the default torchrun, not a custom one.
-WARM_LAUNCHER = (sys.executable, "-m", "agents.launcher")
 #: A new warm launcher is started this long after the last one was used, not at once: its
 #: imports would compete for CPU with the workers the launch just started.
 WARM_RESPAWN_DELAY_S = 5.0

@@ -1,0 +1,98 @@
+"""The process tree of a generation as /proc shows it: reading it, finding the family, signalling it."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# --- /proc ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    started: int  # clock ticks after boot: tells a process from a later one with the same pid
+
+
+def _parse_stat(pid: int, raw: str) -> _Proc:
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
+    return _Proc(pid=pid, state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+
+
+def _stat(pid: int) -> _Proc | None:
+    """``pid`` as /proc shows it now; None when there is no such process."""
+    try:
+        return _parse_stat(pid, Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return None
+
+
+def _proc_table() -> dict[int, _Proc]:
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        table[int(entry)] = _parse_stat(int(entry), raw)
+    return table
+
+
+def _alive(procs: Iterable[_Proc]) -> list[_Proc]:
+    """Those still running; a zombie has finished (it only waits for its parent to reap it)."""
+    table = _proc_table()
+    return [p for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
+
+
+def _family(root: int, pgid: int) -> set[_Proc]:
+    """``root``, everything below it, and everything in its process group."""
+    table = _proc_table()
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for proc in table.values():
+        children[proc.ppid].append(proc.pid)
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            found.add(table[pid])
+            todo.extend(children[pid])
+    return found | {p for p in table.values() if p.pgid == pgid}
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether torchrun has exited, *without reaping it*: while it is a zombie its pid, which is
+    also the process-group id, cannot be given to another process, so signalling the group
+    stays safe until the watcher has cleaned up and reaps it."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped meanwhile by the watcher
+        return True
+
+
+def _dismiss(warm: subprocess.Popen[bytes]) -> None:
+    """Let an unused warm launcher go: end of input makes it exit; kill it if it does not."""
+    try:
+        if warm.stdin is not None:
+            warm.stdin.close()
+        warm.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        warm.kill()
+        warm.wait()
+
+
+def _signal_all(procs: Iterable[_Proc], sig: int) -> None:
+    for proc in procs:
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
