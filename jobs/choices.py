@@ -7,7 +7,6 @@ class JobState(models.TextChoices):
     PENDING = "pending"
     INITIALIZING = "initializing"
     RUNNING = "running"
-    CHECKPOINTING = "checkpointing"
     QUIESCING = "quiescing"
     RECOVERING = "recovering"
     PAUSED = "paused"
@@ -18,14 +17,14 @@ class JobState(models.TextChoices):
 
 JobState.TERMINAL = frozenset({JobState.FAILED, JobState.COMPLETED, JobState.CANCELLED})
 #: a generation's processes may be alive on nodes in these states
-JobState.ACTIVE = frozenset({JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING, JobState.QUIESCING})
+JobState.ACTIVE = frozenset({JobState.INITIALIZING, JobState.RUNNING, JobState.QUIESCING})
 
 
 class GenerationState(models.TextChoices):
+    """Whether a generation has stepped yet; its end is ``Generation.ended_at``, not a state."""
+
     STARTING = "starting"
     RUNNING = "running"
-    STOPPING = "stopping"
-    ENDED = "ended"
 
 
 class IncidentKind(models.TextChoices):

@@ -61,7 +61,7 @@ PROGRESS_TIMEOUT_FLOOR_S = 15
 #: resumed or not (``agents.hooks.api.Hooks.__init__``). Both come from rank 0.
 LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
 #: The states in which the hang sweep watches the progress deadline.
-PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING)
+PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The job state machine — the only code that changes ``Job.state`` and ``Job.generation``.
 
-    pending → initializing → running ⇄ checkpointing
+    pending → initializing → running
                               running → quiescing → recovering → initializing (next generation)
     any live state → paused (circuit breaker or operator) → recovering (approve / rollback)
     any non-terminal state → failed | cancelled;  running → completed
@@ -26,8 +26,7 @@ from jobs.models import Job
 ALLOWED: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.INITIALIZING, S.PAUSED, S.CANCELLED, S.FAILED}),
     S.INITIALIZING: frozenset({S.RUNNING, S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
-    S.RUNNING: frozenset({S.CHECKPOINTING, S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
-    S.CHECKPOINTING: frozenset({S.RUNNING, S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.QUIESCING, S.PAUSED, S.COMPLETED, S.FAILED, S.CANCELLED}),
     S.QUIESCING: frozenset({S.RECOVERING, S.PAUSED, S.FAILED, S.CANCELLED}),
     S.RECOVERING: frozenset({S.INITIALIZING, S.PAUSED, S.FAILED, S.CANCELLED}),
     S.PAUSED: frozenset({S.RECOVERING, S.FAILED, S.CANCELLED}),

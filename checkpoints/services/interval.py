@@ -54,7 +54,7 @@ STEP_SAMPLES = 500
 CHANGE_THRESHOLD = 0.10
 COMPUTE_PHASES = ("input", "compute", "optimizer")
 #: Job states in which a generation is (about to be) training and polls the control endpoint.
-PUSH_STATES = (JobState.INITIALIZING, JobState.RUNNING, JobState.CHECKPOINTING)
+PUSH_STATES = (JobState.INITIALIZING, JobState.RUNNING)
 
 
 @dataclass(frozen=True)
