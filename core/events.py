@@ -24,6 +24,7 @@ class EventKind(models.TextChoices):
     JOB_LAUNCH = "job.launch"
     JOB_STATE = "job.state"
     JOB_EFFICIENCY_TARGET = "job.efficiency_target"
+    JOB_CHECKPOINT_REQUEST = "job.checkpoint_request"
     INCIDENT_OPEN = "incident.open"
     INCIDENT_RESOLVED = "incident.resolved"
     NODE_REGISTER = "node.register"
@@ -75,6 +76,10 @@ class JobStateEvidence(TypedDict, total=False):
     force: bool  # an approved resume
     checkpoint: int  # a rollback's restore point
     skip_data: list[int] | None
+
+
+class CheckpointRequestEvidence(TypedDict, total=False):
+    last_step: int | None  # the step reached when asked: how far the checkpoint that answers it lags
 
 
 class EfficiencyTargetEvidence(TypedDict, total=False):
@@ -223,6 +228,7 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.JOB_LAUNCH: JobLaunchEvidence,
     EventKind.JOB_STATE: JobStateEvidence,
     EventKind.JOB_EFFICIENCY_TARGET: EfficiencyTargetEvidence,
+    EventKind.JOB_CHECKPOINT_REQUEST: CheckpointRequestEvidence,
     EventKind.INCIDENT_OPEN: IncidentOpenEvidence,
     EventKind.INCIDENT_RESOLVED: IncidentResolvedEvidence,
     EventKind.NODE_REGISTER: NodeRegisterEvidence,

@@ -12,6 +12,7 @@ urlpatterns = [
     path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/approve", views.approve_resume, name="job-approve"),
     path("jobs/<int:pk>/pause", views.pause, name="job-pause"),
+    path("jobs/<int:pk>/checkpoint", views.checkpoint_now, name="job-checkpoint"),
     path("jobs/<int:pk>/rollback", views.rollback, name="job-rollback"),
     path("nodes/", views.nodes, name="nodes"),
     path("nodes/<int:pk>/drain", views.drain, name="node-drain"),

@@ -121,6 +121,12 @@ def pause(request, pk: int, *, reason: str, actor: str) -> str:
 
 
 @action(roles.OPERATE)
+def checkpoint_now(request, pk: int, *, reason: str, actor: str) -> str:
+    job = job_services.request_checkpoint(get_object_or_404(Job, pk=pk), actor=actor, reason=reason)
+    return f"{job.name}: checkpoint requested; the hooks take it at the next step"
+
+
+@action(roles.OPERATE)
 def rollback(request, pk: int, *, reason: str, actor: str) -> str:
     job = get_object_or_404(Job, pk=pk)
     raw = request.POST.get("checkpoint", "")

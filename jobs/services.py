@@ -247,6 +247,23 @@ def start_job(job: Job, *, actor: str):
     return start_generation(job, actor=actor, reason="first launch", restart=False)
 
 
+def request_checkpoint(job: Job, *, actor: str, reason: str) -> Job:
+    """Ask the running generation for a checkpoint now (before risky maintenance, say).
+
+    ``control_for`` answers ``checkpoint_now`` until a checkpoint committed after the request clears
+    the field (``checkpoints.services.registry``). The state is checked in the update itself, so a
+    job that stops running meanwhile is refused rather than left with a request nobody will answer.
+    """
+    with transaction.atomic():
+        asked = Job.objects.filter(pk=job.pk, state=JobState.RUNNING).update(checkpoint_requested_at=timezone.now())
+        job.refresh_from_db()
+        if not asked:
+            raise state.TransitionConflict(f"job {job.pk} is {job.state}; only a running job can checkpoint now")
+        record_event(EventKind.JOB_CHECKPOINT_REQUEST, actor=actor, job=job, generation=job.generation,
+                     reason=f"checkpoint requested: {reason}", evidence={"last_step": job.last_step})
+    return job
+
+
 def pause_job(job: Job, *, actor: str, reason: str) -> Job:
     """Ask the running generation to checkpoint and exit; the job is paused once all ranks are gone.
 

@@ -311,7 +311,8 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=drain)
 
     for verb, text in (("approve", "approve resuming a paused job (on-call)"),
-                       ("pause", "checkpoint and pause a job"), ("cancel", "cancel a job"),
+                       ("pause", "checkpoint and pause a job"), ("checkpoint", "checkpoint a running job now"),
+                       ("cancel", "cancel a job"),
                        ("rollback", "resume a paused job from an earlier verified checkpoint")):
         p = sub.add_parser(verb, help=text)
         p.add_argument("job", type=int)

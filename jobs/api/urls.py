@@ -9,6 +9,7 @@ urlpatterns = [
     path("jobs/<int:pk>/events", views.JobEvents.as_view(), name="job-events"),
     path("jobs/<int:pk>/cancel", views.JobCancel.as_view(), name="job-cancel"),
     path("jobs/<int:pk>/pause", views.JobPause.as_view(), name="job-pause"),
+    path("jobs/<int:pk>/checkpoint", views.JobCheckpoint.as_view(), name="job-checkpoint"),
     path("jobs/<int:pk>/approve", views.JobApprove.as_view(), name="job-approve"),
     path("jobs/<int:pk>/rollback", views.JobRollback.as_view(), name="job-rollback"),
     path("jobs/<int:pk>/incidents", views.JobIncidents.as_view(), name="job-incidents"),

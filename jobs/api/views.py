@@ -240,6 +240,16 @@ class JobPause(_Action):
         services.pause_job(job, actor=actor, reason=data["reason"])
 
 
+@extend_schema_view(post=extend_schema(request=ReasonSerializer, responses={200: JobSerializer}))
+class JobCheckpoint(_Action):
+    """Ask the running generation for a checkpoint now; the request stands until one is committed."""
+
+    required = roles.OPERATE
+
+    def perform(self, job, data, actor):
+        services.request_checkpoint(job, actor=actor, reason=data["reason"])
+
+
 @extend_schema_view(post=extend_schema(request=ApproveSerializer, responses={200: JobSerializer}))
 class JobApprove(_Action):
     """On-call approves resuming a paused job (after the circuit breaker or an escalation)."""

@@ -47,6 +47,7 @@ GRANTS = {
     ("api/v1/jobs/<int:pk>/events", "GET"): "view",
     ("api/v1/jobs/<int:pk>/cancel", "POST"): "operate",
     ("api/v1/jobs/<int:pk>/pause", "POST"): "operate",
+    ("api/v1/jobs/<int:pk>/checkpoint", "POST"): "operate",
     ("api/v1/jobs/<int:pk>/approve", "POST"): "approve",
     ("api/v1/jobs/<int:pk>/rollback", "POST"): "operate",
     ("api/v1/jobs/<int:pk>/incidents", "GET"): "view",

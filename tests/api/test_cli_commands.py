@@ -65,6 +65,8 @@ def test_refusals_name_the_field_and_the_line(run, world, tmp_path):
     code, _, err = run("operator", "rollback", str(world.paused_job.pk), "--to", str(world.checkpoint.pk),
                        "--reason", "r")
     assert code == EXIT_ERROR and f"has no checkpoint {world.checkpoint.pk}" in err
+    code, _, err = run("operator", "checkpoint", str(world.paused_job.pk), "--reason", "r")
+    assert code == EXIT_ERROR and "only a running job can checkpoint now" in err
     with pytest.raises(SystemExit) as usage:
         run("operator", "rollback", "1", "--to", "2", "--reason", "r", "--skip-data", "20:10")
     assert usage.value.code == EXIT_USAGE

@@ -8,6 +8,8 @@ import pytest
 
 from checkpoints.models import Checkpoint
 from checkpoints.paths import checkpoint_dir
+from core.events import EventKind
+from core.models import Event
 from jobs import state
 from jobs.choices import JobState
 from jobs.models import Generation, Job, StepMetric, TrainingEvent
@@ -162,3 +164,26 @@ def test_checkpoint_commits_form_a_lineage_and_replays_are_idempotent(running, a
     assert branch.json()["parent"] == first.json()["id"]
     stale = client.post(url, commit(running.job, 30, f"{root}/step-30", generation=1), format="json")
     assert stale.status_code == 409
+
+
+@pytest.mark.django_db
+def test_checkpoint_now_is_asked_until_a_newer_checkpoint_commits(running, api):
+    operator, agent = api(running.tokens["operator"]), api(running.tokens["agent"])
+    ask = f"/api/v1/jobs/{running.job.pk}/checkpoint"
+    control = f"/api/v1/jobs/{running.job.pk}/control"
+    refused = operator.post(ask, {"reason": "before the switch upgrade"}, format="json")
+    assert refused.status_code == 409 and "initializing" in refused.json()["detail"]  # not running yet
+    assert operator.post(ask, {}, format="json").status_code == 400  # the reason is required
+    state.transition(running.job, JobState.RUNNING, actor="t")
+    asked = operator.post(ask, {"reason": "before the switch upgrade"}, format="json")
+    assert asked.status_code == 200 and asked.json()["state"] == "running"
+    event = Event.objects.get(job=running.job, kind=EventKind.JOB_CHECKPOINT_REQUEST)
+    assert (event.actor, event.reason) == ("token:operator(otto)", "checkpoint requested: before the switch upgrade")
+    assert agent.get(control, {"generation": 1}).json()["checkpoint_now"] is True
+    assert agent.get(control, {"generation": 1}).json()["checkpoint_now"] is True  # until a commit answers
+    root = checkpoint_dir(running.job)
+    committed = agent.post(f"/api/v1/jobs/{running.job.pk}/checkpoints", commit(running.job, 10, f"{root}/step-10"),
+                           format="json")
+    assert committed.status_code == 201, committed.content
+    assert agent.get(control, {"generation": 1}).json()["checkpoint_now"] is False
+    assert Job.objects.get(pk=running.job.pk).checkpoint_requested_at is None

@@ -19,6 +19,7 @@ SENT: dict[EventKind, dict] = {
     EventKind.JOB_LAUNCH: {"spec": {"name": "llama", "nnodes": 2}},
     EventKind.JOB_STATE: {"nodes": ["gpu-1", "gpu-2"], "resume_from": None, "shrunk": False},
     EventKind.JOB_EFFICIENCY_TARGET: {"expected_mfu": 0.4, "mfu_margin": None, "flops_per_token": 6_000_000_000},
+    EventKind.JOB_CHECKPOINT_REQUEST: {"last_step": 1200},
     EventKind.INCIDENT_OPEN: {"incident": 3, "decision": "restart"},
     EventKind.INCIDENT_RESOLVED: {"incident": 3, "decision": "restart", "lost_steps": 30},
     EventKind.NODE_REGISTER: {"address": "10.0.0.5", "labels": {"rack": "a"}, "gpus": [{"index": 0}],

@@ -68,7 +68,8 @@ def test_a_viewer_forging_actions_gets_403_and_changes_nothing(signed_in, cast):
     viewer = signed_in(cast.viewer)
     events = Event.objects.count()
     for url, data in [(f"/jobs/{job.pk}/approve", {}), (f"/jobs/{job.pk}/pause", {}),
-                      (f"/jobs/{job.pk}/rollback", {"checkpoint": "1"}), (f"/nodes/{cast.node1.pk}/drain", {})]:
+                      (f"/jobs/{job.pk}/checkpoint", {}), (f"/jobs/{job.pk}/rollback", {"checkpoint": "1"}),
+                      (f"/nodes/{cast.node1.pk}/drain", {})]:
         response = viewer.post(url, {"reason": "forged", **data})
         assert response.status_code == 403, url
         assert response["Content-Type"] == "application/problem+json"
@@ -128,6 +129,25 @@ def test_oncall_approves_a_resume(signed_in, cast):
     # Approving again is a conflict, answered with the state machine's words.
     again = signed_in(cast.oncall).post(f"/jobs/{job.pk}/approve", {"reason": "again"})
     assert again.status_code == 409 and "only a paused job can be resumed" in again.json()["detail"]
+
+
+def test_checkpoint_now_asks_the_running_generation_and_is_audited(signed_in, cast):
+    from core.models import Event
+    from jobs import state
+    from jobs.models import Job
+
+    operator = signed_in(cast.operator)
+    state.transition(cast.job, "initializing", actor="t")
+    state.transition(cast.job, "running", actor="t")
+    assert ">Checkpoint now</button>" in operator.get(f"/jobs/{cast.job.pk}/").content.decode()
+    response = operator.post(f"/jobs/{cast.job.pk}/checkpoint", {"reason": "before the switch upgrade"})
+    assert response.status_code == 200, response.content
+    assert Job.objects.get(pk=cast.job.pk).checkpoint_requested_at is not None
+    audit = Event.objects.get(kind="job.checkpoint_request", job=cast.job)
+    assert (audit.actor, audit.reason) == ("user:otto", "checkpoint requested: before the switch upgrade")
+    paused = pause_for_breaker(cast.job, start=False)
+    refused = operator.post(f"/jobs/{paused.pk}/checkpoint", {"reason": "too late"})
+    assert refused.status_code == 409 and "only a running job" in refused.json()["detail"]
 
 
 def test_rollback_names_a_checkpoint_of_the_job(signed_in, cast):
