@@ -163,6 +163,9 @@ def train(args: argparse.Namespace) -> None:
     if args.final_state:
         _dump_final_state(Path(args.final_state), rank, model, optimizer, scheduler, nw.step_count)
     if distributed:
+        # Every rank leaves together: a rank that tears its groups down while a peer is still
+        # finishing (rank 0 commits the last checkpoint in close()) can abort in gloo's teardown.
+        dist.barrier()
         dist.destroy_process_group()
 
 
