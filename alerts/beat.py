@@ -7,7 +7,7 @@ judged.
 
 from __future__ import annotations
 
-from controlplane.env import env_int
+from core.env import env_int
 
 ALERTS_SWEEP_S = float(env_int("NIGHTWATCH_ALERTS_SWEEP_S", 60))
 

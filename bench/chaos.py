@@ -392,7 +392,7 @@ class NightwatchSide(Side):
 def oncall_token() -> str:
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     user, _ = User.objects.get_or_create(username="bench-oncall")
     user.groups.add(Group.objects.get(name="oncall"))

@@ -74,7 +74,7 @@ def make_fleet(url: str, agents: int) -> list[tuple[int, str]]:
     import django
 
     django.setup()
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from nodes.models import Node
 
     fleet = []

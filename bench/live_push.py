@@ -109,9 +109,9 @@ class Server:
         from django.contrib.auth.models import Group, User
         from django.contrib.sessions.backends.db import SessionStore
 
-        from controlplane.models import ApiToken
-        from controlplane.roles import ensure_roles
-        from controlplane.tokens import job_token_for
+        from core.models import ApiToken
+        from core.roles import ensure_roles
+        from core.tokens import job_token_for
         from jobs import services
         from jobs.models import Generation, Job
         from nodes.models import Node

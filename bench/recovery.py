@@ -339,7 +339,7 @@ def setup_django(url: str) -> None:
 def operator_token() -> str:
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     user, _ = User.objects.get_or_create(username="bench-operator")
     user.groups.add(Group.objects.get(name="operator"))
@@ -347,7 +347,7 @@ def operator_token() -> str:
 
 
 def bootstrap_token() -> str:
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     return ApiToken.issue(name="bench boot", scope="bootstrap", single_use=True)[1]
 

@@ -1,4 +1,4 @@
-"""Nightwatch's project package: settings, URLs, ASGI/WSGI, the Celery app and auth."""
+"""Nightwatch's project package: settings, URLs, ASGI/WSGI, the Celery app and routing."""
 
 from controlplane.celery import app as celery_app
 

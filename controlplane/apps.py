@@ -1,13 +1,14 @@
 from django.apps import AppConfig
-from django.db.models.signals import post_migrate
 
 
 class ControlPlaneConfig(AppConfig):
+    """The project: settings, URLs, ASGI/WSGI, the Celery app, routing and the deployment checks.
+
+    Its migrations stay: they created the token and idempotency tables that ``core`` now owns.
+    """
+
     name = "controlplane"
     verbose_name = "Nightwatch control plane"
 
     def ready(self):
-        from controlplane import checks, schema  # noqa: F401  (register the checks and the auth scheme)
-        from controlplane.roles import ensure_roles
-
-        post_migrate.connect(ensure_roles, dispatch_uid="nightwatch.ensure_roles")
+        from controlplane import checks  # noqa: F401  (registers the deployment checks)

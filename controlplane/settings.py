@@ -17,7 +17,7 @@ import dj_database_url
 
 from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
-from controlplane.env import env_bool, env_float, env_int, env_list, env_secret, env_str
+from core.env import env_bool, env_float, env_int, env_list, env_secret, env_str
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -73,8 +73,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "controlplane.middleware.RequestContextMiddleware",
-    "controlplane.middleware.ApiBoundaryMiddleware",
+    "core.middleware.RequestContextMiddleware",
+    "core.middleware.ApiBoundaryMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -82,7 +82,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "controlplane.middleware.PageSecurityMiddleware",
+    "core.middleware.PageSecurityMiddleware",
     # Last, as django-axes requires: it turns a lockout flagged during authentication into the answer.
     "axes.middleware.AxesMiddleware",
 ]
@@ -193,7 +193,7 @@ AUTH_PASSWORD_VALIDATORS = [
 # the axes backend guards; API tokens never do, so axes cannot touch token authentication. A user
 # name, or an address, with AXES_FAILURE_LIMIT failed logins within the cool-off is refused (429, a
 # page saying until when) until the cool-off has passed since its last failure. The address is
-# controlplane.auth.client_address, the same as every other per-address limit.
+# core.auth.client_address, the same as every other per-address limit.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -201,7 +201,7 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env_int("NIGHTWATCH_LOGIN_FAILURE_LIMIT", 10)
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("NIGHTWATCH_LOGIN_COOLOFF_MIN", 15))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
-AXES_CLIENT_IP_CALLABLE = "controlplane.auth.client_address"
+AXES_CLIENT_IP_CALLABLE = "core.auth.client_address"
 AXES_LOCKOUT_TEMPLATE = "dashboard/locked_out.html"
 # Hammering a locked account must not keep it locked for ever: the cool-off runs from the failure
 # that locked it, not from the latest refused try.
@@ -216,17 +216,17 @@ LOGOUT_REDIRECT_URL = "/login/"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "controlplane.auth.TokenAuthentication",
+        "core.auth.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["controlplane.auth.Requires"],
+    "DEFAULT_PERMISSION_CLASSES": ["core.auth.Requires"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["controlplane.api.JSONParser"],
-    "DEFAULT_PAGINATION_CLASS": "controlplane.api.Pagination",
+    "DEFAULT_PARSER_CLASSES": ["core.api.JSONParser"],
+    "DEFAULT_PAGINATION_CLASS": "core.api.Pagination",
     "PAGE_SIZE": 50,
-    "EXCEPTION_HANDLER": "controlplane.problems.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "controlplane.schema.AutoSchema",
-    # Per node token on the agent endpoints, per address on registration (controlplane.auth).
+    "EXCEPTION_HANDLER": "core.problems.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "core.schema.AutoSchema",
+    # Per node token on the agent endpoints, per address on registration (core.auth).
     "DEFAULT_THROTTLE_RATES": {
         "agent": env_str("NIGHTWATCH_AGENT_RATE", "1200/min"),
         "register": env_str("NIGHTWATCH_REGISTER_RATE", "60/min"),
@@ -276,10 +276,10 @@ USE_TZ = True
 # --- Security -------------------------------------------------------------------------------
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
-# Sent with every API and /metrics response (controlplane.middleware): they are data, never pages.
+# Sent with every API and /metrics response (core.middleware): they are data, never pages.
 NIGHTWATCH_API_CSP = "default-src 'none'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 # --- Page CSP -----------------------------------------------------------------------------------
-# Sent with every HTML page outside /api/ (dashboard, login, admin; controlplane.middleware): scripts,
+# Sent with every HTML page outside /api/ (dashboard, login, admin; core.middleware): scripts,
 # styles, images only from this origin, no inline script or style. The live view's WebSocket to this
 # host (ws:// or wss://) is added per request, since 'self' does not cover it in every browser.
 NIGHTWATCH_PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -302,12 +302,12 @@ if PRODUCTION:
 SILENCED_SYSTEM_CHECKS = env_list("SILENCED_SYSTEM_CHECKS")
 
 # --- Logging --------------------------------------------------------------------------------
-# JSON lines (controlplane.logs) carrying job, generation, node and incident ids; LOG_FORMAT=plain for people.
+# JSON lines (core.logs) carrying job, generation, node and incident ids; LOG_FORMAT=plain for people.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
-                   "json": {"()": "controlplane.logs.ControlPlaneJsonFormatter", "service": "control-plane"}},
+                   "json": {"()": "core.logs.ControlPlaneJsonFormatter", "service": "control-plane"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": env_str("LOG_FORMAT", "json")}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"},
@@ -429,6 +429,6 @@ NIGHTWATCH = {
     # /metrics: a token with the view capability, or a scraper from one of these networks (CIDRs).
     "METRICS_NETWORKS": env_list("NIGHTWATCH_METRICS_NETWORKS"),
     # Proxies (CIDRs) whose X-Forwarded-For is believed: the TLS proxy in front of daphne. With none,
-    # the client is the direct peer and the header is ignored (controlplane.auth.client_address).
+    # the client is the direct peer and the header is ignored (core.auth.client_address).
     "TRUSTED_PROXIES": env_list("NIGHTWATCH_TRUSTED_PROXIES"),
 }

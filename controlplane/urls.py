@@ -2,10 +2,10 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from controlplane import health
-from controlplane.metrics import metrics_view
-from controlplane.problems import json_problem_view
-from controlplane.tokens import TokenRotate
+from core import health
+from core.problems import json_problem_view
+from core.tokens import TokenRotate
+from dashboard.metrics import metrics_view
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),

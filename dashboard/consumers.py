@@ -15,7 +15,7 @@ from collections import OrderedDict
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from controlplane import roles
+from core import roles
 from dashboard import events, queries
 from dashboard import sections as page_sections
 from dashboard.relay import RELAY

@@ -2,7 +2,7 @@
 in the snapshot of every WebSocket (re)connect, and whenever the relay says a section changed.
 
 A section is rendered for one person: action buttons appear only for the capabilities their
-role grants (``controlplane.roles``), so a viewer's page has no buttons at all.
+role grants (``core.roles``), so a viewer's page has no buttons at all.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from django.template.loader import render_to_string
 
-from controlplane import roles
+from core import roles
 from dashboard import queries
 from jobs.models import Job
 

@@ -1,7 +1,7 @@
 """The dashboard's pages and its action endpoints.
 
 Pages render every section with the same templates the live updates use (``dashboard.sections``).
-Actions parse → authorise by capability (``controlplane.roles``) → call the same service the API
+Actions parse → authorise by capability (``core.roles``) → call the same service the API
 calls → answer JSON; the service writes the audit row (``jobs.models.Event``) and the relay pushes
 the result to every open page. Errors are RFC 9457 problem details, like the API's.
 """
@@ -18,10 +18,10 @@ from django.views.decorators.http import require_POST
 
 from checkpoints.models import Checkpoint
 from checkpoints.services import CheckpointError
-from controlplane import roles
-from controlplane.api import parse_int
-from controlplane.auth import actor_label
-from controlplane.problems import CONTENT_TYPE, problem
+from core import roles
+from core.api import parse_int
+from core.auth import actor_label
+from core.problems import CONTENT_TYPE, problem
 from dashboard import sections
 from dashboard.relay import RELAY
 from jobs import services as job_services

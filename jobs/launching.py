@@ -183,7 +183,7 @@ def end_generations(generations, now) -> int:
     """Stamp the end of those of ``generations`` (a queryset) that have not ended, and revoke their
     job tokens: the one place a generation ends, so that no token outlives it. Returns how many
     ended now."""
-    from controlplane.tokens import revoke_generation_tokens
+    from core.tokens import revoke_generation_tokens
 
     ending = list(generations.filter(ended_at__isnull=True).values_list("pk", "job_id", "number"))
     if not ending:

@@ -153,7 +153,7 @@ def transition(
             created_at=now,
         )
         if new_state in S.TERMINAL:
-            from controlplane.tokens import retire_job_tokens
+            from core.tokens import retire_job_tokens
 
             retire_job_tokens(job_id)
         old_state = current.state

@@ -6,7 +6,7 @@ interval after its deadline; ``expires`` drops a sweep that waited in the queue 
 
 from __future__ import annotations
 
-from controlplane.env import env_bool, env_int, env_str
+from core.env import env_bool, env_int, env_str
 
 HEARTBEAT_SWEEP_S = float(env_int("NIGHTWATCH_HEARTBEAT_INTERVAL_S", 5))
 #: How often Slurm's job and node states are read (each read is one squeue / sinfo call).

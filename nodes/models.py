@@ -260,7 +260,7 @@ class SlurmAllocation(models.Model):
     exit_code = models.IntegerField(null=True, blank=True, help_text="The batch script's exit status.")
     exit_signal = models.PositiveSmallIntegerField(null=True, blank=True)
     # The hooks of this generation report with this token; revoked when the generation ends.
-    token = models.ForeignKey("controlplane.ApiToken", null=True, blank=True, on_delete=models.SET_NULL,
+    token = models.ForeignKey("core.ApiToken", null=True, blank=True, on_delete=models.SET_NULL,
                               related_name="+")
     created_at = models.DateTimeField(default=timezone.now)
     submitted_at = models.DateTimeField(null=True, blank=True)

@@ -44,7 +44,7 @@ def pytest_runtest_makereport(item, call):
 def cast(db):
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from jobs.models import Job
     from nodes.models import Node
 

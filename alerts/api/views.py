@@ -24,8 +24,8 @@ from alerts.api.serializers import (
 )
 from alerts.choices import Action
 from alerts.models import Alert, Channel, Delivery, EfficiencyTarget
-from controlplane import roles
-from controlplane.auth import actor_label
+from core import roles
+from core.auth import actor_label
 from core.events import EventKind, record_event
 from jobs.models import Job
 

@@ -27,11 +27,12 @@ from checkpoints.api.serializers import (
 )
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from controlplane import roles
-from controlplane.api import int_param, parse_wire, require_hooks_caller
-from controlplane.auth import actor_label
-from controlplane.problems import Conflict
-from controlplane.schema import protocol_schema
+from core import roles
+from core.api import int_param, parse_wire
+from core.auth import actor_label
+from core.problems import Conflict
+from core.schema import protocol_schema
+from jobs.api.access import require_hooks_caller
 from jobs.models import Job
 from jobs.policies import CheckpointPolicy
 from jobs.state import TransitionError

@@ -11,21 +11,21 @@ from rest_framework.views import APIView
 
 from agents.protocol import dump
 from agents.protocol import hooks as hooks_protocol
-from controlplane import roles
-from controlplane.api import (
+from core import roles
+from core.api import (
     IDEMPOTENCY_HEADER,
     choices_param,
     datetime_param,
     idempotent,
     int_param,
     parse_wire,
-    require_hooks_caller,
 )
-from controlplane.auth import actor_label
-from controlplane.problems import Conflict
-from controlplane.schema import protocol_schema
+from core.auth import actor_label
 from core.models import Event
+from core.problems import Conflict
+from core.schema import protocol_schema
 from jobs import services
+from jobs.api.access import require_hooks_caller
 from jobs.api.serializers import (
     ApproveSerializer,
     EventSerializer,

@@ -18,11 +18,11 @@ from rest_framework.views import APIView
 
 from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
-from controlplane import roles
-from controlplane.api import choices_param, parse_wire
-from controlplane.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
-from controlplane.problems import Conflict
-from controlplane.schema import protocol_schema
+from core import roles
+from core.api import choices_param, parse_wire
+from core.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
+from core.problems import Conflict
+from core.schema import protocol_schema
 from jobs.state import StaleGeneration
 from nodes import services
 from nodes.api.serializers import (

@@ -103,7 +103,7 @@ def to_wire(command: NodeCommand, *, with_secrets: bool = False) -> wire.Command
     """The command as the agent receives it; ``with_secrets``: a launch carries its job token."""
     payload = command.payload
     if with_secrets and command.kind == CommandKind.LAUNCH and command.job is not None:
-        from controlplane.tokens import job_token_for
+        from core.tokens import job_token_for
 
         payload = {**payload, "hooks_token": job_token_for(command.job, command.generation, command.node)}
     return wire.Command(id=str(command.pk), kind=command.kind, idempotency_key=command.idempotency_key,

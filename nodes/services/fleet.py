@@ -18,9 +18,8 @@ from django.utils import timezone
 
 from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
-from controlplane.models import ApiToken, Scope, hash_token
 from core.events import EventKind, record_event
-from core.models import Event
+from core.models import ApiToken, Event, Scope, hash_token
 from jobs.choices import JobState
 from jobs.models import Generation
 from nodes import health as rules

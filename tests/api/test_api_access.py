@@ -58,7 +58,7 @@ def test_session_users_get_their_role(cast, client):
 @pytest.mark.django_db
 def test_a_token_never_outranks_its_owner(cast, api):
     """An operator-scope token owned by a viewer grants only what the viewer may do."""
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     _, raw = ApiToken.issue(name="overreach", scope="oncall", user=cast.viewer)
     response = api(raw).post("/api/v1/jobs", {"name": "x", "entrypoint": "t.py"}, format="json")
@@ -68,7 +68,7 @@ def test_a_token_never_outranks_its_owner(cast, api):
 
 @pytest.mark.django_db
 def test_tokens_are_hashed_at_rest_and_revocable(cast, api):
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     raw = cast.tokens["viewer"]
     token = ApiToken.objects.get(name="viewer")

@@ -42,7 +42,7 @@ def test_repeated_authentication_failures_throttle_bad_tokens_only(cast, api, se
 
 
 def test_agent_endpoints_are_rate_limited_per_node(cast, api, monkeypatch):
-    from controlplane.auth import AgentThrottle
+    from core.auth import AgentThrottle
 
     monkeypatch.setattr(AgentThrottle, "THROTTLE_RATES", {"agent": "2/min"})
     agent = api(cast.tokens["agent"])
@@ -110,7 +110,7 @@ def test_api_responses_carry_security_headers(cast, api):
 
 @pytest.mark.parametrize("scope", ["ci", "agent"])
 def test_rotate_by_command_keeps_scope_and_owner_and_shows_the_new_token_once(cast, api, scope):
-    from controlplane.models import ApiToken, hash_token
+    from core.models import ApiToken, hash_token
 
     old_raw = cast.tokens[scope]
     out = io.StringIO()
@@ -128,7 +128,7 @@ def test_rotate_by_command_keeps_scope_and_owner_and_shows_the_new_token_once(ca
 
 
 def test_a_token_rotates_itself_over_the_api(cast, api):
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     response = api(cast.tokens["agent"]).post("/api/v1/tokens/rotate")
     assert response.status_code == 201, response.content

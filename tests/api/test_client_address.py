@@ -1,4 +1,4 @@
-"""``controlplane.auth.client_address``: the one answer to "who is calling from where" behind which
+"""``core.auth.client_address``: the one answer to "who is calling from where" behind which
 every per-address limit sits (failed tokens, registration, login lockouts). ``X-Forwarded-For`` counts
 only from a configured trusted proxy, read from the right."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from django.test import RequestFactory
 
-from controlplane.auth import client_address
+from core.auth import client_address
 
 PROXY = "10.0.0.5"
 
@@ -84,7 +84,7 @@ def test_bad_tokens_behind_the_proxy_throttle_their_client_only(cast, trusting, 
 
 
 def test_registration_is_throttled_per_client_behind_the_proxy(trusting):
-    from controlplane.auth import RegisterThrottle
+    from core.auth import RegisterThrottle
 
     trusting(f"{PROXY}/32")
     keys = {RegisterThrottle().get_cache_key(request_from(PROXY, client), None)

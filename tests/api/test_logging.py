@@ -40,7 +40,7 @@ def test_tokens_and_secrets_are_masked():
 
 
 def test_celery_task_arguments_become_ids():
-    from controlplane.logs import task_ids
+    from core.logs import task_ids
     from jobs.tasks import handle_exit
 
     handle_exit.push_request(id="task-1", args=[7, 2, "gpu-01", {"exit_code": 1}], kwargs={})
@@ -53,7 +53,7 @@ def test_celery_task_arguments_become_ids():
 
 @pytest.mark.django_db
 def test_a_web_request_logs_with_the_ids_in_its_url(cast, api):
-    from controlplane.logs import ControlPlaneJsonFormatter
+    from core.logs import ControlPlaneJsonFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)

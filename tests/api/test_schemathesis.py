@@ -71,7 +71,7 @@ def wsgi_app():
 
 def _issuer(world, principal: str):
     """``issue()`` -> a new raw token of ``principal``'s kind: the token the pass calls with."""
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     cast = world.cast
     kinds = {
@@ -112,7 +112,7 @@ def test_generated_requests_find_no_server_error_and_no_schema_violation(world, 
     assert calls["total"] >= MINIMUM_REQUESTS, calls
 
 
-#: Capabilities of machine principals: their bodies are wire-protocol messages (controlplane.schema).
+#: Capabilities of machine principals: their bodies are wire-protocol messages (core.schema).
 _MACHINE = {"agent", "hooks", None}
 
 

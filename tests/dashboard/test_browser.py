@@ -143,7 +143,7 @@ def _cast():
     from django.contrib.auth.models import Group, User
     from django.utils import timezone
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from nodes.models import GPU, Node
 
     people = {}

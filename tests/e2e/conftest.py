@@ -38,7 +38,7 @@ def tokens(transactional_db):
     """An operator, an on-call person, and bootstrap tokens for agents, as raw strings."""
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     def person(name, role):
         user = User.objects.create_user(name)

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 def test_hooks_train_through_an_outage_and_deliver_every_report_exactly_once(cluster_down, tmp_path):
     """Issue 3's outage: the control plane is down for the first half of a run."""
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from jobs import state
     from jobs.models import Generation, Job, StepMetric
     from nodes.models import Node

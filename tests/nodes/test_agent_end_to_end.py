@@ -14,7 +14,7 @@ import pytest
 
 from agents.agent.config import AgentConfig
 from agents.agent.daemon import Agent
-from controlplane.models import ApiToken
+from core.models import ApiToken
 from jobs.models import Event
 from nodes import services
 from nodes.choices import CommandState, Health, Schedulability

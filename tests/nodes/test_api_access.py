@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from controlplane.models import ApiToken
+from core.models import ApiToken
 from nodes import services
 from nodes.models import Node
 from tests.nodes.conftest import batch_of, event, heartbeat, register_body

@@ -7,7 +7,7 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from controlplane.models import ApiToken
+from core.models import ApiToken
 from jobs.models import Event, Generation
 from nodes.models import GPU, AgentEventRecord, GpuSample, Node, NodeCommand
 from tests.nodes.conftest import batch_of, event, heartbeat, sample

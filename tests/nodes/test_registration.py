@@ -10,7 +10,7 @@ import time_machine
 from django.db import connection
 from django.utils import timezone
 
-from controlplane.models import ApiToken, hash_token
+from core.models import ApiToken, hash_token
 from jobs.models import Event
 from nodes import services
 from nodes.choices import Health, Transport

@@ -7,7 +7,7 @@ import io
 import pytest
 from django.core.management import CommandError, call_command
 
-from controlplane.models import ApiToken, hash_token
+from core.models import ApiToken, hash_token
 
 
 def run(*args, **kwargs) -> str:

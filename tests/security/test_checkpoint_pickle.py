@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.filterwarni
 
 def hooks_token(job: Job, generation: int, node: Node) -> str:
     """The credential a training process holds for the hooks endpoints (one place, to switch easily)."""
-    from controlplane.tokens import job_token_for
+    from core.tokens import job_token_for
 
     return job_token_for(job, generation, node)
 

@@ -32,7 +32,7 @@ def ci_token(transactional_db) -> str:
     """A CI pipeline's token: scope ``ci``, held by a user in the operator role (as ``cast`` does)."""
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     user = User.objects.create_user("ci-bot")
     user.groups.add(Group.objects.get(name="operator"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.tokens import job_token_for
+from core.tokens import job_token_for
 from jobs import state
 from jobs.choices import JobState
 from jobs.launching import end_generations
@@ -205,8 +205,8 @@ def test_an_ended_job_refuses_reports_and_tells_its_hooks_to_stop(world, ending)
 def test_job_tokens_are_revoked_when_the_generation_ends_and_expire_soon_after_the_job_ends(world):
     from django.utils import timezone
 
-    from controlplane.models import ApiToken
-    from controlplane.tokens import TERMINAL_JOB_TOKEN_GRACE
+    from core.models import ApiToken
+    from core.tokens import TERMINAL_JOB_TOKEN_GRACE
 
     token = ApiToken.objects.get(scope="job", job=world.job, generation=2)
     state.transition(world.job, JobState.CANCELLED, actor="test")
@@ -240,7 +240,7 @@ def test_a_redelivered_launch_carries_the_same_token_and_the_payload_stores_none
 
 @pytest.mark.django_db
 def test_after_secret_key_rotation_a_redelivery_gets_a_fresh_working_token(world, settings, api):
-    from controlplane.models import ApiToken, hash_token
+    from core.models import ApiToken, hash_token
 
     before = world.tokens["job token of job 1 generation 2"]
     settings.SECRET_KEY = "rotated-" + "k" * 50

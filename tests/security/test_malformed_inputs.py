@@ -62,7 +62,7 @@ def fleet(transactional_db, tmp_path):
     """A node whose agent runs generation 1 of a job, and the tokens of everyone who calls."""
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from jobs.models import Generation, Job
     from nodes.models import Node
 

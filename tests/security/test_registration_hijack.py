@@ -57,7 +57,7 @@ def test_a_bootstrap_token_cannot_take_over_a_registered_node(cluster, tokens):
 
 
 def a_generic_token_is_refused(cluster, tokens, node, stored: str) -> None:
-    from controlplane.models import ApiToken, hash_token
+    from core.models import ApiToken, hash_token
     from jobs.models import Event
     from nodes.models import Node
 
@@ -80,7 +80,7 @@ def a_generic_token_is_refused(cluster, tokens, node, stored: str) -> None:
 def dead_tokens_are_401(cluster, *, used: str) -> None:
     from django.utils import timezone
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
     from nodes.models import Node
 
     _, expired = ApiToken.issue(name="expired", scope="bootstrap", single_use=True,

@@ -25,7 +25,7 @@ def bearer(token: str, **extra: str) -> dict:
 
 def test_a_valid_token_works_after_a_thousand_bad_ones(cluster):
     """One cluster for both halves: the untrusted peer's lockout, then clients behind the proxy."""
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     _, viewer = ApiToken.issue(name="viewer", scope="viewer")
     _, ci = ApiToken.issue(name="ci", scope="ci")

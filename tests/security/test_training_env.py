@@ -34,7 +34,7 @@ def parent(pid: int) -> int:
 
 
 def test_the_ranks_hold_only_their_generations_job_token(cluster, tokens, tmp_path):
-    from controlplane.models import ApiToken, hash_token
+    from core.models import ApiToken, hash_token
     from jobs.models import Generation, Job
     from nodes.models import Node
 

@@ -64,7 +64,7 @@ def control_plane(slurm, transactional_db, tmp_path, request):
 def operator_token(transactional_db):
     from django.contrib.auth.models import Group, User
 
-    from controlplane.models import ApiToken
+    from core.models import ApiToken
 
     user = User.objects.create_user("otto")
     user.groups.add(Group.objects.get(name="operator"))

@@ -21,8 +21,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.protocol import agent as wire
-from controlplane.models import ApiToken, Scope
 from core.events import EventKind, record_event
+from core.models import ApiToken, Scope
 from nodes.choices import Health, Schedulability, SlurmAllocationState, Transport
 from nodes.models import Node, SlurmAllocation
 from nodes.transports.base import Launch

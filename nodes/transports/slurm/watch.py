@@ -21,8 +21,8 @@ from django.utils import timezone
 
 from agents.protocol.agent import MAX_LOG_LINE, MAX_LOG_TAIL_LINES
 from agents.supervisor import OutputScan, classify_exit
-from controlplane.models import ApiToken
 from core.events import EventKind, record_event
+from core.models import ApiToken
 from nodes import signals
 from nodes.choices import SlurmAllocationState
 from nodes.models import AgentEventRecord, Node, SlurmAllocation

@@ -16,8 +16,8 @@ from rest_framework import exceptions, parsers
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 
-from controlplane.models import ApiToken, IdempotencyRecord
-from controlplane.problems import Unprocessable
+from core.models import ApiToken, IdempotencyRecord
+from core.problems import Unprocessable
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 MAX_KEY_LENGTH = 200
@@ -85,37 +85,6 @@ def parse_wire(message_class, request):
         return parse(message_class, request.data)
     except ProtocolError as exc:
         raise ValidationError({exc.field or "body": [exc.reason]}) from None
-
-
-def require_hooks_caller(request, job, generation: int | None = None) -> None:
-    """Whether the caller may speak for ``generation`` of ``job`` on the training hooks' endpoints
-    (without ``generation``: for some generation of ``job``, checked before the body is read).
-
-    A job token speaks only for its own job and generation; an agent token only for a generation
-    placed on its node. Anything else is a 403, before the body is acted on. (A job token of an
-    older generation, not yet revoked, meets the fencing rule next: 409 stale.)
-    """
-    from rest_framework.exceptions import PermissionDenied
-
-    from controlplane.models import Scope
-    from jobs.models import Generation
-
-    token = request.auth if isinstance(request.auth, ApiToken) else None
-    if token is not None and token.scope == Scope.JOB:
-        if token.job_id != job.pk:
-            raise PermissionDenied(f"This token speaks for job {token.job_id} only, not job {job.pk}.")
-        if generation is not None and token.generation != generation:
-            raise PermissionDenied(f"This token speaks for generation {token.generation} of job {job.pk} only, "
-                                   f"not generation {generation}.")
-        return
-    node = token.node if token is not None and token.scope == Scope.AGENT else None
-    placed = Generation.objects.filter(job=job, nodes=node) if node is not None else Generation.objects.none()
-    if generation is not None:
-        placed = placed.filter(number=generation)
-    if not placed.exists():
-        which = "any generation" if generation is None else f"generation {generation}"
-        raise PermissionDenied(f"This token speaks neither for {which} of job {job.pk} nor for a node it is "
-                               f"placed on.")
 
 
 def choices_param(params, name: str, allowed) -> list[str] | None:

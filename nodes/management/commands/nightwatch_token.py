@@ -1,4 +1,7 @@
-"""Issue, list, rotate and revoke API tokens. The raw token is printed once and never stored."""
+"""Issue, list, rotate and revoke API tokens. The raw token is printed once and never stored.
+
+In the nodes app because an agent token names its node and a bootstrap token may name the node it
+re-registers; people's and pipelines' tokens need only core, which nodes sits on."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from controlplane.models import ApiToken, Scope
+from core.models import ApiToken, Scope
 from nodes.models import Node
 from nodes.services import issue_bootstrap_token
 

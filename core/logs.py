@@ -2,7 +2,7 @@
 
 Tasks take primary keys (``handle_exit(job_id, generation, …)``), so the ids a worker's lines
 should carry are the task's own arguments: they are read from its signature at format time, with
-no change to any task. Web requests get theirs from ``controlplane.middleware``.
+no change to any task. Web requests get theirs from ``core.middleware``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``POST /api/v1/tokens/rotate``: a token rotates itself (agents and CI pipelines on a schedule);
 and the job tokens of training processes: minted per (job, generation, node), revoked with it.
 
-Kept apart from ``controlplane.api``, which DRF's settings import (pagination) before views exist.
+Kept apart from ``core.api``, which DRF's settings import (pagination) before views exist.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from rest_framework import exceptions, permissions, serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.auth import actor_label
-from controlplane.models import TOKEN_PREFIX, ApiToken, Scope, hash_token
-from controlplane.problems import Unprocessable
+from core.auth import actor_label
 from core.events import EventKind, record_event
+from core.models import TOKEN_PREFIX, ApiToken, Scope, hash_token
+from core.problems import Unprocessable
 
 #: After a job ends (cancelled, failed, completed) its tokens live this much longer, so that the
 #: hooks of ranks still stopping hear "stale" (409) and stop cleanly; then they expire even if a

@@ -1,7 +1,7 @@
 """The OpenAPI document (drf-spectacular): bearer tokens, the capability each operation needs, and
 the problem-details errors every operation can answer.
 
-Views declare what they need (``required``, see ``controlplane.auth.Requires``); this module turns
+Views declare what they need (``required``, see ``core.auth.Requires``); this module turns
 that into the words and the error responses of the document, so the two never drift apart. The
 bodies of the agent and hooks endpoints are the wire protocol's dataclasses (``agents.protocol``):
 ``protocol_schema(Message)`` stands for one in ``extend_schema``, and its JSON schema is generated from the
@@ -22,7 +22,7 @@ from drf_spectacular.plumbing import ResolvedComponent
 from rest_framework import permissions, serializers
 
 from agents.protocol.base import INT64_MAX, INT64_MIN, NONFINITE
-from controlplane import roles
+from core import roles
 
 #: capability -> the token scopes that can carry it (a token never outranks its owner's role)
 _HOLDERS = {cap: sorted(scope for scope, caps in roles.SCOPE_CAPABILITIES.items() if cap in caps)
@@ -32,7 +32,7 @@ _PEOPLE = {roles.VIEW: "viewer, operator and oncall", roles.LAUNCH: "operator an
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "controlplane.auth.TokenAuthentication"
+    target_class = "core.auth.TokenAuthentication"
     name = "bearerToken"
 
     def get_security_definition(self, auto_schema):
@@ -77,7 +77,7 @@ _ERRORS = {
 
 
 def required_capability(view, method: str) -> str | None:
-    """The capability ``controlplane.auth.Requires`` demands for ``method`` on ``view`` (None: open)."""
+    """The capability ``core.auth.Requires`` demands for ``method`` on ``view`` (None: open)."""
     if any(isinstance(p, permissions.AllowAny) for p in view.get_permissions()):
         return None
     required = getattr(view, "required", roles.VIEW)

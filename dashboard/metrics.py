@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from controlplane.auth import client_address
+from core.auth import client_address
 
 METRICS_FINISHED_JOBS_S = 24 * 3600
 METRICS_MAX_JOBS = 200
@@ -308,9 +308,9 @@ def metrics_view(request):
     from rest_framework.exceptions import APIException
     from rest_framework.request import Request
 
-    from controlplane import roles
-    from controlplane.auth import TokenAuthentication, capabilities
-    from controlplane.problems import CONTENT_TYPE, problem
+    from core import roles
+    from core.auth import TokenAuthentication, capabilities
+    from core.problems import CONTENT_TYPE, problem
 
     if request.method != "GET":
         body = problem(405, "Method Not Allowed", "Use GET.", code="method_not_allowed", instance=request.path)

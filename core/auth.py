@@ -2,7 +2,7 @@
 
 A caller is a person (session or a token owned by a user) or a machine (an agent token bound to
 one node, or a one-time bootstrap token). What they may do is a set of *capabilities*
-(``controlplane.roles``): for a person, those their role grants; for a token, those its scope
+(``core.roles``): for a person, those their role grants; for a token, those its scope
 grants, never more than its owner's role. Views declare the capability each method requires.
 """
 
@@ -16,8 +16,8 @@ from django.core.cache import cache
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions, throttling
 
-from controlplane import roles
-from controlplane.models import ApiToken, Scope, hash_token
+from core import roles
+from core.models import ApiToken, Scope, hash_token
 
 AUTH_FAILURE_WINDOW_S = 60
 

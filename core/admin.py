@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from controlplane.models import ApiToken
+from core.models import ApiToken
 
 
 @admin.register(ApiToken)

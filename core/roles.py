@@ -15,7 +15,7 @@ APPROVE = "approve"
 AGENT = "agent"
 REGISTER = "register"
 #: The training hooks' endpoints (reports, control, checkpoint commits), further bounded per
-#: request to the caller's own generation (``controlplane.api.require_hooks_caller``).
+#: request to the caller's own generation (``jobs.api.access.require_hooks_caller``).
 HOOKS = "hooks"
 
 #: capability -> the Django permission a person needs for it

@@ -128,7 +128,7 @@ def _nul_parameter(request) -> str | None:
 
 
 def _problem(request, status: int, title: str, code: str, detail: str, errors=None):
-    from controlplane.problems import CONTENT_TYPE, problem
+    from core.problems import CONTENT_TYPE, problem
 
     body = problem(status, title, detail, code=code, instance=request.path, errors=errors)
     return JsonResponse(body, status=status, content_type=CONTENT_TYPE)

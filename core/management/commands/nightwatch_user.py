@@ -9,7 +9,7 @@ from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from controlplane.roles import ROLE_PERMISSIONS, ensure_roles
+from core.roles import ROLE_PERMISSIONS, ensure_roles
 
 
 class Command(BaseCommand):
