@@ -22,6 +22,13 @@ import sys
 import warnings
 from typing import Any
 
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from agents.hooks.state import from_blob
+
 # A plain process has no process group; DCP warns on every load otherwise.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
@@ -29,13 +36,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def load(path: str, *, step: int | None = None, data_cursor: int | None = None) -> dict[str, Any]:
     """Load everything under ``path``; returns the verdict as a plain dict."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from agents.hooks.state import from_blob
-
     metadata = FileSystemReader(path).read_metadata()
     target: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():

@@ -466,6 +466,7 @@ class DcpMetadataUnpickler(pickle.Unpickler):
         if name in _DCP_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and name.isidentifier():
+            # torch only when a DCP file is read: the control plane verifies manifests without it
             import torch
 
             value = getattr(torch, name, None)
@@ -483,6 +484,7 @@ def dcp_metadata_summary(data: bytes) -> tuple[frozenset[str], frozenset[str]]:
     key = hashlib.sha256(data).hexdigest()
     cached = _SUMMARIES.get(key)
     if cached is None:
+        # torch only when a DCP file is read: the control plane verifies manifests without it
         from torch.distributed.checkpoint.metadata import Metadata
 
         metadata = DcpMetadataUnpickler(io.BytesIO(data)).load()

@@ -43,8 +43,9 @@ def capture_rng() -> dict[str, Any]:
     """This process's random number generators: python, numpy, torch CPU and every CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
+        # numpy is optional for a training script
         import numpy as np
-    except ImportError:  # numpy is optional for a training script
+    except ImportError:
         pass
     else:
         state["numpy"] = np.random.get_state()
@@ -57,6 +58,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
+        # present only if capture_rng found numpy, which a training script may not have
         import numpy as np
 
         np.random.set_state(state["numpy"])
