@@ -22,8 +22,8 @@ from pathlib import Path
 from django.conf import settings
 
 from agents.hooks.manifest import Budget, UnsafePath, inside
+from checkpoints.policies import CheckpointPolicy
 from jobs.models import Job
-from jobs.policies import CheckpointPolicy
 
 
 class OutsideRoot(UnsafePath):

@@ -1,7 +1,8 @@
-"""A job's two policies, typed: what ``Job.recovery_policy`` and ``Job.checkpoint_policy`` hold.
+"""A job's recovery policy, typed: what ``Job.recovery_policy`` holds.
 
 The defaults are written here and nowhere else: ``jobs.api.serializers`` takes its defaults from
-these classes, and every reader goes through ``RecoveryPolicy.of(job)`` / ``CheckpointPolicy.of(job)``.
+this class, and every reader goes through ``RecoveryPolicy.of(job)``. (The job's other policy,
+``CheckpointPolicy``, belongs to the checkpoints app that reads it: ``checkpoints.policies``.)
 
 The API stores a policy with its defaults filled in, but a row may still lack a field (a launch
 that sent no policy stores ``{}``; a row written before the field existed, or by the demo command),
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol
 
 
-class _HasPolicies(Protocol):
+class _HasRecoveryPolicy(Protocol):
     recovery_policy: Mapping[str, Any] | None
-    checkpoint_policy: Mapping[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -37,31 +37,6 @@ class RecoveryPolicy:
     loss_spike_limit: int = 3
 
     @classmethod
-    def of(cls, job: _HasPolicies) -> RecoveryPolicy:
-        return _load(cls, job.recovery_policy)
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    #: Checkpoint directory; None: ``<checkpoint root>/job-<id>``.
-    dir: str | None = None
-    #: Second storage location for verified checkpoints; None: the replica root's default, if any.
-    replica_dir: str | None = None
-    #: auto: follow the Young/Daly recommendation pushed to the hooks.
-    interval: Literal["fixed", "auto"] = "fixed"
-    interval_steps: int = 100
-    keep_last: int = 3
-    #: 0 disables permanent checkpoints.
-    permanent_every_hours: int = 12
-
-    @classmethod
-    def of(cls, job: _HasPolicies) -> CheckpointPolicy:
-        return _load(cls, job.checkpoint_policy)
-
-
-_Policy = TypeVar("_Policy", RecoveryPolicy, CheckpointPolicy)
-
-
-def _load(cls: type[_Policy], stored: Mapping[str, Any] | None) -> _Policy:
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in (stored or {}).items() if k in known and v is not None})
+    def of(cls, job: _HasRecoveryPolicy) -> RecoveryPolicy:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (job.recovery_policy or {}).items() if k in known and v is not None})

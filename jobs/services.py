@@ -13,12 +13,13 @@ from django.db.models.functions import Cast, Coalesce, Greatest
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
+from checkpoints.policies import CheckpointPolicy
 from core.events import EventKind, record_event
 from core.models import Event
 from jobs import state
 from jobs.choices import GenerationState, JobState
 from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
-from jobs.policies import CheckpointPolicy, RecoveryPolicy
+from jobs.policies import RecoveryPolicy
 
 
 @transaction.atomic

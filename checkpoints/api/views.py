@@ -27,6 +27,7 @@ from checkpoints.api.serializers import (
 )
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
+from checkpoints.policies import CheckpointPolicy
 from core import roles
 from core.api import int_param, parse_wire
 from core.auth import actor_label
@@ -34,7 +35,6 @@ from core.problems import Conflict
 from core.schema import protocol_schema
 from jobs.api.access import require_hooks_caller
 from jobs.models import Job
-from jobs.policies import CheckpointPolicy
 from jobs.state import TransitionError
 
 _FILTERS = [

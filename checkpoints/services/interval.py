@@ -35,10 +35,10 @@ from django.utils import timezone
 
 from agents.detectors import young_daly_interval
 from checkpoints.models import Checkpoint
+from checkpoints.policies import CheckpointPolicy
 from core.events import EventKind, record_event
 from jobs.choices import IncidentKind, JobState
 from jobs.models import Incident, Job, StepMetric
-from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from django.utils import timezone
 from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
+from checkpoints.policies import CheckpointPolicy
 from checkpoints.services.registry import checkpoint_event
 from core.events import EventKind
 from jobs.models import Job
-from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 

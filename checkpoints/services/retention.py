@@ -39,6 +39,7 @@ from django.utils import timezone
 
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
+from checkpoints.policies import CheckpointPolicy
 from checkpoints.services.registry import (
     CheckpointError,
     active_resumptions,
@@ -50,7 +51,6 @@ from checkpoints.services.registry import (
 )
 from core.events import EventKind
 from jobs.models import Job
-from jobs.policies import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from agents.protocol.agent import (
     validate_nccl_profile,
 )
 from checkpoints.paths import OutsideRoot, checkpoint_root, confine, confine_directory, replica_roots
+from checkpoints.policies import CheckpointPolicy
 from core.models import Event
 from jobs.models import Generation, Incident, Job
-from jobs.policies import CheckpointPolicy, RecoveryPolicy
+from jobs.policies import RecoveryPolicy
 
 
 class StrictSerializer(serializers.Serializer):
@@ -47,7 +48,7 @@ def _text(**kwargs) -> serializers.CharField:
     return serializers.CharField(trim_whitespace=False, **kwargs)
 
 
-#: The defaults each policy serializer fills in: ``jobs.policies``'s, written there once.
+#: The defaults each policy serializer fills in: the policy classes', written there once.
 _CHECKPOINT = CheckpointPolicy()
 _RECOVERY = RecoveryPolicy()
 

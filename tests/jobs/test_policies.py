@@ -10,8 +10,9 @@ import pytest
 from rest_framework.fields import empty
 
 from agents.cli import spec as cli_spec
+from checkpoints.policies import CheckpointPolicy
 from jobs.api.serializers import CheckpointPolicySerializer, RecoveryPolicySerializer
-from jobs.policies import CheckpointPolicy, RecoveryPolicy
+from jobs.policies import RecoveryPolicy
 
 PAIRS = [(RecoveryPolicy, RecoveryPolicySerializer, "recovery_policy"),
          (CheckpointPolicy, CheckpointPolicySerializer, "checkpoint_policy")]
