@@ -46,11 +46,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """``tests.waiting.wait_for`` with this folder's positional style."""
-    return wait_for(predicate, timeout=timeout, what=what, interval=interval)
-
-
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie has finished: it only waits to be reaped)."""
     try:
@@ -61,11 +56,6 @@ def pid_alive(pid: int) -> bool:
 
 
 # Helpers reach test modules as fixtures: importing a conftest by module name is fragile.
-
-@pytest.fixture(name="wait_until")
-def wait_until_fixture() -> Callable[..., Any]:
-    return wait_until
-
 
 @pytest.fixture(name="free_port")
 def free_port_fixture() -> Callable[[], int]:
@@ -359,7 +349,7 @@ Subsystem sftp internal-sftp
             return False
 
     try:
-        wait_until(accepting, 10, "sshd to accept connections")
+        wait_for(accepting, timeout=10, what="sshd to accept connections", interval=0.05)
         yield Sshd(port=port, host_public_key=host_public_key, client_key=d / "client", known_hosts=known_hosts,
                    user=pwd.getpwuid(os.getuid()).pw_name)
     finally:

@@ -15,6 +15,9 @@ import pytest
 
 from agents.agent.config import ConfigError, load_config
 from agents.protocol.agent import Command, DrainAck, DrainPayload, HealthCheckPayload, LaunchPayload, ProbePeer, compact
+from tests.waiting import wait_for
+
+POLL_S = 0.05  # the agent and the supervisor answer in milliseconds: poll often
 
 
 def command(kind: str, payload: Any, *, id: str, key: str | None = None, job: str | None = None,  # noqa: A002
@@ -24,12 +27,11 @@ def command(kind: str, payload: Any, *, id: str, key: str | None = None, job: st
 
 
 def test_registers_stores_its_token_and_reports(control_plane: Any, agent_config: Callable[..., Any],
-                                                start_agent: Callable[..., Any],
-                                                wait_until: Callable[..., Any]) -> None:
+                                                start_agent: Callable[..., Any]) -> None:
     config = agent_config(labels={"rack": "r1"})
     running = start_agent(config)
-    wait_until(lambda: len(control_plane.heartbeats) >= 3, 20, "three heartbeats")
-    wait_until(lambda: len(control_plane.samples) >= 4, 20, "telemetry from both GPUs")
+    wait_for(lambda: len(control_plane.heartbeats) >= 3, timeout=20, what="three heartbeats", interval=POLL_S)
+    wait_for(lambda: len(control_plane.samples) >= 4, timeout=20, what="telemetry from both GPUs", interval=POLL_S)
 
     [registration] = control_plane.registrations
     assert registration.hostname == "test-node" and registration.labels == {"rack": "r1"}
@@ -50,7 +52,8 @@ def test_registers_stores_its_token_and_reports(control_plane: Any, agent_config
 
     # A restart reuses the stored token: no second registration (the bootstrap token is one-time).
     again = start_agent(config)
-    wait_until(lambda: len(control_plane.events_of("agent_started")) == 2, 20, "the restarted agent")
+    wait_for(lambda: len(control_plane.events_of("agent_started")) == 2,
+             timeout=20, what="the restarted agent", interval=POLL_S)
     assert len(control_plane.registrations) == 1
     assert again.stop() == 0
 
@@ -65,19 +68,19 @@ def test_a_refused_bootstrap_token_stops_the_agent(agent_config: Callable[..., A
 
 
 def test_nothing_is_lost_while_the_control_plane_is_down(control_plane: Any, agent_config: Callable[..., Any],
-                                                         start_agent: Callable[..., Any],
-                                                         wait_until: Callable[..., Any]) -> None:
+                                                         start_agent: Callable[..., Any]) -> None:
     running = start_agent(agent_config())
     agent = running.agent
-    wait_until(lambda: control_plane.samples, 20, "first telemetry")
+    wait_for(lambda: control_plane.samples, timeout=20, what="first telemetry", interval=POLL_S)
     control_plane.down()
     outage_start = agent.samples_taken
-    wait_until(lambda: agent.samples_taken >= outage_start + 30 and len(agent.outbox) >= 30, 20,
-               "samples to pile up in the spool")
+    wait_for(lambda: agent.samples_taken >= outage_start + 30 and len(agent.outbox) >= 30,
+             timeout=20, what="samples to pile up in the spool", interval=POLL_S)
     # Events raised during the outage must survive it too.
     agent.outbox.add_event("drain_ack", DrainAck(reason="during the outage"))
     control_plane.up()
-    wait_until(lambda: len(agent.outbox) == 0 and len(control_plane.heartbeats) > 0, 30, "the spool to drain")
+    wait_for(lambda: len(agent.outbox) == 0 and len(control_plane.heartbeats) > 0,
+             timeout=30, what="the spool to drain", interval=POLL_S)
     dropped = agent.outbox.spool.dropped
     running.stop()
 
@@ -93,15 +96,15 @@ def test_nothing_is_lost_while_the_control_plane_is_down(control_plane: Any, age
 def test_past_the_bound_old_telemetry_goes_first_and_events_stay(control_plane: Any,
                                                                  agent_config: Callable[..., Any],
                                                                  scenario_file: Callable[[str], Path],
-                                                                 start_agent: Callable[..., Any],
-                                                                 wait_until: Callable[..., Any]) -> None:
+                                                                 start_agent: Callable[..., Any]) -> None:
     running = start_agent(agent_config(spool_max_records=100, scenario=scenario_file("gpus: 8")))
     agent = running.agent
-    wait_until(lambda: control_plane.samples, 20, "first telemetry")
+    wait_for(lambda: control_plane.samples, timeout=20, what="first telemetry", interval=POLL_S)
     control_plane.down()
     for i in range(30):
         agent.outbox.add_event("drain_ack", DrainAck(reason=f"event {i}"))
-    wait_until(lambda: agent.outbox.spool.dropped.get("telemetry", 0) > 50, 20, "the spool to overflow")
+    wait_for(lambda: agent.outbox.spool.dropped.get("telemetry", 0) > 50,
+             timeout=20, what="the spool to overflow", interval=POLL_S)
     control_plane.up()
 
     def reported() -> int:
@@ -109,8 +112,8 @@ def test_past_the_bound_old_telemetry_goes_first_and_events_stay(control_plane: 
 
     # Reporting a drop appends an event, which may itself push one more sample out: wait until
     # the reports have caught up with the count.
-    wait_until(lambda: len(agent.outbox) == 0 and reported() == agent.outbox.spool.dropped["telemetry"], 30,
-               "every drop to be reported and the spool to drain")
+    wait_for(lambda: len(agent.outbox) == 0 and reported() == agent.outbox.spool.dropped["telemetry"],
+             timeout=30, what="every drop to be reported and the spool to drain", interval=POLL_S)
     running.stop()
 
     reasons = {detail.reason for _, detail in control_plane.events_of("drain_ack")}
@@ -121,17 +124,19 @@ def test_past_the_bound_old_telemetry_goes_first_and_events_stay(control_plane: 
 
 
 def test_a_command_runs_once_however_often_it_arrives(control_plane: Any, agent_config: Callable[..., Any],
-                                                      start_agent: Callable[..., Any],
-                                                      wait_until: Callable[..., Any]) -> None:
+                                                      start_agent: Callable[..., Any]) -> None:
     running = start_agent(agent_config())
     drain = command("drain", DrainPayload(reason="maintenance"), id="c1", key="drain-once")
     control_plane.send(drain)
     control_plane.send(drain)  # duplicated in the queue, and re-sent until acked
-    wait_until(lambda: any(a.command_id == "c1" for a in control_plane.acks), 20, "the drain ack")
+    wait_for(lambda: any(a.command_id == "c1" for a in control_plane.acks),
+             timeout=20, what="the drain ack", interval=POLL_S)
     # The same idempotency key under another command id (the server retried creating it).
     control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c2", key="drain-once"))
-    wait_until(lambda: any(a.command_id == "c2" for a in control_plane.acks), 20, "the second ack")
-    wait_until(lambda: control_plane.heartbeats[-1].draining, 5, "a heartbeat that says draining")
+    wait_for(lambda: any(a.command_id == "c2" for a in control_plane.acks),
+             timeout=20, what="the second ack", interval=POLL_S)
+    wait_for(lambda: control_plane.heartbeats[-1].draining,
+             timeout=5, what="a heartbeat that says draining", interval=POLL_S)
     agent = running.agent
     running.stop()
 
@@ -142,24 +147,24 @@ def test_a_command_runs_once_however_often_it_arrives(control_plane: Any, agent_
 
 def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent_config: Callable[..., Any],
                                                        scenario_file: Callable[[str], Path],
-                                                       start_agent: Callable[..., Any],
-                                                       wait_until: Callable[..., Any], train_script: Path) -> None:
+                                                       start_agent: Callable[..., Any], train_script: Path) -> None:
     hot = scenario_file("gpus: 2\nevents: [{at: 0, gpu: 1, temperature: 92}]\n")
     running = start_agent(agent_config(scenario=hot))
     payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
                             nnodes=1, nproc_per_node=2, node_rank=0,
                             rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-1")
     control_plane.send(command("launch", payload, id="l1", job="j", generation=1))
-    [ack] = wait_until(lambda: control_plane.acks, 20, "the launch ack")
+    [ack] = wait_for(lambda: control_plane.acks, timeout=20, what="the launch ack", interval=POLL_S)
     assert ack.status == "refused" and "temperature 92 °C" in ack.detail
-    [(event, report)] = wait_until(lambda: control_plane.events_of("launch_refused"), 10, "launch_refused")
+    [(event, report)] = wait_for(lambda: control_plane.events_of("launch_refused"),
+                                 timeout=10, what="launch_refused", interval=POLL_S)
     assert not report.ok and any(c.name == "temperature" and c.gpu == 1 and not c.ok for c in report.checks)
     assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
 
 
 def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refused(
         control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
-        wait_until: Callable[..., Any], train_script: Path) -> None:
+        train_script: Path) -> None:
     """The pre-launch pairwise probe: a peer of the job that does not answer fails the check."""
     import socket
 
@@ -167,7 +172,7 @@ def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refu
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
     running = start_agent(agent_config())
-    wait_until(lambda: control_plane.registrations, 20, "registration")
+    wait_for(lambda: control_plane.registrations, timeout=20, what="registration", interval=POLL_S)
     alive_port = control_plane.registrations[0].probe_port
     payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
                             nnodes=2, nproc_per_node=1, node_rank=0,
@@ -177,34 +182,35 @@ def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refu
                                 ProbePeer(node="bad", address="127.0.0.1", port=dead_port, expected_mbps=1.0)],
                             probe_bytes=2**20, probe_seconds=2)
     control_plane.send(command("launch", payload, id="l2", job="j", generation=1))
-    [ack] = wait_until(lambda: control_plane.acks, 30, "the launch ack")
+    [ack] = wait_for(lambda: control_plane.acks, timeout=30, what="the launch ack", interval=POLL_S)
     assert ack.status == "refused" and "bad" in ack.detail
-    [(event, report)] = wait_until(lambda: control_plane.events_of("launch_refused"), 10, "launch_refused")
+    [(event, report)] = wait_for(lambda: control_plane.events_of("launch_refused"),
+                                 timeout=10, what="launch_refused", interval=POLL_S)
     assert {b.peer: b.ok for b in report.bandwidth} == {"good": True, "bad": False}
     assert running.agent.supervisor.running() == []
 
 
 def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, agent_config: Callable[..., Any],
                                                             scenario_file: Callable[[str], Path],
-                                                            start_agent: Callable[..., Any],
-                                                            wait_until: Callable[..., Any]) -> None:
+                                                            start_agent: Callable[..., Any]) -> None:
     scenario = scenario_file("gpus: 2\nevents: [{at: 200ms, gpu: 1, xid: 79}]\n")
     start_agent(agent_config(scenario=scenario))
-    [(event, xid)] = wait_until(lambda: control_plane.events_of("xid"), 20, "the xid event")
+    [(event, xid)] = wait_for(lambda: control_plane.events_of("xid"), timeout=20, what="the xid event", interval=POLL_S)
     assert (xid.gpu, xid.code) == (1, 79)
-    wait_until(lambda: any(s["gpu"] == 1 and s["recent_xid_codes"] == [79] for s in control_plane.samples), 10,
-               "a sample carrying the Xid")
+    wait_for(lambda: any(s["gpu"] == 1 and s["recent_xid_codes"] == [79] for s in control_plane.samples),
+             timeout=10, what="a sample carrying the Xid", interval=POLL_S)
     port = control_plane.registrations[0].probe_port
     control_plane.send(command("health_check", HealthCheckPayload(
         peers=[ProbePeer(node="self", address="127.0.0.1", port=port, expected_mbps=1.0)],
         probe_bytes=4 * 2**20, probe_seconds=2), id="h1"))
-    [(_, report)] = wait_until(lambda: control_plane.events_of("health_check"), 20, "the health report")
+    [(_, report)] = wait_for(lambda: control_plane.events_of("health_check"),
+                             timeout=20, what="the health report", interval=POLL_S)
     assert not report.ok and "critical Xid 79" in report.reason
     assert [b.ok for b in report.bandwidth] == [True]
 
 
 def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_config: Callable[..., Any],
-                                                    start_agent: Callable[..., Any], wait_until: Callable[..., Any],
+                                                    start_agent: Callable[..., Any],
                                                     train_script: Path, tmp_path: Path,
                                                     free_port: Callable[[], int], rank_info: Callable[..., Any],
                                                     pid_alive: Callable[[int], bool]) -> None:
@@ -217,10 +223,12 @@ def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_co
                             node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="j-2", require_gpu=False)
     control_plane.ack_answers["l2"] = 503  # "try again later": the agent keeps the ack spooled
     control_plane.send(command("launch", payload, id="l2", job="j", generation=2))
-    wait_until(lambda: control_plane.events_of("launched"), 30, "the launched event")
-    wait_until(lambda: rank_info(out, 0) and rank_info(out, 1), 60, "both ranks and their children")
+    wait_for(lambda: control_plane.events_of("launched"), timeout=30, what="the launched event", interval=POLL_S)
+    wait_for(lambda: rank_info(out, 0) and rank_info(out, 1),
+             timeout=60, what="both ranks and their children", interval=POLL_S)
     control_plane.ack_answers["l2"] = 409
-    [(event, report)] = wait_until(lambda: control_plane.events_of("stopped"), 60, "the stale generation's stop")
+    [(event, report)] = wait_for(lambda: control_plane.events_of("stopped"),
+                                 timeout=60, what="the stale generation's stop", interval=POLL_S)
     assert (event.job, event.generation) == ("j", 2) and report.requested_stop
     assert running.agent.supervisor.running() == []
     for rank in (0, 1):
@@ -229,8 +237,7 @@ def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_co
 
 
 def test_the_agent_runs_as_a_real_process(control_plane: Any, agent_config: Callable[..., Any], tmp_path: Path,
-                                          scenario_file: Callable[[str], Path],
-                                          wait_until: Callable[..., Any]) -> None:
+                                          scenario_file: Callable[[str], Path]) -> None:
     config_file = tmp_path / "agent.yaml"
     config_file.write_text(f"""
 control_plane_url: {control_plane.url}
@@ -247,7 +254,8 @@ probe_port: 0
     proc = subprocess.Popen([sys.executable, "-m", "agents.agent", "--config", str(config_file),
                              "--probe-host", "127.0.0.1"], env=env, cwd=Path(__file__).parents[2])
     try:
-        wait_until(lambda: control_plane.samples and control_plane.heartbeats, 30, "the agent process to report")
+        wait_for(lambda: control_plane.samples and control_plane.heartbeats,
+                 timeout=30, what="the agent process to report", interval=POLL_S)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -290,14 +298,13 @@ def test_config_mistakes_are_refused(tmp_path: Path, text: str, message: str) ->
 
 
 def test_an_injected_launch_is_acked_with_the_reason_and_runs_nothing(
-        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
-        wait_until: Callable[..., Any], tmp_path: Path) -> None:
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     running = start_agent(agent_config())
     payload = LaunchPayload(script="--no-python", args=["sh", "-c", f"touch {marker}"], nnodes=1, nproc_per_node=1,
                             node_rank=0, rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-3", require_gpu=False)
     control_plane.send(command("launch", payload, id="l3", job="j", generation=1))
-    [ack] = wait_until(lambda: control_plane.acks, 20, "the launch ack")
+    [ack] = wait_for(lambda: control_plane.acks, timeout=20, what="the launch ack", interval=POLL_S)
     assert ack.status == "failed" and "invalid launch command: script: must be a relative path" in ack.detail
     assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
     assert not marker.exists()

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 from agents.ssh import HostKeyRejected, SshTarget, SshTransport, bootstrap_agent
+from tests.waiting import wait_for
+
+POLL_S = 0.05  # the agent and the supervisor answer in milliseconds: poll often
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +49,6 @@ def test_output_is_streamed_while_the_command_runs(ssh: SshTransport) -> None:
 
 
 def test_a_command_that_outlives_its_timeout_is_killed_on_the_node(ssh: SshTransport,
-                                                                   wait_until: Callable[..., Any],
                                                                    pid_alive: Callable[[int], bool]) -> None:
     marker = f"{time.monotonic_ns() % 10**6 + 1000}"  # a distinctive sleep length to look for
     started = time.monotonic()
@@ -64,7 +66,7 @@ def test_a_command_that_outlives_its_timeout_is_killed_on_the_node(ssh: SshTrans
                 continue  # exited while we looked
         return False
 
-    wait_until(lambda: not still_sleeping(), 10, "the remote sleep to be killed")
+    wait_for(lambda: not still_sleeping(), timeout=10, what="the remote sleep to be killed", interval=POLL_S)
 
 
 def test_arguments_are_passed_literally_never_executed(ssh: SshTransport, tmp_path: Path) -> None:
@@ -106,7 +108,6 @@ def test_a_changed_host_key_is_refused(sshd: Any, tmp_path: Path) -> None:
 
 def test_bootstrap_copies_and_starts_an_agent_that_registers(ssh: SshTransport, control_plane: Any,
                                                              tmp_path: Path, scenario_file: Callable[[str], Path],
-                                                             wait_until: Callable[..., Any],
                                                              pid_alive: Callable[[int], bool]) -> None:
     remote_dir = tmp_path / "node" / "nightwatch"
     config = {"control_plane_url": control_plane.url, "bootstrap_token": control_plane.bootstrap_token,
@@ -115,11 +116,12 @@ def test_bootstrap_copies_and_starts_an_agent_that_registers(ssh: SshTransport, 
               "probe_host": "127.0.0.1"}
     pid = bootstrap_agent(ssh, remote_dir=str(remote_dir), config=config, python=sys.executable)
     try:
-        wait_until(lambda: control_plane.registrations and control_plane.heartbeats, 30,
-                   f"the bootstrapped agent to register (log: {remote_dir / 'agent.log'})")
+        wait_for(lambda: control_plane.registrations and control_plane.heartbeats,
+                 timeout=30, what=f"the bootstrapped agent to register (log: {remote_dir / 'agent.log'})",
+                 interval=POLL_S)
         assert "agents.agent" in Path(f"/proc/{pid}/cmdline").read_text()
         assert (remote_dir / "agents" / "agent" / "daemon.py").exists()
         assert (os.stat(remote_dir / "agent.yaml").st_mode & 0o777) == 0o600  # it holds the bootstrap token
     finally:
         os.kill(pid, signal.SIGTERM)
-        wait_until(lambda: not pid_alive(pid), 30, "the bootstrapped agent to stop")
+        wait_for(lambda: not pid_alive(pid), timeout=30, what="the bootstrapped agent to stop", interval=POLL_S)

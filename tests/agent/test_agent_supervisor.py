@@ -14,6 +14,9 @@ import pytest
 from agents.protocol.agent import ExitReport, LaunchedDetail, LaunchPayload
 from agents.supervisor import OutputScan, StaleGeneration, Supervisor, attach_xids, classify_exit
 from agents.supervisor import _core as supervisor_module
+from tests.waiting import wait_for
+
+POLL_S = 0.05  # the agent and the supervisor answer in milliseconds: poll often
 
 pytestmark = pytest.mark.e2e
 
@@ -57,14 +60,13 @@ def family_pids(out: Path, rank_info: Callable[[Path, int], Any]) -> list[int]:
 
 def test_stop_kills_every_process_of_the_generation(supervisor: Supervisor, launch: Callable[..., Path],
                                                     exits: queue.Queue[Any], rank_info: Callable[..., Any],
-                                                    wait_until: Callable[..., Any],
                                                     pid_alive: Callable[[int], bool]) -> None:
     out = launch("loop", generation=3, nccl_env={"NCCL_DEBUG": "WARN"}, hooks_url="http://cp:8000",
                  hooks_token="t0k", ckpt_dir="/ckpt/job")
-    wait_until(lambda: rank_info(out, 0) and rank_info(out, 1), 60, "both ranks to start")
+    wait_for(lambda: rank_info(out, 0) and rank_info(out, 1), timeout=60, what="both ranks to start", interval=POLL_S)
     pids = family_pids(out, rank_info)
-    [running] = wait_until(lambda: [r for r in supervisor.running() if set(pids) <= set(r.pids)], 10,
-                           "the heartbeat view to list ranks and their children")
+    [running] = wait_for(lambda: [r for r in supervisor.running() if set(pids) <= set(r.pids)],
+                         timeout=10, what="the heartbeat view to list ranks and their children", interval=POLL_S)
     assert (running.job, running.generation) == ("job", 3)
 
     env = rank_info(out, 1)["env"]
@@ -91,7 +93,7 @@ def test_stop_kills_every_process_of_the_generation(supervisor: Supervisor, laun
 ])
 def test_a_failing_rank_is_reported_with_its_code_and_signature(
         launch: Callable[..., Path], exits: queue.Queue[Any], rank_info: Callable[..., Any],
-        wait_until: Callable[..., Any], pid_alive: Callable[[int], bool],
+        pid_alive: Callable[[int], bool],
         mode: str, signature: str, rank1: dict[str, Any], error: str | None) -> None:
     out = launch(mode)
     _, _, report = exits.get(timeout=90)
@@ -104,8 +106,8 @@ def test_a_failing_rank_is_reported_with_its_code_and_signature(
         assert report.error_line == error
     assert report.log_tail and report.runtime_s > 0
     # A generation that ended on its own leaves nothing behind either, setsid'd children included.
-    wait_until(lambda: not [pid for pid in family_pids(out, rank_info) if pid_alive(pid)], 10,
-               "the children of the failed generation to be killed")
+    wait_for(lambda: not [pid for pid in family_pids(out, rank_info) if pid_alive(pid)],
+             timeout=10, what="the children of the failed generation to be killed", interval=POLL_S)
 
 
 def test_an_older_generation_is_refused(tmp_path: Path, train_script: Path) -> None:
@@ -127,7 +129,7 @@ def test_an_older_generation_is_refused(tmp_path: Path, train_script: Path) -> N
 
 def test_generations_start_in_the_warm_launcher_and_cold_without_it(
         tmp_path: Path, train_script: Path, exits: queue.Queue[Any], rank_info: Callable[..., Any],
-        wait_until: Callable[..., Any], free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch) -> None:
+        free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor_module, "WARM_RESPAWN_DELAY_S", 0.1)
 
     def run(sup: Supervisor, generation: int) -> tuple[LaunchedDetail, dict[str, Any]]:
@@ -138,7 +140,7 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
                                 node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"g{generation}",
                                 nccl_env={"NCCL_DEBUG": "INFO"}, hooks_url="http://cp:8000", hooks_token="t0k")
         detail = sup.launch("job", generation, payload)
-        info = wait_until(lambda: rank_info(out, 1), 60, "rank 1 to start")
+        info = wait_for(lambda: rank_info(out, 1), timeout=60, what="rank 1 to start", interval=POLL_S)
         assert sup.stop("job", generation, grace_s=5.0).requested_stop
         return detail, info["env"]
 

@@ -19,6 +19,9 @@ import pytest
 from agents.protocol import dump
 from agents.protocol.agent import ExitReport, LaunchedDetail, LaunchPayload
 from agents.supervisor import Supervisor
+from tests.waiting import wait_for
+
+POLL_S = 0.05  # the agent and the supervisor answer in milliseconds: poll often
 
 pytestmark = pytest.mark.e2e
 
@@ -109,13 +112,13 @@ def kill_quietly(pids: list[int]) -> None:
 
 def test_a_dead_rank_ends_the_generation_promptly_although_its_peer_is_stopped(
         tmp_path: Path, exits: queue.Queue[Any], payload: Callable[[Path], LaunchPayload],
-        wait_until: Callable[..., Any], pid_alive: Callable[[int], bool]) -> None:
+        pid_alive: Callable[[int], bool]) -> None:
     sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report), default_grace_s=5.0)
     out = tmp_path / "out"
     pids: list[int] = []
     try:
         sup.launch("job", 1, payload(out))
-        wait_until(lambda: ranks_ready(out), 60, "both ranks to start")
+        wait_for(lambda: ranks_ready(out), timeout=60, what="both ranks to start", interval=POLL_S)
         pids = rank_pids(out)
         os.kill(pids[1], signal.SIGSTOP)  # cannot handle torchrun's SIGTERM while stopped
         os.kill(pids[0], signal.SIGKILL)
@@ -134,7 +137,7 @@ def test_a_dead_rank_ends_the_generation_promptly_although_its_peer_is_stopped(
 
 
 def test_a_requested_stop_ends_a_stopped_rank_without_waiting_out_the_grace(
-        tmp_path: Path, payload: Callable[[Path], LaunchPayload], wait_until: Callable[..., Any],
+        tmp_path: Path, payload: Callable[[Path], LaunchPayload],
         pid_alive: Callable[[int], bool]) -> None:
     """The control plane stops a hung generation: a SIGSTOPped rank gets SIGCONT after SIGTERM
     (as systemd does), so it acts on the SIGTERM at once instead of being SIGKILLed after the grace."""
@@ -143,7 +146,7 @@ def test_a_requested_stop_ends_a_stopped_rank_without_waiting_out_the_grace(
     pids: list[int] = []
     try:
         sup.launch("job", 1, payload(out))
-        wait_until(lambda: ranks_ready(out), 60, "both ranks to start")
+        wait_for(lambda: ranks_ready(out), timeout=60, what="both ranks to start", interval=POLL_S)
         pids = rank_pids(out)
         os.kill(pids[1], signal.SIGSTOP)
         started = time.monotonic()
@@ -160,8 +163,8 @@ def test_a_requested_stop_ends_a_stopped_rank_without_waiting_out_the_grace(
 # --- the agent dies, a new one adopts the generation ---------------------------------------------
 
 @pytest.fixture
-def orphaned_generation(tmp_path: Path, payload: Callable[[Path], LaunchPayload],
-                        wait_until: Callable[..., Any]) -> Iterator[tuple[Path, Path, LaunchedDetail]]:
+def orphaned_generation(tmp_path: Path,
+                        payload: Callable[[Path], LaunchPayload]) -> Iterator[tuple[Path, Path, LaunchedDetail]]:
     """A generation whose agent process was SIGKILLed: (work dir, rank output dir, what was launched)."""
     work, out = tmp_path / "work", tmp_path / "out"
     helper = tmp_path / "dying_agent.py"
@@ -174,7 +177,8 @@ def orphaned_generation(tmp_path: Path, payload: Callable[[Path], LaunchPayload]
     try:
         assert agent.stdout is not None
         launched = LaunchedDetail(**json.loads(agent.stdout.readline()))
-        wait_until(lambda: ranks_ready(out) and newest_step(Path(launched.log_path)) >= 5, 60, "training to step")
+        wait_for(lambda: ranks_ready(out) and newest_step(Path(launched.log_path)) >= 5,
+                 timeout=60, what="training to step", interval=POLL_S)
         pids = [launched.pid, *rank_pids(out)]
         agent.kill()
         agent.wait(timeout=10)
@@ -189,7 +193,7 @@ def orphaned_generation(tmp_path: Path, payload: Callable[[Path], LaunchPayload]
 @pytest.mark.parametrize("ending", ["stop", "rank_dies"])
 def test_a_new_agent_adopts_the_generation_of_an_agent_that_died(
         orphaned_generation: tuple[Path, Path, LaunchedDetail], exits: queue.Queue[Any],
-        wait_until: Callable[..., Any], pid_alive: Callable[[int], bool], ending: str) -> None:
+        pid_alive: Callable[[int], bool], ending: str) -> None:
     work, out, launched = orphaned_generation
     log_path = Path(launched.log_path)
     step_at_death = newest_step(log_path)
@@ -200,7 +204,8 @@ def test_a_new_agent_adopts_the_generation_of_an_agent_that_died(
         assert (adopted.job, adopted.generation) == ("job", 1) and launched.pid in adopted.pids
         assert set(rank_pids(out)) <= set(adopted.pids)
         # Training went on without its agent: no broken pipe, and the new agent sees it step.
-        wait_until(lambda: newest_step(log_path) >= step_at_death + 20, 30, "training to go on after the agent died")
+        wait_for(lambda: newest_step(log_path) >= step_at_death + 20,
+                 timeout=30, what="training to go on after the agent died", interval=POLL_S)
         assert [(r.job, r.generation) for r in sup.running()] == [("job", 1)]
         if ending == "stop":
             report = sup.stop("job", 1, grace_s=5.0)
@@ -216,17 +221,17 @@ def test_a_new_agent_adopts_the_generation_of_an_agent_that_died(
         assert exits.empty()  # reported once
         # The exit is reported once torchrun has printed its failure table (its workers are gone);
         # its own interpreter may take a moment longer to go.
-        wait_until(lambda: [pid for pid in [launched.pid, *rank_pids(out)] if pid_alive(pid)] == [], 10,
-                   "torchrun and its ranks to be gone")
+        wait_for(lambda: [pid for pid in [launched.pid, *rank_pids(out)] if pid_alive(pid)] == [],
+                 timeout=10, what="torchrun and its ranks to be gone", interval=POLL_S)
         assert sup.running() == []
-        wait_until(lambda: list((work / "running").iterdir()) == [], 5, "the record to be removed")
+        wait_for(lambda: list((work / "running").iterdir()) == [],
+                 timeout=5, what="the record to be removed", interval=POLL_S)
     finally:
         sup.shutdown(grace_s=2.0)
 
 
 def test_records_of_generations_that_are_gone_are_reported_once_and_never_adopted(
-        tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool],
-        wait_until: Callable[..., Any]) -> None:
+        tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool]) -> None:
     work = tmp_path / "work"
     records = work / "running"
     records.mkdir(parents=True)
@@ -262,7 +267,7 @@ def test_records_of_generations_that_are_gone_are_reported_once_and_never_adopte
             sup.shutdown(grace_s=1.0)
         assert exits.empty()
         # Removed right after the report was handed over (a crash in between reports it again).
-        wait_until(lambda: list(records.iterdir()) == [], 5, "the records to be removed")
+        wait_for(lambda: list(records.iterdir()) == [], timeout=5, what="the records to be removed", interval=POLL_S)
         assert pid_alive(bystander.pid)  # a reused pid is never signalled
         gone, reused = reports["gone"], reports["reused"]
         assert gone.exit_code == 1 and gone.root_cause_rank == 1 and gone.signature == "traceback"

@@ -14,6 +14,9 @@ import pytest
 
 from agents.protocol.agent import ExitReport, LaunchPayload, LaunchSpecError
 from agents.supervisor import Supervisor
+from tests.waiting import wait_for
+
+POLL_S = 0.05  # the agent and the supervisor answer in milliseconds: poll often
 
 #: Stands in for torchrun: if it ever starts, it leaves its argv and NCCL file variables behind.
 RECORDING_TORCHRUN = """\
@@ -88,8 +91,9 @@ def test_a_payload_that_could_inject_is_refused_and_runs_nothing(
     assert not (supervisor.work_dir / "jobs").exists()  # not even the generation's directory
 
 
-def wait_for_file(path: Path, wait_until: Callable[..., Any]) -> Any:
-    return wait_until(lambda: json.loads(path.read_text()) if path.exists() else None, 20, f"{path.name} to be written")
+def wait_for_file(path: Path) -> Any:
+    return wait_for(lambda: json.loads(path.read_text()) if path.exists() else None,
+                    timeout=20, what=f"{path.name} to be written", interval=POLL_S)
 
 
 @pytest.mark.parametrize(("overrides", "target"), [
@@ -97,21 +101,21 @@ def wait_for_file(path: Path, wait_until: Callable[..., Any]) -> Any:
     ({"script": None, "module": "pkg.sub.main"}, ["--module", "pkg.sub.main"]),
 ])
 def test_the_target_comes_after_every_torchrun_option_and_the_args_verbatim_after_it(
-        supervisor: Supervisor, code_dir: Path, recorded: Path, wait_until: Callable[..., Any],
+        supervisor: Supervisor, code_dir: Path, recorded: Path,
         overrides: dict[str, Any], target: list[str]) -> None:
     args = ["--no-python", "  spaced ", "", "$(id)", "a;b"]
     supervisor.launch("job", 1, payload(code_dir, args=args, **overrides))
-    argv = wait_for_file(recorded, wait_until)["argv"]
+    argv = wait_for_file(recorded)["argv"]
     options = argv[:-len(target) - len(args)]
     assert argv[len(options):] == [*target, *args]
     assert options and all(option.startswith("--") and option != "--no-python" for option in options)
 
 
-def test_nccl_files_land_in_the_generations_log_directory(supervisor: Supervisor, code_dir: Path, recorded: Path,
-                                                          wait_until: Callable[..., Any]) -> None:
+def test_nccl_files_land_in_the_generations_log_directory(supervisor: Supervisor, code_dir: Path,
+                                                          recorded: Path) -> None:
     supervisor.launch("job", 2, payload(code_dir, nccl_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": "nccl.%h.%p.log",
                                                             "NCCL_TOPO_DUMP_FILE": "topo.xml"}))
-    env = wait_for_file(recorded, wait_until)["env"]
+    env = wait_for_file(recorded)["env"]
     generation_dir = supervisor.work_dir / "jobs" / "job" / "generation-2"
     assert env["NCCL_DEBUG_FILE"] == f"{generation_dir}/nccl.%h.%p.log"
     assert env["NCCL_TOPO_DUMP_FILE"] == f"{generation_dir}/topo.xml"
