@@ -5,9 +5,9 @@ run that waited in the queue past the next one.
 
 - retention every 10 minutes: commits come every few minutes to hours, and a missed run only
   delays a deletion (permanent promotion is sticky, see ``services.retention``);
-- replica reconciliation every 5 minutes: the on-commit enqueue does the normal case;
-- interval push every 5 minutes: failure rates and save costs change slowly, and the hooks
-  pick the new value up on their next control poll.
+- replica reconciliation every 5 minutes: the on-commit enqueue does the normal case.
+
+(The interval push reads the jobs' failure history: it is scheduled by ``jobs.beat``.)
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ BEAT_SCHEDULE: dict = {
     },
     "checkpoints-replicas": {
         "task": "checkpoints.tasks.replica_sweep",
-        "schedule": 300.0,
-        "options": {"expires": 300},
-    },
-    "checkpoints-interval": {
-        "task": "checkpoints.tasks.push_intervals",
         "schedule": 300.0,
         "options": {"expires": 300},
     },

@@ -23,7 +23,6 @@ from django.conf import settings
 
 from agents.hooks.manifest import Budget, UnsafePath, inside
 from checkpoints.policies import CheckpointPolicy
-from jobs.models import Job
 
 
 class OutsideRoot(UnsafePath):
@@ -34,13 +33,13 @@ def checkpoint_root() -> str:
     return settings.NIGHTWATCH["CHECKPOINT_ROOT"]
 
 
-def checkpoint_dir(job: Job) -> str:
+def checkpoint_dir(job) -> str:
     """The directory the job's hooks write checkpoints into (the spec's ``dir`` or the default)."""
     configured = CheckpointPolicy.of(job).dir
     return configured or str(Path(checkpoint_root()) / f"job-{job.pk}")
 
 
-def job_checkpoint_root(job: Job) -> str:
+def job_checkpoint_root(job) -> str:
     """The job's checkpoint directory, if it lies inside ``CHECKPOINT_ROOT``; else ``OutsideRoot``.
 
     Whatever the spec said: a directory outside the root confines nothing the control plane may touch.

@@ -35,9 +35,3 @@ def retention_sweep() -> int:
 def replica_sweep() -> int:
     """Beat: re-queue copies that were lost, failed or abandoned."""
     return services.replica_sweep()
-
-
-@shared_task(ignore_result=True)
-def push_intervals() -> int:
-    """Beat: recompute the Young/Daly interval and push it to running jobs whose policy is "auto"."""
-    return services.push_intervals()

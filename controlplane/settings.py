@@ -18,6 +18,7 @@ import dj_database_url
 from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
 from core.env import env_bool, env_float, env_int, env_list, env_secret, env_str
+from jobs.beat import BEAT_SCHEDULE as JOBS_BEAT_SCHEDULE
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -178,6 +179,7 @@ else:
 SWEEP_INTERVAL_S = env_float("NIGHTWATCH_SWEEP_INTERVAL_S", 2.0)
 CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
+    **JOBS_BEAT_SCHEDULE,
     **NODES_BEAT_SCHEDULE,
     **CHECKPOINTS_BEAT_SCHEDULE,
     **ALERTS_BEAT_SCHEDULE,

@@ -9,7 +9,7 @@ import logging
 
 from celery import shared_task
 
-from jobs import orchestrator
+from jobs import checkpoint_interval, orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +73,9 @@ def confirm_stopped(job_id: int, generation: int, hostname: str) -> None:
 @shared_task(ignore_result=True)
 def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
     orchestrator.handle_launch_refused(job_id, generation, hostname, reason)
+
+
+@shared_task(ignore_result=True)
+def push_checkpoint_intervals() -> int:
+    """Beat: recompute the Young/Daly interval and push it to running jobs whose policy is "auto"."""
+    return checkpoint_interval.push_intervals()

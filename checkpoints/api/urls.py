@@ -2,6 +2,8 @@ from django.urls import path
 
 from checkpoints.api import views
 
+# A job's checkpoints (/jobs/{id}/checkpoints...) are routed by jobs.api.urls.
+
 urlpatterns = [
     path("checkpoints", views.CheckpointList.as_view(), name="checkpoint-list"),
     path("checkpoints/<int:pk>", views.CheckpointDetail.as_view(), name="checkpoint-detail"),
@@ -9,11 +11,4 @@ urlpatterns = [
     path("checkpoints/<int:pk>/verify", views.CheckpointVerify.as_view(), name="checkpoint-verify"),
     path("checkpoints/<int:pk>/pin", views.CheckpointPin.as_view(), name="checkpoint-pin"),
     path("checkpoints/<int:pk>/unpin", views.CheckpointUnpin.as_view(), name="checkpoint-unpin"),
-    # GET lists a job's checkpoints; POST is the hooks' commit report.
-    path("jobs/<int:pk>/checkpoints", views.JobCheckpoints.as_view(), name="job-checkpoints"),
-    path("jobs/<int:pk>/checkpoints/tree", views.JobCheckpointTree.as_view(), name="job-checkpoint-tree"),
-    path("jobs/<int:pk>/checkpoints/retention", views.JobCheckpointRetention.as_view(),
-         name="job-checkpoint-retention"),
-    path("jobs/<int:pk>/checkpoints/interval", views.JobCheckpointInterval.as_view(),
-         name="job-checkpoint-interval"),
 ]

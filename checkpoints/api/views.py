@@ -1,8 +1,10 @@
 """Checkpoint endpoints: parse → authorise (``required``) → call a service → render.
 
-Reading needs ``view``; verifying, pinning, unpinning and deleting need ``operate``; the hooks'
-commit needs an agent token of a node of the job. A verb refused by the checkpoint's state
-(a protected delete, pinning a corrupt one) is a 409 problem naming the reason.
+Reading needs ``view``; verifying, pinning, unpinning and deleting need ``operate``. A verb refused
+by the checkpoint's state (a protected delete, pinning a corrupt one) is a 409 problem naming the
+reason. A job's checkpoints (``/jobs/{id}/checkpoints``: the list, the hooks' commit, the tree,
+retention, the interval) are served by ``jobs.api.checkpoints``, with the filters and serializers
+defined here.
 """
 
 from __future__ import annotations
@@ -14,30 +16,21 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agents.protocol import hooks as hooks_protocol
-from checkpoints import paths, services
+from checkpoints import services
 from checkpoints.api.serializers import (
     CheckpointDetailSerializer,
     CheckpointReasonSerializer,
     CheckpointSerializer,
-    IntervalSerializer,
-    LineageSerializer,
-    RetentionPlanSerializer,
     VerifyRequestSerializer,
 )
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from checkpoints.policies import CheckpointPolicy
 from core import roles
-from core.api import int_param, parse_wire
+from core.api import int_param
 from core.auth import actor_label
 from core.problems import Conflict
-from core.schema import protocol_schema
-from jobs.api.access import require_hooks_caller
-from jobs.models import Job
-from jobs.state import TransitionError
 
-_FILTERS = [
+LIST_FILTERS = [
     OpenApiParameter("state", str, description="Comma-separated states: committed, verified, corrupt, deleted."),
     OpenApiParameter("generation", int, description="Only checkpoints written by this generation."),
     OpenApiParameter("permanent", bool),
@@ -45,11 +38,12 @@ _FILTERS = [
     OpenApiParameter("min_step", int),
     OpenApiParameter("max_step", int),
 ]
-_CONFLICT = OpenApiResponse(description="Problem details: the checkpoint's state forbids it (the reason says why).")
+CONFLICT = OpenApiResponse(description="Problem details: the checkpoint's state forbids it (the reason says why).")
 
 
-def filter_checkpoints(checkpoints, params, *, job: Job | None = None):
-    """The list filters shared by ``/checkpoints`` and ``/jobs/{id}/checkpoints``."""
+def filter_checkpoints(checkpoints, params, *, job=None):
+    """The list filters shared by ``/checkpoints`` and ``/jobs/{id}/checkpoints`` (``job``: the
+    job of the latter, for ``branch``)."""
     if state := params.get("state"):
         states = state.split(",")
         unknown = sorted(set(states) - set(CheckpointState.values))
@@ -79,7 +73,7 @@ class CheckpointList(generics.ListAPIView):
     required = roles.VIEW
     serializer_class = CheckpointSerializer
 
-    @extend_schema(parameters=[OpenApiParameter("job", int), *(p for p in _FILTERS if p.name != "branch")])
+    @extend_schema(parameters=[OpenApiParameter("job", int), *(p for p in LIST_FILTERS if p.name != "branch")])
     def get(self, request, *args, **kwargs):
         return super().get(request, *args, **kwargs)
 
@@ -88,44 +82,6 @@ class CheckpointList(generics.ListAPIView):
         if (job := int_param(self.request.query_params, "job")) is not None:
             checkpoints = checkpoints.filter(job_id=job)
         return filter_checkpoints(checkpoints, self.request.query_params)
-
-
-class JobCheckpoints(generics.ListAPIView):
-    """GET: a job's checkpoints, newest step first. POST: the hooks report a commit (the generation's
-    job token, or the agent token of a node the generation is placed on)."""
-
-    required = {"GET": roles.VIEW, "POST": roles.HOOKS}
-    serializer_class = CheckpointSerializer
-
-    def get_queryset(self):
-        job = get_object_or_404(Job, pk=self.kwargs["pk"])
-        checkpoints = Checkpoint.objects.filter(job=job).select_related("generation").order_by("-step", "-pk")
-        return filter_checkpoints(checkpoints, self.request.query_params, job=job)
-
-    @extend_schema(parameters=_FILTERS)
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
-
-    @extend_schema(request=protocol_schema(hooks_protocol.CheckpointCommit),
-                   responses={201: CheckpointSerializer, 200: CheckpointSerializer, 409: _CONFLICT},
-                   description="Body: agents.protocol.hooks.CheckpointCommit. 200 when already recorded; 400 when "
-                               "the path is not inside the job's checkpoint directory (under CHECKPOINT_ROOT) or "
-                               "is reached through a symlink; 409 when the generation is stale or the path is "
-                               "another job's checkpoint.")
-    def post(self, request, pk):
-        job = get_object_or_404(Job, pk=pk)
-        require_hooks_caller(request, job)
-        commit = parse_wire(hooks_protocol.CheckpointCommit, request)
-        if commit.job != str(job.pk):
-            raise ValidationError({"job": [f"the commit is for job {commit.job!r}, the URL for job {job.pk}"]})
-        require_hooks_caller(request, job, commit.generation)
-        try:
-            checkpoint, created = services.record_commit(job, commit, actor=actor_label(request))
-        except paths.OutsideRoot as exc:
-            raise ValidationError({"path": [str(exc)]}) from exc
-        except (TransitionError, services.CheckpointError) as exc:
-            raise Conflict(str(exc)) from exc
-        return Response(CheckpointSerializer(checkpoint).data, status=201 if created else 200)
 
 
 class CheckpointDetail(APIView):
@@ -138,7 +94,7 @@ class CheckpointDetail(APIView):
         checkpoint = get_object_or_404(Checkpoint.objects.select_related("generation"), pk=pk)
         return Response(CheckpointDetailSerializer(checkpoint).data)
 
-    @extend_schema(request=CheckpointReasonSerializer, responses={200: CheckpointDetailSerializer, 409: _CONFLICT},
+    @extend_schema(request=CheckpointReasonSerializer, responses={200: CheckpointDetailSerializer, 409: CONFLICT},
                    parameters=[OpenApiParameter("reason", str, description="Instead of a body, for clients that "
                                                                           "send none with DELETE.")],
                    description="Deletes the checkpoint's directory (and its replica) and marks the row deleted; the "
@@ -208,7 +164,7 @@ class CheckpointVerify(_CheckpointAction):
 class CheckpointPin(_CheckpointAction):
     """Make the checkpoint permanent: retention never deletes it."""
 
-    @extend_schema(request=CheckpointReasonSerializer, responses={200: CheckpointDetailSerializer, 409: _CONFLICT})
+    @extend_schema(request=CheckpointReasonSerializer, responses={200: CheckpointDetailSerializer, 409: CONFLICT})
     def post(self, request, pk):
         return super().post(request, pk)
 
@@ -225,47 +181,3 @@ class CheckpointUnpin(_CheckpointAction):
 
     def perform(self, checkpoint, data, actor):
         return services.unpin(checkpoint, actor=actor, reason=data["reason"] or f"unpinned by {actor}")
-
-
-class JobCheckpointTree(APIView):
-    """The job's whole lineage tree, its branches, and the active path (one query for the rows)."""
-
-    required = roles.VIEW
-
-    @extend_schema(responses={200: LineageSerializer})
-    def get(self, request, pk):
-        job = get_object_or_404(Job, pk=pk)
-        tree = services.lineage_tree(job)
-        return Response(LineageSerializer({"job": job.pk, "latest_verified": tree.latest_verified,
-                                           "active_leaf": tree.active_leaf, "branches": tree.branches,
-                                           "roots": tree.roots}).data)
-
-
-class JobCheckpointRetention(APIView):
-    """What retention would keep and delete now, and why (a dry run: nothing changes); storage used."""
-
-    required = roles.VIEW
-
-    @extend_schema(responses={200: RetentionPlanSerializer})
-    def get(self, request, pk):
-        job = get_object_or_404(Job, pk=pk)
-        plan = services.apply_retention(job, dry_run=True)
-        return Response(RetentionPlanSerializer({
-            "job": plan.job, "now": plan.now, "dry_run": plan.dry_run, "keep_last": plan.keep_last,
-            "permanent_every_hours": plan.permanent_every_hours,
-            "storage": {**plan.storage.__dict__, "total_bytes": plan.storage.total_bytes},
-            "freed_bytes": plan.freed_bytes, "keep": plan.keep, "delete": plan.delete,
-        }).data)
-
-
-class JobCheckpointInterval(APIView):
-    """The Young/Daly checkpoint interval for the job, with every input, and what the hooks are told now."""
-
-    required = roles.VIEW
-
-    @extend_schema(responses={200: IntervalSerializer})
-    def get(self, request, pk):
-        job = get_object_or_404(Job, pk=pk)
-        recommendation = services.recommend_interval(job)
-        pushed = job.recommended_interval_steps if CheckpointPolicy.of(job).interval == "auto" else None
-        return Response(IntervalSerializer({**recommendation.as_dict(), "pushed_interval_steps": pushed}).data)

@@ -5,14 +5,16 @@
 - ``verification``: verify a checkpoint (after commit, on demand, before restore) and choose the
   restore point, falling back to a replica;
 - ``replicas``: copy verified checkpoints to a second location and verify the copies;
-- ``retention``: the keep/delete plan per job and the sweep, storage used;
-- ``interval``: the Young/Daly interval from measured save costs and failure rates, pushed to
-  jobs whose policy says "auto".
+- ``retention``: the keep/delete plan per job and the sweep, storage used.
+
+A job is passed in as the ``jobs.Job`` row and read by its fields (the checkpoints app sits below
+``jobs`` and does not import it). What needs the job's own tables lives in ``jobs``: the hooks'
+commit fenced by generation (``jobs.checkpointing``) and the Young/Daly interval
+(``jobs.checkpoint_interval``).
 
 Callers import from here (``from checkpoints.services import restore_point``).
 """
 
-from checkpoints.services.interval import IntervalRecommendation, push_interval, push_intervals, recommend_interval
 from checkpoints.services.registry import (
     Branch,
     CheckpointError,
@@ -43,10 +45,9 @@ from checkpoints.services.retention import (
 from checkpoints.services.verification import restore_point, verified_copy, verify
 
 __all__ = [
-    "Branch", "CheckpointError", "IntervalRecommendation", "Lineage", "ProtectedCheckpoint", "RetentionDecision",
-    "RetentionPlan", "StorageUsage", "TreeNode", "active_branch", "active_resumptions", "apply_retention",
-    "delete_checkpoint", "latest_verified_checkpoint", "lineage", "lineage_tree", "pin", "protection_reasons",
-    "purge_deleted_files", "push_interval", "push_intervals", "recommend_interval", "record_commit",
-    "replica_location_for", "replica_sweep", "replicate", "restore_from_replica", "restore_point",
+    "Branch", "CheckpointError", "Lineage", "ProtectedCheckpoint", "RetentionDecision", "RetentionPlan",
+    "StorageUsage", "TreeNode", "active_branch", "active_resumptions", "apply_retention", "delete_checkpoint",
+    "latest_verified_checkpoint", "lineage", "lineage_tree", "pin", "protection_reasons", "purge_deleted_files",
+    "record_commit", "replica_location_for", "replica_sweep", "replicate", "restore_from_replica", "restore_point",
     "retention_sweep", "storage_used", "unpin", "verified_copy", "verify",
 ]

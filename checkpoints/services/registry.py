@@ -12,17 +12,16 @@ from dataclasses import dataclass, field
 
 from django.db import transaction
 from django.db.models import Case, Q, Value, When
-from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
-from checkpoints import disk, paths
+
+# The module, not its tasks: checkpoints.tasks imports these services in turn, and its tasks are
+# looked up when a commit is enqueued, by which time both modules are loaded.
+from checkpoints import disk, paths, tasks
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
 from core.models import Event
-from jobs import state
-from jobs.choices import JobState
-from jobs.models import Generation, Job
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +48,25 @@ def checkpoint_event(kind: EventKind, checkpoint: Checkpoint, *, actor: str, rea
 # --- commits ---------------------------------------------------------------------------------------
 
 @transaction.atomic
-def record_commit(job: Job, commit: hooks_protocol.CheckpointCommit, *, actor: str) -> tuple[Checkpoint, bool]:
-    """Register a committed checkpoint; returns ``(checkpoint, created)``.
+def record_commit(job, commit: hooks_protocol.CheckpointCommit, *, generation, actor: str
+                  ) -> tuple[Checkpoint, bool]:
+    """Register a committed checkpoint of ``job`` written by ``generation`` (its row, or None when
+    the job has no such generation); returns ``(checkpoint, created)``.
 
-    The path must lie inside the job's checkpoint directory, itself inside ``CHECKPOINT_ROOT``
-    (``paths.OutsideRoot`` otherwise: the API answers 400), and be no other job's checkpoint.
-    Idempotent on (job, location): a replay after an outage returns the existing row. The parent
-    is the newest earlier checkpoint of the same generation, or for a generation's first
-    checkpoint the one it resumed from — so a rollback naturally starts a new branch. The save
-    cost the hooks measured is kept on the row: the interval policy reads it.
+    The caller has fenced the generation (``jobs.checkpointing.commit_checkpoint``: the hooks'
+    endpoint goes through it). The path must lie inside the job's checkpoint directory, itself
+    inside ``CHECKPOINT_ROOT`` (``paths.OutsideRoot`` otherwise: the API answers 400), and be no
+    other job's checkpoint. Idempotent on (job, location): a replay after an outage returns the
+    existing row. The parent is the newest earlier checkpoint of the same generation, or for a
+    generation's first checkpoint the one it resumed from — so a rollback naturally starts a new
+    branch. The save cost the hooks measured is kept on the row: the interval policy reads it.
     """
-    state.check_generation(job, commit.generation)
     paths.confine(commit.path, [paths.job_checkpoint_root(job)], what="the checkpoint path")
     existing = Checkpoint.objects.filter(job=job, location=commit.path).first()
     if existing is not None:
         return existing, False
     if Checkpoint.objects.filter(location=commit.path).exists():
         raise CheckpointError(f"{commit.path} is another job's checkpoint")
-    generation = Generation.objects.filter(job=job, number=commit.generation).first()
     parent = (
         Checkpoint.objects.filter(job=job, generation=generation, step__lt=commit.step).order_by("-step").first()
         if generation is not None else None
@@ -80,19 +80,12 @@ def record_commit(job: Job, commit: hooks_protocol.CheckpointCommit, *, actor: s
         size_bytes=commit.size_bytes, world_size=commit.world_size,
         blocking_s=commit.blocking_s, total_s=commit.total_s,
     )
-    Job.objects.filter(pk=job.pk, checkpoint_requested_at__lte=timezone.now()).update(checkpoint_requested_at=None)
     record_event(EventKind.CHECKPOINT_COMMIT, actor=actor, job=job, generation=commit.generation,
                  reason=f"step {commit.step} committed at {commit.path}",
                  evidence={"checkpoint": checkpoint.pk, "blocking_s": commit.blocking_s,
                            "total_s": commit.total_s, "size_bytes": commit.size_bytes})
-    transaction.on_commit(lambda: _enqueue_verification(checkpoint.pk))
+    transaction.on_commit(lambda: tasks.verify_checkpoint.delay(checkpoint.pk))
     return checkpoint, True
-
-
-def _enqueue_verification(pk: int) -> None:
-    from checkpoints.tasks import verify_checkpoint
-
-    verify_checkpoint.delay(pk)
 
 
 # --- lineage queries --------------------------------------------------------------------------------
@@ -108,7 +101,7 @@ def lineage(checkpoint: Checkpoint) -> list[Checkpoint]:
     return path
 
 
-def active_branch(job: Job):
+def active_branch(job):
     """Checkpoints of the job's active lineage branch (all of them until a rollback starts one)."""
     checkpoints = Checkpoint.objects.filter(job=job)
     if job.branch_root_id is None:
@@ -116,7 +109,7 @@ def active_branch(job: Job):
     return checkpoints.filter(Q(pk=job.branch_root_id) | Q(generation__number__gte=job.branch_since_generation))
 
 
-def latest_verified_checkpoint(job: Job) -> Checkpoint | None:
+def latest_verified_checkpoint(job) -> Checkpoint | None:
     """The newest restorable checkpoint of the active branch, as the registry knows it now.
 
     No re-hashing here (``restore_point`` does that before a restore); this is what retention
@@ -151,7 +144,7 @@ class Lineage:
     latest_verified: int | None
 
 
-def lineage_tree(job: Job) -> Lineage:
+def lineage_tree(job) -> Lineage:
     """The job's whole checkpoint tree (one query), its branches, and which path is active.
 
     The active path runs from the root to the latest verified checkpoint of the active branch
@@ -217,18 +210,20 @@ def protection_reasons(checkpoint: Checkpoint, *, latest=_QUERY, resumed_by: dic
     return reasons
 
 
-def active_resumptions(job: Job) -> dict[int, list[int]]:
+def active_resumptions(job) -> dict[int, list[int]]:
     """checkpoint id -> numbers of the job's live generations that resumed from it.
 
     A generation is live until it ends; a job in a terminal state has none. Its processes may
     reload the checkpoint at any moment (a torchrun restart inside the generation does).
     """
-    if job.state in JobState.TERMINAL:
+    if job.is_terminal:
         return {}
     found: dict[int, list[int]] = {}
-    for checkpoint_id, number in Generation.objects.filter(
-        job=job, ended_at__isnull=True, resumed_from__isnull=False
-    ).values_list("resumed_from_id", "number"):
+    # Through the generations' ``resumed_from`` (reverse relation): one filter(), so both
+    # conditions hold for the same generation.
+    for checkpoint_id, number in Checkpoint.objects.filter(
+        resumed_generations__job=job.pk, resumed_generations__ended_at__isnull=True
+    ).order_by("resumed_generations__number").values_list("pk", "resumed_generations__number"):
         found.setdefault(checkpoint_id, []).append(number)
     return found
 

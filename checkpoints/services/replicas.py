@@ -29,13 +29,16 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from checkpoints import disk, paths
+# Modules, not names: checkpoints.tasks and checkpoints.services.verification import this one in
+# turn (a commit's verification queues the copy; a bad copy re-verifies the primary), and their
+# names are looked up when called, by which time every module is loaded.
+from checkpoints import disk, paths, tasks
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from checkpoints.policies import CheckpointPolicy
+from checkpoints.services import verification
 from checkpoints.services.registry import checkpoint_event
 from core.events import EventKind
-from jobs.models import Job
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ log = logging.getLogger(__name__)
 COPY_LEASE = timedelta(hours=1)
 
 
-def replica_root(job: Job) -> Path | None:
+def replica_root(job) -> Path | None:
     """Where the job's replicas go; ``paths.OutsideRoot`` when its ``replica_dir`` is outside the
     configured replica roots (``NIGHTWATCH["REPLICA_ROOTS"]``, ``CHECKPOINT_REPLICA_ROOT``)."""
     configured = CheckpointPolicy.of(job).replica_dir
@@ -70,17 +73,13 @@ def enqueue_replication(checkpoint: Checkpoint) -> None:
         return
 
     def enqueue():
-        from checkpoints.tasks import replicate_checkpoint
-
-        replicate_checkpoint.delay(checkpoint.pk)
+        tasks.replicate_checkpoint.delay(checkpoint.pk)
 
     transaction.on_commit(enqueue)
 
 
 def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Checkpoint:
     """Copy a verified checkpoint to its replica location and verify the copy (see the module doc)."""
-    from checkpoints.services.verification import inspect_copy, verify
-
     try:
         target = replica_location_for(checkpoint)
     except paths.OutsideRoot as error:
@@ -93,7 +92,7 @@ def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Ch
     roots = paths.replica_roots()
     if os.path.lexists(target):
         # Left by an earlier attempt that died after the rename, or a copy that went bad.
-        if inspect_copy(checkpoint, target, replica=True).ok:
+        if verification.inspect_copy(checkpoint, target, replica=True).ok:
             return _record(checkpoint, ReplicaState.VERIFIED, "", actor, "replica already in place and intact")
         try:
             disk.remove_checkpoint_dir(target, roots)
@@ -108,11 +107,11 @@ def replicate(checkpoint: Checkpoint, *, actor: str = "system:replicator") -> Ch
         # Deleted while we copied: the deletion could not have known about this copy.
         disk.remove_checkpoint_dir(target, roots)
         return Checkpoint.objects.get(pk=checkpoint.pk)
-    finding = inspect_copy(checkpoint, target, replica=True)
+    finding = verification.inspect_copy(checkpoint, target, replica=True)
     if finding.ok:
         return _record(checkpoint, ReplicaState.VERIFIED, "", actor, f"replica at {target} verified")
     replica = _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
-    verify(replica, actor=actor)  # the source may be what went bad
+    verification.verify(replica, actor=actor)  # the source may be what went bad
     replica.refresh_from_db()
     return replica
 
@@ -123,11 +122,9 @@ def restore_from_replica(checkpoint: Checkpoint, *, actor: str) -> Checkpoint | 
     Called by ``restore_point`` when the primary copy is corrupt or missing. The returned
     instance's ``location`` is the replica's path and it refuses ``save()``.
     """
-    from checkpoints.services.verification import inspect_copy
-
     if checkpoint.replica_state != ReplicaState.VERIFIED or not checkpoint.replica_location:
         return None
-    finding = inspect_copy(checkpoint, checkpoint.replica_location, replica=True)
+    finding = verification.inspect_copy(checkpoint, checkpoint.replica_location, replica=True)
     if not finding.ok:
         _record(checkpoint, ReplicaState.CORRUPT, finding.reason, actor)
         return None
@@ -158,8 +155,6 @@ def replica_sweep(*, limit: int = 100) -> int:
     The reconciliation behind the on-commit enqueue: a lost Celery message or a dead worker
     only delays a replica. Jobs without a replica location are skipped.
     """
-    from checkpoints.tasks import replicate_checkpoint
-
     queued = 0
     for checkpoint in replicas_due().select_related("job").order_by("created_at")[: limit * 4]:
         if queued >= limit:
@@ -169,7 +164,7 @@ def replica_sweep(*, limit: int = 100) -> int:
                 continue
         except paths.OutsideRoot:
             continue  # recorded on the checkpoint when it was verified
-        replicate_checkpoint.delay(checkpoint.pk)
+        tasks.replicate_checkpoint.delay(checkpoint.pk)
         queued += 1
     return queued
 

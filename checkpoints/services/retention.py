@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Min, Q, Sum
 from django.utils import timezone
 
 from checkpoints.choices import CheckpointState, ReplicaState
@@ -50,7 +50,6 @@ from checkpoints.services.registry import (
     remove_files,
 )
 from core.events import EventKind
-from jobs.models import Job
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class RetentionPlan:
         return sum(d.size_bytes for d in self.delete)
 
 
-def storage_used(job: Job) -> StorageUsage:
+def storage_used(job) -> StorageUsage:
     on_disk = ~Q(replica_state__in=[ReplicaState.NONE, ReplicaState.DELETED])
     totals = Checkpoint.objects.filter(job=job).live().aggregate(
         n=Count("pk"), primary=Sum("size_bytes"), replica=Sum("size_bytes", filter=on_disk))
@@ -116,7 +115,7 @@ def storage_used(job: Job) -> StorageUsage:
                         replica_bytes=totals["replica"] or 0)
 
 
-def apply_retention(job: Job, *, now: datetime | None = None, dry_run: bool = False,
+def apply_retention(job, *, now: datetime | None = None, dry_run: bool = False,
                     actor: str = RETENTION_ACTOR) -> RetentionPlan:
     """Decide (and unless ``dry_run``, carry out) retention for one job; see the module doc."""
     now = now or timezone.now()
@@ -198,7 +197,7 @@ def _carry_out(plan: RetentionPlan, rows: dict[int, Checkpoint], *, actor: str) 
             plan.errors.append(str(error))
 
 
-def purge_deleted_files(job: Job, *, actor: str = RETENTION_ACTOR) -> int:
+def purge_deleted_files(job, *, actor: str = RETENTION_ACTOR) -> int:
     """Remove what is still on disk of deleted checkpoints (a removal that failed earlier); returns how many."""
     purged = 0
     for checkpoint in Checkpoint.objects.filter(job=job, state=CheckpointState.DELETED):
@@ -208,14 +207,20 @@ def purge_deleted_files(job: Job, *, actor: str = RETENTION_ACTOR) -> int:
     return purged
 
 
+def jobs_with_live_checkpoints() -> list:
+    """The jobs that have a live checkpoint, by id: reached through one checkpoint of each (the
+    foreign key), in one query."""
+    one_per_job = Checkpoint.objects.live().order_by().values("job_id").annotate(first=Min("pk")).values("first")
+    return [c.job for c in Checkpoint.objects.filter(pk__in=one_per_job).select_related("job").order_by("job_id")]
+
+
 def retention_sweep(*, now: datetime | None = None) -> int:
     """Beat: apply retention to every job with live checkpoints; returns how many were deleted.
 
     One job's failure is logged and the sweep goes on: a poison row must not stop the others.
     """
     deleted = 0
-    job_ids = Checkpoint.objects.live().values_list("job_id", flat=True).distinct()
-    for job in Job.objects.filter(pk__in=job_ids).order_by("pk"):
+    for job in jobs_with_live_checkpoints():
         try:
             deleted += len(apply_retention(job, now=now).delete)
             purge_deleted_files(job)

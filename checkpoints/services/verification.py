@@ -13,7 +13,6 @@ from checkpoints.models import Checkpoint
 from checkpoints.services import replicas
 from checkpoints.services.registry import active_branch, checkpoint_event
 from core.events import EventKind
-from jobs.models import Job
 
 
 def inspect_copy(checkpoint: Checkpoint, location: str, *, replica: bool = False):
@@ -72,7 +71,7 @@ def verify(checkpoint: Checkpoint, *, actor: str = "system:verifier", record_unc
     return current
 
 
-def restore_point(job: Job) -> Checkpoint | None:
+def restore_point(job) -> Checkpoint | None:
     """The newest checkpoint of the active branch that verifies *now*; corrupt ones are marked.
 
     Candidates are the verified and not-yet-verified committed ones, and corrupt ones that have

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import views
+from jobs.api import checkpoints, views
 
 urlpatterns = [
     path("jobs", views.JobListCreate.as_view(), name="job-list"),
@@ -17,6 +17,13 @@ urlpatterns = [
     path("jobs/<int:pk>/generations", views.JobGenerations.as_view(), name="job-generations"),
     path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),
     path("jobs/<int:pk>/control", views.JobControl.as_view(), name="job-control"),
+    # GET lists a job's checkpoints; POST is the hooks' commit report.
+    path("jobs/<int:pk>/checkpoints", checkpoints.JobCheckpoints.as_view(), name="job-checkpoints"),
+    path("jobs/<int:pk>/checkpoints/tree", checkpoints.JobCheckpointTree.as_view(), name="job-checkpoint-tree"),
+    path("jobs/<int:pk>/checkpoints/retention", checkpoints.JobCheckpointRetention.as_view(),
+         name="job-checkpoint-retention"),
+    path("jobs/<int:pk>/checkpoints/interval", checkpoints.JobCheckpointInterval.as_view(),
+         name="job-checkpoint-interval"),
     path("incidents", views.IncidentList.as_view(), name="incident-list"),
     path("incidents/<int:pk>", views.IncidentDetail.as_view(), name="incident-detail"),
 ]

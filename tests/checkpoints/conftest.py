@@ -168,9 +168,10 @@ def crash_and_restart(job) -> None:
 def register(job, path: Path, **kwargs):
     """Record the commit of ``path`` for the job's current generation and verify it, as the task would."""
     from checkpoints import services
+    from jobs.checkpointing import commit_checkpoint
 
-    checkpoint, created = services.record_commit(job, commit_for(job, path, generation=job.generation, **kwargs),
-                                                 actor="node:gpu-01")
+    checkpoint, created = commit_checkpoint(job, commit_for(job, path, generation=job.generation, **kwargs),
+                                            actor="node:gpu-01")
     assert created
     return services.verify(checkpoint)
 

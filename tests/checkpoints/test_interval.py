@@ -9,9 +9,9 @@ import pytest
 from django.utils import timezone
 
 from agents.protocol.hooks import CheckpointCommit
-from checkpoints import services
 from checkpoints.paths import checkpoint_dir
-from jobs import state
+from jobs import checkpoint_interval, state
+from jobs.checkpointing import commit_checkpoint
 from jobs.choices import IncidentKind, JobState
 from jobs.models import Event, Incident, Job, StepMetric
 
@@ -19,7 +19,7 @@ from jobs.models import Event, Incident, Job, StepMetric
 def _commit_costs(job, blocking_s: float, total_s: float, count: int = 3) -> None:
     """Commits as the hooks report them; only their measured save cost matters here."""
     for n in range(1, count + 1):
-        services.record_commit(job, CheckpointCommit(
+        commit_checkpoint(job, CheckpointCommit(
             job=str(job.pk), generation=job.generation, step=100 * n, path=f"{checkpoint_dir(job)}/step-{100 * n}",
             loss=2.0, config_hash="abc", data_cursor=800 * n, world_size=2, size_bytes=10**9,
             blocking_s=blocking_s, total_s=total_s, manifest={}), actor="node:gpu-01")
@@ -65,7 +65,7 @@ def test_the_reference_example_5_minute_saves_10_hour_mtbf_gives_about_77_minute
     _failures(auto_job, 5, days_ago=45)  # outside the window
     _failures(auto_job, 9, days_ago=5, kind=IncidentKind.NUMERICAL)  # not a failure of the machines
 
-    recommendation = services.recommend_interval(auto_job)
+    recommendation = checkpoint_interval.recommend_interval(auto_job)
     assert (recommendation.mtbf_source, recommendation.failures) == ("incidents", 72)
     assert recommendation.mtbf_s == pytest.approx(10 * 3600, rel=1e-6)
     assert recommendation.save_cost_s == 300.0 and recommendation.cost_samples == 3
@@ -81,7 +81,7 @@ def test_before_any_failure_the_per_gpu_assumption_divided_by_the_gpu_count_is_u
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "GPU_MTBF_HOURS": 50_000}
     _commit_costs(ckjob, blocking_s=0.03, total_s=1.2)
     _step_reports(ckjob, step_s=0.25)
-    recommendation = services.recommend_interval(ckjob)
+    recommendation = checkpoint_interval.recommend_interval(ckjob)
     assert (recommendation.mtbf_source, recommendation.gpus) == ("assumed", 2)  # 1 node x 2 ranks
     assert recommendation.mtbf_s == 50_000 * 3600 / 2
     assert recommendation.interval_s == pytest.approx(math.sqrt(2 * 0.03 * 9e7))  # 2323.8 s
@@ -92,7 +92,7 @@ def test_before_any_failure_the_per_gpu_assumption_divided_by_the_gpu_count_is_u
 def test_the_interval_is_never_shorter_than_a_save_takes_to_commit(auto_job):
     _commit_costs(auto_job, blocking_s=0.0001, total_s=30.0)
     _failures(auto_job, 72, days_ago=10)
-    recommendation = services.recommend_interval(auto_job)
+    recommendation = checkpoint_interval.recommend_interval(auto_job)
     assert math.sqrt(2 * 0.0001 * 36000) < 30 and recommendation.interval_s == 30.0
     assert recommendation.interval_steps is None  # no step times reported yet
 
@@ -101,20 +101,20 @@ def test_the_interval_is_never_shorter_than_a_save_takes_to_commit(auto_job):
 def test_the_pushed_interval_changes_what_the_hooks_are_told(auto_job, cast, api):
     state.transition(auto_job, JobState.RUNNING, actor="test")
     assert _control(api, cast, auto_job)["checkpoint_interval_steps"] is None
-    assert services.push_intervals() == 0  # no save measured yet: nothing to recommend
+    assert checkpoint_interval.push_intervals() == 0  # no save measured yet: nothing to recommend
 
     _commit_costs(auto_job, blocking_s=300.0, total_s=300.0)
     _step_reports(auto_job, step_s=1.2)
     _failures(auto_job, 72, days_ago=10)
-    assert services.push_intervals() == 1
+    assert checkpoint_interval.push_intervals() == 1
     assert _control(api, cast, auto_job)["checkpoint_interval_steps"] == 3873  # save every 3873 steps
     event = Event.objects.get(job=auto_job, kind="checkpoint.interval")
     assert (event.old_state, event.new_state, event.evidence["mtbf_s"]) == ("", "3873", pytest.approx(36000))
 
     _failures(auto_job, 4, days_ago=3)  # 76 failures: MTBF 9.5 h, a 2.7 % shorter interval: not worth a change
-    assert services.push_intervals() == 0
+    assert checkpoint_interval.push_intervals() == 0
     _failures(auto_job, 212, days_ago=2)  # 288 failures: MTBF 2.5 h, half the interval
-    assert services.push_intervals() == 1
+    assert checkpoint_interval.push_intervals() == 1
     assert _control(api, cast, auto_job)["checkpoint_interval_steps"] == round(math.sqrt(2 * 300 * 9000) / 1.2)
 
 
@@ -123,10 +123,10 @@ def test_only_running_jobs_whose_policy_says_auto_are_pushed(auto_job, cast, api
     _commit_costs(auto_job, blocking_s=300.0, total_s=300.0)
     _step_reports(auto_job, step_s=1.2)
     Job.objects.filter(pk=auto_job.pk).update(checkpoint_policy={**auto_job.checkpoint_policy, "interval": "fixed"})
-    assert services.push_intervals() == 0
+    assert checkpoint_interval.push_intervals() == 0
     Job.objects.filter(pk=auto_job.pk).update(checkpoint_policy={**auto_job.checkpoint_policy, "interval": "auto"})
     state.transition(auto_job, JobState.CANCELLED, actor="test")
-    assert services.push_intervals() == 0
+    assert checkpoint_interval.push_intervals() == 0
     assert Job.objects.get(pk=auto_job.pk).recommended_interval_steps is None
 
 
@@ -135,7 +135,7 @@ def test_the_interval_endpoint_shows_the_inputs(auto_job, cast, api):
     _commit_costs(auto_job, blocking_s=300.0, total_s=300.0)
     _step_reports(auto_job, step_s=1.2)
     _failures(auto_job, 72, days_ago=10)
-    services.push_interval(auto_job)
+    checkpoint_interval.push_interval(auto_job)
     body = api(cast.tokens["viewer"]).get(f"/api/v1/jobs/{auto_job.pk}/checkpoints/interval").json()
     assert body["save_cost_s"] == 300.0 and body["mtbf_s"] == pytest.approx(36000) and body["failures"] == 72
     assert body["interval_s"] == pytest.approx(4647.58, abs=0.01) and body["interval_steps"] == 3873

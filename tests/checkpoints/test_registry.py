@@ -9,6 +9,7 @@ from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
 from jobs import services as job_services
 from jobs import state
+from jobs.checkpointing import commit_checkpoint
 from jobs.choices import JobState
 from jobs.models import Event, Generation
 from tests.checkpoints.conftest import commit_for, crash_and_restart, flip_byte, register
@@ -74,7 +75,7 @@ def test_lineage_across_two_restarts_and_a_rollback(ckjob, runs):
 def test_a_commit_stores_the_measured_save_cost_and_queues_verification(ckjob, runs,
                                                                          django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks() as callbacks:
-        checkpoint, created = services.record_commit(
+        checkpoint, created = commit_checkpoint(
             ckjob, commit_for(ckjob, runs.path("A", 2), generation=1, blocking_s=0.25, total_s=3.5), actor="node:x")
     assert created and (checkpoint.blocking_s, checkpoint.total_s) == (0.25, 3.5)
     assert checkpoint.state == CheckpointState.COMMITTED and checkpoint.parent is None
@@ -87,7 +88,7 @@ def test_a_commit_stores_the_measured_save_cost_and_queues_verification(ckjob, r
 def test_the_verification_task_verifies_and_is_harmless_twice(ckjob, runs):
     from checkpoints.tasks import verify_checkpoint
 
-    checkpoint, _ = services.record_commit(ckjob, commit_for(ckjob, runs.path("A", 2), generation=1), actor="t")
+    checkpoint, _ = commit_checkpoint(ckjob, commit_for(ckjob, runs.path("A", 2), generation=1), actor="t")
     verify_checkpoint(checkpoint.pk)
     verify_checkpoint(checkpoint.pk)
     verify_checkpoint(10**9)  # gone: returns quietly
@@ -99,7 +100,7 @@ def test_the_verification_task_verifies_and_is_harmless_twice(ckjob, runs):
 @pytest.mark.django_db
 def test_a_replayed_commit_returns_the_same_row(ckjob, runs):
     commit = commit_for(ckjob, runs.path("A", 2), generation=1)
-    first, created = services.record_commit(ckjob, commit, actor="t")
-    again, created_again = services.record_commit(ckjob, commit, actor="t")
+    first, created = commit_checkpoint(ckjob, commit, actor="t")
+    again, created_again = commit_checkpoint(ckjob, commit, actor="t")
     assert (created, created_again, again.pk) == (True, False, first.pk)
     assert Checkpoint.objects.filter(job=ckjob).count() == 1

@@ -13,6 +13,7 @@ import pytest
 from checkpoints import services
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
+from jobs.checkpointing import commit_checkpoint
 from jobs.models import Event, Generation, Job
 from nodes.models import NodeCommand
 from tests.checkpoints.conftest import REPO, commit_for, crash_and_restart, flip_byte, register
@@ -41,7 +42,7 @@ def test_a_verified_checkpoint_is_copied_atomically_and_the_copy_verified(replic
                                                                            django_capture_on_commit_callbacks):
     from checkpoints.services.verification import verify
 
-    checkpoint, _ = services.record_commit(replicated, commit_for(replicated, runs.path("A", 6), generation=1),
+    checkpoint, _ = commit_checkpoint(replicated, commit_for(replicated, runs.path("A", 6), generation=1),
                                            actor="t")
     with django_capture_on_commit_callbacks() as callbacks:
         checkpoint = verify(checkpoint)

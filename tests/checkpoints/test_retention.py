@@ -12,6 +12,7 @@ from agents.hooks.manifest import checkpoint_dirname
 from checkpoints import services
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
+from jobs.checkpointing import commit_checkpoint
 from jobs.models import Event, Generation, Job
 from tests.checkpoints.conftest import commit_for, crash_and_restart, recommit, register
 
@@ -112,7 +113,7 @@ def test_corrupt_and_unverified_checkpoints(ckjob, runs):
     ckjob.refresh_from_db()
     a2, a4 = register(ckjob, runs.path("A", 2)), register(ckjob, runs.path("A", 4))
     Checkpoint.objects.filter(pk=a4.pk).update(state=CheckpointState.CORRUPT, state_reason="flipped byte")
-    pending, _ = services.record_commit(ckjob, commit_for(ckjob, runs.path("A", 6), generation=1), actor="t")
+    pending, _ = commit_checkpoint(ckjob, commit_for(ckjob, runs.path("A", 6), generation=1), actor="t")
     decisions = {d.step: d for d in services.apply_retention(ckjob, dry_run=True).decisions}
     assert decisions[4].keep and decisions[4].reason.startswith("corrupt (flipped byte) but recent")
     assert decisions[6].keep and decisions[6].reason == "not verified yet"

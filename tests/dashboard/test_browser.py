@@ -299,6 +299,7 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
 
     from checkpoints import services as checkpoint_services
     from checkpoints.paths import checkpoint_dir
+    from jobs.checkpointing import commit_checkpoint
     from jobs.models import Event
     from tests.checkpoints.conftest import build_checkpoint, commit_for
 
@@ -311,8 +312,8 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
         for step in (2, 4):
             path = build_checkpoint(Path(checkpoint_dir(job)) / f"step-{step}", step=step, data_cursor=step * 8,
                                     config_hash="c0ffee")
-            checkpoint, _ = checkpoint_services.record_commit(job, commit_for(job, path, generation=job.generation),
-                                                              actor="node:test")
+            checkpoint, _ = commit_checkpoint(job, commit_for(job, path, generation=job.generation),
+                                              actor="node:test")
             checkpoints[step] = checkpoint_services.verify(checkpoint)
     job = _pause(job)
     page = world.page_as("olga")

@@ -1,4 +1,8 @@
-"""Show or apply checkpoint retention: the same one-shot the beat sweep runs."""
+"""Show or apply checkpoint retention: the same one-shot the beat sweep runs.
+
+A jobs command (it looks jobs up by id, and one may have no checkpoint yet) over the checkpoints
+app's retention services.
+"""
 
 from __future__ import annotations
 

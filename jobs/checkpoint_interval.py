@@ -1,5 +1,8 @@
 """The checkpoint interval from measured costs and failure rates (Young/Daly), pushed to "auto" jobs.
 
+It lives in ``jobs``, above ``checkpoints``: it reads the job's incidents, step reports and state
+as much as its checkpoints' save costs.
+
     interval = sqrt(2 × save cost × MTBF)        (agents.detectors.young_daly_interval)
 
 Inputs, each shown with the answer:

@@ -1,0 +1,16 @@
+"""The jobs app's periodic tasks besides the sweeper, for ``CELERY_BEAT_SCHEDULE`` in
+``controlplane/settings.py``. ``expires`` drops a run that waited in the queue past the next one.
+
+- checkpoint interval push every 5 minutes (``jobs.checkpoint_interval``): failure rates and save
+  costs change slowly, and the hooks pick the new value up on their next control poll.
+"""
+
+from __future__ import annotations
+
+BEAT_SCHEDULE: dict = {
+    "jobs-checkpoint-interval": {
+        "task": "jobs.tasks.push_checkpoint_intervals",
+        "schedule": 300.0,
+        "options": {"expires": 300},
+    },
+}
