@@ -6,4 +6,8 @@ class JobsConfig(AppConfig):
     verbose_name = "Training jobs"
 
     def ready(self):
-        from jobs import receivers  # noqa: F401  (connects to the nodes app's signals)
+        # Deferred to ready(): the receivers import models, which the app registry must load first.
+        from jobs import receivers  # connects to the nodes app's signals
+        from nodes import workload
+
+        workload.register(receivers.WORKLOAD)

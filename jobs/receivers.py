@@ -1,4 +1,6 @@
-"""The jobs app listens to the nodes app: exits, stop acknowledgements, health changes.
+"""The jobs app listens to the nodes app (exits, stop acknowledgements, refused launches, health
+changes) and answers what it asks about the work placed on its nodes (``nodes.workload``,
+registered by ``JobsConfig.ready``).
 
 Receivers run in whichever process committed the node's news (usually the web process answering
 an agent), so they only enqueue a Celery task with primary keys; the orchestrator does the work.
@@ -6,17 +8,21 @@ an agent), so they only enqueue a Celery task with primary keys; the orchestrato
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from django.dispatch import receiver
 
+from jobs.choices import JobState
+from jobs.models import Generation, Job
+from jobs.tasks import confirm_stopped, handle_exit, handle_launch_refused, handle_node_health
 from nodes import signals
+from nodes.models import Node
 
 
 @receiver(signals.generation_exited, dispatch_uid="jobs.generation_exited")
 def on_generation_exited(sender, node, job_id, generation, kind, detail, **kwargs):
     if job_id is None or generation is None:
         return
-    from jobs.tasks import handle_exit
-
     handle_exit.delay(job_id, generation, node.hostname, {**detail, "requested_stop": kind == "stopped"
                                                           or detail.get("requested_stop", False)})
 
@@ -26,8 +32,6 @@ def on_command_acked(sender, node, kind, job_id, generation, status, **kwargs):
     """A stop acknowledged as done means nothing of that generation runs on the node any more."""
     if kind != "stop" or status != "done" or job_id is None or generation is None:
         return
-    from jobs.tasks import confirm_stopped
-
     confirm_stopped.delay(job_id, generation, node.hostname)
 
 
@@ -37,13 +41,22 @@ def on_launch_refused(sender, node, job_id, generation, reason, **kwargs):
     again, until placement picks it)."""
     if job_id is None or generation is None:
         return
-    from jobs.tasks import handle_launch_refused
-
     handle_launch_refused.delay(job_id, generation, node.hostname, reason)
 
 
 @receiver(signals.node_health_changed, dispatch_uid="jobs.node_health_changed")
 def on_node_health_changed(sender, node, old, new, reasons, **kwargs):
-    from jobs.tasks import handle_node_health
-
     handle_node_health.delay(node.hostname, new, list(reasons))
+
+
+class JobsWorkload:
+    """The jobs app's answers to ``nodes.workload.Workload``."""
+
+    def existing_jobs(self, job_ids: Collection[int]) -> set[int]:
+        return set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True))
+
+    def runs_live_generation(self, node: Node) -> bool:
+        return Generation.objects.filter(nodes=node, ended_at__isnull=True, job__state__in=JobState.ACTIVE).exists()
+
+
+WORKLOAD = JobsWorkload()

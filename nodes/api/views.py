@@ -23,7 +23,6 @@ from core.api import choices_param, parse_wire
 from core.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
 from core.problems import Conflict
 from core.schema import protocol_schema
-from jobs.state import StaleGeneration
 from nodes import services
 from nodes.api.serializers import (
     BootstrapTokenRequestSerializer,
@@ -313,6 +312,6 @@ class AgentCommandAck(AgentEndpoint):
             command = services.ack_command(request.node, command_id, ack, actor=actor_label(request))
         except NodeCommand.DoesNotExist:
             raise exceptions.NotFound(f"Node {node_id} has no command {command_id}.") from None
-        except (StaleGeneration, services.AckMismatch) as exc:
+        except (services.StaleCommand, services.AckMismatch) as exc:
             raise Conflict(str(exc)) from exc
         return Response(NodeCommandSerializer(command).data)

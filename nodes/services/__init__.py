@@ -1,11 +1,13 @@
 """Verbs that change nodes. Views and the orchestrator call these; nothing else writes node state.
 
-``fleet``: registration, heartbeats, health, drains, blame and the heartbeat sweeper;
-``commands``: the agent command queue; ``ingest``: telemetry and agent events.
+``fleet``: registration, heartbeats, health, drains and blame; ``sweeper``: the heartbeat sweeper
+(and ``silence``, the fleet-silence watch it asks first); ``commands``: the agent command queue;
+``ingest``: telemetry and agent events.
 """
 
 from nodes.services.commands import (
     AckMismatch,
+    StaleCommand,
     ack_command,
     enqueue_command,
     expire_commands,
@@ -19,8 +21,6 @@ from nodes.services.fleet import (
     blame_node,
     clear_lemon,
     drain_node,
-    expire_heartbeats,
-    expire_one_heartbeat,
     finish_drain,
     issue_bootstrap_token,
     record_heartbeat,
@@ -31,10 +31,12 @@ from nodes.services.fleet import (
 )
 from nodes.services.ingest import Ingested, ingest_telemetry, record_agent_events
 from nodes.services.retention import prune_telemetry
+from nodes.services.sweeper import expire_heartbeats, expire_one_heartbeat
 
 __all__ = [
     "probe_peers_for",
     "request_health_check",
+    "StaleCommand",
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
     "drain_node", "enqueue_command", "expire_commands", "expire_heartbeats", "expire_one_heartbeat", "finish_drain",
     "ingest_telemetry", "issue_bootstrap_token", "pending_commands_for", "prune_telemetry", "record_agent_events",

@@ -9,7 +9,7 @@
    on the way out and never stored in the payload: the same token on every re-delivery.
 3. ``ack_command`` records the first acknowledgement (later ones are answered the same and change
    nothing). An acknowledgement of a command whose generation is no longer the job's is answered
-   409 (``StaleGeneration``), and the command is closed so it is not re-sent.
+   409 (``StaleCommand``), and the command is closed so it is not re-sent.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Model
 from django.utils import timezone
 
 from agents.protocol import agent as wire
 from core.events import EventKind, record_event
-from jobs import state
-from jobs.models import Job
+from core.tokens import job_token_for
 from nodes import signals
 from nodes.choices import CommandKind, CommandState
 from nodes.models import Node, NodeCommand
@@ -37,11 +36,19 @@ class AckMismatch(Exception):
     """The acknowledgement names another idempotency key, job or generation than the command."""
 
 
+class StaleCommand(Exception):
+    """The command's generation is no longer its job's (the job moved on: fenced off)."""
+
+    def __init__(self, command: NodeCommand):
+        super().__init__(f"job {command.job_id}: generation {command.generation} is stale; "
+                         f"the active generation is {command.job.generation}")
+
+
 def command_ttl() -> timedelta:
     return timedelta(seconds=settings.NIGHTWATCH.get("COMMAND_TTL_S", DEFAULT_COMMAND_TTL_S))
 
 
-def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: Job | None = None,
+def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: Model | None = None,
                     generation: int | None = None, idempotency_key: str | None = None,
                     actor: str = "system", ttl: timedelta | None = None) -> NodeCommand:
     """Queue ``kind`` for ``node``'s agent; the same (node, idempotency_key) returns the first command.
@@ -103,8 +110,6 @@ def to_wire(command: NodeCommand, *, with_secrets: bool = False) -> wire.Command
     """The command as the agent receives it; ``with_secrets``: a launch carries its job token."""
     payload = command.payload
     if with_secrets and command.kind == CommandKind.LAUNCH and command.job is not None:
-        from core.tokens import job_token_for
-
         payload = {**payload, "hooks_token": job_token_for(command.job, command.generation, command.node)}
     return wire.Command(id=str(command.pk), kind=command.kind, idempotency_key=command.idempotency_key,
                         job=str(command.job_id) if command.job_id else None, generation=command.generation,
@@ -112,6 +117,7 @@ def to_wire(command: NodeCommand, *, with_secrets: bool = False) -> wire.Command
 
 
 def _is_stale(command: NodeCommand) -> bool:
+    """A command for a generation its job has left: the generation is the fencing token."""
     return command.job is not None and command.generation is not None and command.generation != command.job.generation
 
 
@@ -119,7 +125,7 @@ def ack_command(node: Node, command_id: int, ack: wire.CommandAck, *, actor: str
     """Record the agent's acknowledgement of one of its commands; returns the command.
 
     Raises ``NodeCommand.DoesNotExist`` (not this node's command), ``AckMismatch``, or
-    ``jobs.state.StaleGeneration`` (the command's generation is no longer the job's).
+    ``StaleCommand`` (the command's generation is no longer the job's).
     """
     command = NodeCommand.objects.select_related("job").filter(node=node, pk=command_id).first()
     if command is None:
@@ -131,14 +137,12 @@ def ack_command(node: Node, command_id: int, ack: wire.CommandAck, *, actor: str
             ack.generation is not None and ack.generation != command.generation):
         raise AckMismatch(f"command {command.pk} is for job {command.job_id} generation {command.generation}, "
                           f"the acknowledgement for job {ack.job} generation {ack.generation}")
-    if command.job is not None:
-        try:
-            state.check_generation(command.job, command.generation)
-        except state.StaleGeneration as exc:
-            # Close it so it is not re-sent; the agent stops what it still runs of that generation.
-            NodeCommand.objects.filter(pk=command.pk, state__in=CommandState.OPEN).update(
-                state=CommandState.EXPIRED, detail=f"acknowledged ({ack.status}) after going stale: {exc}")
-            raise
+    if _is_stale(command):
+        stale = StaleCommand(command)
+        # Close it so it is not re-sent; the agent stops what it still runs of that generation.
+        NodeCommand.objects.filter(pk=command.pk, state__in=CommandState.OPEN).update(
+            state=CommandState.EXPIRED, detail=f"acknowledged ({ack.status}) after going stale: {stale}")
+        raise stale
     new_state = CommandState.FROM_ACK[ack.status]
     old_state = command.state
     # An expired command can still be acknowledged: the agent did run it, and that is a fact to keep.

@@ -1,8 +1,9 @@
-"""Verbs that change nodes: registration, heartbeats, health, drains, blame, and the heartbeat sweeper.
+"""Verbs that change nodes: registration, heartbeats, health, drains and blame.
 
 ``set_health`` is the only code that changes ``Node.health``; ``drain_node``, ``finish_drain``
 and ``undrain_node`` are the only code that changes ``Node.schedulability``. Each is a
 compare-and-set that appends one ``core.models.Event`` row (who, old, new, why, evidence).
+The heartbeat sweeper that turns silent nodes unreachable is ``nodes.services.sweeper``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
 from core.events import EventKind, record_event
 from core.models import ApiToken, Event, Scope, hash_token
-from jobs.choices import JobState
-from jobs.models import Generation
 from nodes import health as rules
 from nodes import signals
 from nodes.addresses import address_problem
 from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
 from nodes.models import GPU, Node, NodeCommand
 from nodes.services.commands import enqueue_command, pending_commands_for
+from nodes.workload import workload
 
 log = logging.getLogger(__name__)
 POLICY = "system:drain-policy"
-SWEEPER = "system:heartbeat-sweeper"
 #: Samples older than this say nothing about a node that just came back.
 FRESH_SAMPLE_S = 300
 #: The protocol bounds counters from below only; a database column bounds them from above.
@@ -289,8 +288,7 @@ def drain_node(node: Node, *, actor: str, reason: str) -> bool:
     """
     if node.schedulability != Schedulability.ACTIVE:
         return False
-    busy = bool(node.running) or Generation.objects.filter(
-        nodes=node, ended_at__isnull=True, job__state__in=JobState.ACTIVE).exists()
+    busy = bool(node.running) or workload().runs_live_generation(node)
     new = Schedulability.DRAINING if busy else Schedulability.DRAINED
     with transaction.atomic():
         event = _move_schedulability(node, new, kind=EventKind.NODE_DRAIN, actor=actor, reason=reason,
@@ -361,41 +359,3 @@ def clear_lemon(node: Node, *, actor: str, reason: str) -> None:
         record_event(EventKind.NODE_LEMON_CLEARED, actor=actor, node=node, old_state=str(old), new_state="0",
                      reason=reason)
     node.lemon_count = 0
-
-
-# --- the heartbeat sweeper ------------------------------------------------------------------------
-
-def expire_one_heartbeat() -> bool:
-    """The node longest past its heartbeat deadline becomes unreachable; returns whether one did."""
-    node = Node.objects.filter(heartbeat_deadline__lt=timezone.now()).order_by("heartbeat_deadline").first()
-    if node is None:
-        return False
-    _mark_unreachable(node)
-    return True
-
-
-def _mark_unreachable(node: Node) -> bool:
-    """Unreachable, unless the deadline we read has moved meanwhile (compare-and-set on it): a
-    heartbeat racing the sweeper wins cleanly, and two sweepers never act on the same node."""
-    with transaction.atomic():
-        if not Node.objects.filter(pk=node.pk, heartbeat_deadline=node.heartbeat_deadline).update(
-                heartbeat_deadline=None):
-            return False
-        since = node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else "never"
-        set_health(node, Health.UNREACHABLE, actor=SWEEPER,
-                   reason=f"no heartbeat since {since} (deadline {node.heartbeat_deadline.isoformat()})",
-                   evidence={"last_heartbeat_at": since, "deadline": node.heartbeat_deadline.isoformat()})
-    return True
-
-
-def expire_heartbeats(limit: int = 1000) -> int:
-    """Run the one-shot until nothing is left (bounded); returns how many nodes it handled. Holds
-    (handles none) while the whole fleet is silent: see ``nodes.services.silence``."""
-    from nodes.services import silence
-
-    if silence.watch():
-        return 0
-    done = 0
-    while done < limit and expire_one_heartbeat():
-        done += 1
-    return done

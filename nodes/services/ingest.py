@@ -23,7 +23,6 @@ from django.utils import timezone
 
 from agents.protocol import agent as wire
 from agents.protocol import dump
-from jobs.models import Job
 from nodes import health as rules
 from nodes import signals
 from nodes.choices import Health
@@ -36,6 +35,7 @@ from nodes.services.fleet import (
     set_health,
     thresholds,
 )
+from nodes.workload import workload
 
 log = logging.getLogger(__name__)
 #: Sample columns in wire order; ``node`` comes from the URL's (authenticated) node instead.
@@ -247,7 +247,7 @@ def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]
         known = set(AgentEventRecord.objects.filter(node=node, key__in=list(unique)).values_list("key", flat=True))
         fresh = [(e, d) for key, (e, d) in unique.items() if key not in known]
         job_ids = {int(e.job) for e, _ in fresh if e.job and e.job.isdigit()}
-        jobs = set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True)) if job_ids else set()
+        jobs = workload().existing_jobs(job_ids) if job_ids else set()
         records = [AgentEventRecord(node=node, key=e.key, kind=e.kind, time=_utc(e.time), generation=e.generation,
                                     job_id=int(e.job) if e.job and e.job.isdigit() and int(e.job) in jobs else None,
                                     job_ref=e.job or "", detail=dump(d), received_at=now)
@@ -261,14 +261,12 @@ def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]
 def _refuse_foreign(node: Node, events: list[wire.AgentEvent]) -> None:
     """Raise ``ForeignGeneration`` if an event names an existing job's generation not placed on
     ``node``. (An event naming no known job is kept as a record and acts on nothing.)"""
-    from jobs.models import Generation
-
     named = {(int(e.job), e.generation) for e in events if e.job and e.job.isdigit()}
     if not named:
         return
     job_ids = {job for job, _ in named}
-    existing = set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True))
-    placed = set(Generation.objects.filter(nodes=node, job_id__in=existing).values_list("job_id", "number"))
+    existing = workload().existing_jobs(job_ids)
+    placed = set(node.generations.filter(job_id__in=existing).values_list("job_id", "number"))
     foreign = sorted((job, gen) for job, gen in named if job in existing and (job, gen) not in placed)
     if foreign:
         job, gen = foreign[0]

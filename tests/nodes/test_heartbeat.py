@@ -102,12 +102,12 @@ def test_a_node_without_gpu_telemetry_is_healthy_on_its_heartbeat_and_says_why(c
 @pytest.mark.django_db
 def test_a_heartbeat_racing_the_sweeper_keeps_the_node_reachable(cast, post):
     """The sweeper read the node past its deadline, then a heartbeat moved the deadline."""
-    from nodes.services import fleet
+    from nodes.services import sweeper
 
     Node.objects.filter(pk=cast.node1.pk).update(heartbeat_deadline=timezone.now() - timedelta(seconds=1))
     read_by_sweeper = Node.objects.get(pk=cast.node1.pk)
     post("heartbeat", heartbeat(cast.node1))
-    assert fleet._mark_unreachable(read_by_sweeper) is False
+    assert sweeper._mark_unreachable(read_by_sweeper) is False
     node = Node.objects.get(pk=cast.node1.pk)
     assert node.health == Health.HEALTHY and node.heartbeat_deadline > timezone.now()
     assert not Event.objects.filter(kind="node.health").exists()
