@@ -1,4 +1,6 @@
-"""Celery tasks of the nodes app: thin wrappers around one-shot service functions.
+"""Celery tasks of the nodes app: thin wrappers around one-shot service functions. They sit above
+what they run; the Slurm launch, which enqueues two of them after its commit, does so through a
+deferred import (a module-level one would be a cycle).
 
 Each is safe to run twice (the one-shots compare-and-set) and bounded, so that a poison row
 never keeps a worker busy for ever.
@@ -9,8 +11,10 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.conf import settings
 
 from nodes import services
+from nodes.transports.slurm import launch, mirror, watch
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +40,18 @@ def prune_telemetry() -> int:
 # down is recorded and backed off inside the one-shots. ------------------------------------------
 
 def _slurm_enabled() -> bool:
-    from django.conf import settings
-
     return bool(settings.NIGHTWATCH["SLURM"]["ENABLED"])
 
 
 @shared_task(ignore_result=True)
 def submit_slurm_job(allocation_id: int) -> bool:
     """After the commit that started a generation on Slurm nodes: sbatch it (re-driven by the poll)."""
-    from nodes.transports.slurm import launch
-
     return launch.submit(allocation_id)
 
 
 @shared_task(ignore_result=True)
 def cancel_slurm_job(allocation_id: int) -> bool:
     """After the commit that asked a Slurm generation to stop: scancel it (re-driven by the poll)."""
-    from nodes.transports.slurm import launch
-
     return launch.cancel(allocation_id)
 
 
@@ -62,8 +60,6 @@ def poll_slurm_jobs() -> int:
     """Beat: read Slurm's job states; report the generations that ended to the orchestrator."""
     if not _slurm_enabled():
         return 0
-    from nodes.transports.slurm import watch
-
     return watch.poll_jobs()
 
 
@@ -72,6 +68,4 @@ def mirror_slurm_nodes() -> int:
     """Beat: reconcile the Slurm nodes' states and drains with their Node rows."""
     if not _slurm_enabled():
         return 0
-    from nodes.transports.slurm import mirror
-
     return mirror.mirror_nodes()

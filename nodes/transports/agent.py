@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nodes import services
 from nodes.transports.base import Launch
 
 
@@ -9,16 +10,12 @@ class AgentTransport:
     name = "agent"
 
     def launch(self, launch: Launch) -> None:
-        from nodes import services
-
         job, number = launch.job, launch.generation
         for node, payload in zip(launch.nodes, launch.payloads, strict=True):
             services.enqueue_command(node, "launch", job=job, generation=number, payload=payload,
                                      idempotency_key=f"launch:{job.pk}:{number}:{node.pk}")
 
     def stop(self, job, generation: int, nodes: list, *, grace_s: float, reason: str) -> None:
-        from nodes import services
-
         for node in nodes:
             services.enqueue_command(node, "stop", job=job, generation=generation,
                                      idempotency_key=f"stop:{job.pk}:{generation}:{node.pk}",

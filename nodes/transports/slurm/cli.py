@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from django.conf import settings
+
 #: What Slurm prints when it cannot reach its controller (or the controller its daemons).
 _UNREACHABLE_HINTS = ("unable to contact slurm controller", "connect failure", "connection refused",
                       "socket timed out", "communication connection failure", "zero bytes were transmitted",
@@ -116,8 +118,6 @@ class Slurm:
 
     @classmethod
     def from_settings(cls) -> Slurm:
-        from django.conf import settings
-
         conf = settings.NIGHTWATCH["SLURM"]
         return cls(timeout_s=conf["COMMAND_TIMEOUT_S"], bin_dir=conf["BIN_DIR"] or None)
 

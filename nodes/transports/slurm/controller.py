@@ -20,6 +20,7 @@ from django.utils import timezone
 from core.events import EventKind, record_event
 from nodes.choices import Health, Transport
 from nodes.models import Node, SlurmController
+from nodes.services import set_health
 from nodes.transports.slurm.cli import SlurmError
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,6 @@ CONTACT_REFRESH_S = 30
 
 
 def record_ok() -> None:
-    from nodes.services import set_health
-
     now = timezone.now()
     name = settings.NIGHTWATCH["SLURM"]["CLUSTER"]
     if SlurmController.objects.filter(cluster=name, reachable=True,
@@ -67,8 +66,6 @@ def record_ok() -> None:
 
 def record_failure(error: SlurmError) -> None:
     """Note that Slurm did not answer: back off, and on the first failure degrade and say so."""
-    from nodes.services import set_health
-
     now = timezone.now()
     cap = settings.NIGHTWATCH["SLURM"]["MAX_BACKOFF_S"]
     with transaction.atomic():

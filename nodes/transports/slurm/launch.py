@@ -4,7 +4,7 @@
 ``SlurmAllocation`` (state ``submitting``); ``submit`` runs ``sbatch`` after the commit (a Celery
 task, re-driven by the watch one-shot while it stays unsubmitted). ``stop`` records the request;
 ``cancel`` runs ``scancel`` after the commit. Slurm's answer — the job ended — comes back through
-``nodes.transports.slurm.watch``.
+``nodes.transports.slurm.watch`` (and ``ended``, which reports it).
 
 Submission is idempotent: the allocation row is locked while ``sbatch`` runs, and a job already
 carrying the allocation's name (an ``sbatch`` whose answer was lost) is adopted, not duplicated.
@@ -28,6 +28,7 @@ from nodes.models import Node, SlurmAllocation
 from nodes.transports.base import Launch
 from nodes.transports.slurm import controller, script
 from nodes.transports.slurm.cli import Slurm, SlurmError, SlurmRefused, SlurmUnavailable
+from nodes.transports.slurm.ended import report_ended
 
 log = logging.getLogger(__name__)
 ACTOR = "system:slurm"
@@ -69,12 +70,14 @@ def excluded_nodes(*, exclude: list[str]) -> list[str]:
 
 
 def _submit_later(allocation_id: int) -> None:
+    # Deferred: nodes.tasks imports this module (its tasks run submit and cancel), a cycle at import.
     from nodes.tasks import submit_slurm_job
 
     submit_slurm_job.delay(allocation_id)
 
 
 def _cancel_later(allocation_id: int) -> None:
+    # Deferred: nodes.tasks imports this module (its tasks run submit and cancel), a cycle at import.
     from nodes.tasks import cancel_slurm_job
 
     cancel_slurm_job.delay(allocation_id)
@@ -90,8 +93,6 @@ def submit(allocation_id: int, slurm: Slurm | None = None) -> bool:
     A generation the job has left, or one whose stop was requested before it was submitted, is
     not submitted: it ends at once with a requested stop, which confirms it for the orchestrator.
     """
-    from nodes.transports.slurm.watch import report_ended
-
     slurm = slurm or Slurm.from_settings()
     with transaction.atomic():
         allocation = (SlurmAllocation.objects.select_for_update(skip_locked=True).select_related("job")
