@@ -11,4 +11,5 @@ class ControlPlaneConfig(AppConfig):
     verbose_name = "Nightwatch control plane"
 
     def ready(self):
+        # At ready(), Django's place for registering system checks: importing the module registers them.
         from controlplane import checks  # noqa: F401  (registers the deployment checks)

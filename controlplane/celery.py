@@ -20,4 +20,5 @@ def preload_checkpoint_reader(**_) -> None:
     verification. A process that has never read a checkpoint would otherwise pay torch's import
     (1.6–2.3 s here, far more on a loaded machine) in the middle of a recovery or a verification.
     """
+    # Here, not at the top: torch is heavy and optional (the train extra); only a worker preloads it.
     import torch.distributed.checkpoint  # noqa: F401

@@ -1,5 +1,6 @@
 from django.contrib import admin
 from django.urls import include, path
+from django.views import defaults
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from core import health
@@ -32,32 +33,24 @@ handler500 = "controlplane.urls.server_error"
 def not_found(request, exception=None):
     if request.path.startswith("/api/"):
         return json_problem_view(404, "not_found", "No such API endpoint.")(request)
-    from django.views.defaults import page_not_found
-
-    return page_not_found(request, exception)
+    return defaults.page_not_found(request, exception)
 
 
 def server_error(request):
     if request.path.startswith("/api/"):
         return json_problem_view(500, "server-error", "The server failed; the error was logged.")(request)
-    from django.views.defaults import server_error as default
-
-    return default(request)
+    return defaults.server_error(request)
 
 
 def bad_request(request, exception=None):
     """Django-level 400s (an unknown Host header, a malformed request) under /api/ as problem details."""
     if request.path.startswith("/api/"):
         return json_problem_view(400, "bad-request", "The request is malformed or its Host is not allowed.")(request)
-    from django.views.defaults import bad_request as default
-
-    return default(request, exception)
+    return defaults.bad_request(request, exception)
 
 
 def forbidden(request, exception=None):
     if request.path.startswith("/api/"):
         return json_problem_view(403, "permission_denied", "Forbidden.")(request)
-    from django.views.defaults import permission_denied
-
-    return permission_denied(request, exception)
+    return defaults.permission_denied(request, exception)
 

@@ -12,10 +12,13 @@ from datetime import UTC, timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from rest_framework import exceptions, parsers
+from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 
+from agents.protocol import ProtocolError, parse
 from core.models import ApiToken, IdempotencyRecord
 from core.problems import Unprocessable
 
@@ -77,10 +80,6 @@ def parse_wire(message_class, request):
     The agent and the hooks build their messages from the same classes, so the two ends agree
     by construction; a mismatch is a 400 naming the field.
     """
-    from rest_framework.exceptions import ValidationError
-
-    from agents.protocol import ProtocolError, parse
-
     try:
         return parse(message_class, request.data)
     except ProtocolError as exc:
@@ -90,8 +89,6 @@ def parse_wire(message_class, request):
 def choices_param(params, name: str, allowed) -> list[str] | None:
     """A comma-separated filter of enum values (``?state=running,paused``); an unknown value is a 400
     naming it, never an empty page that looks like "nothing matched"."""
-    from rest_framework.exceptions import ValidationError
-
     raw = params.get(name)
     if raw is None or raw == "":
         return None
@@ -104,8 +101,6 @@ def choices_param(params, name: str, allowed) -> list[str] | None:
 
 def int_param(params, name: str, *, minimum: int = 0, required: bool = False) -> int | None:
     """An integer query parameter; anything else is a 400 naming the parameter."""
-    from rest_framework.exceptions import ValidationError
-
     raw = params.get(name)
     if raw is None or raw == "":
         if required:
@@ -136,9 +131,6 @@ def parse_int(raw: str) -> int | None:
 
 def datetime_param(params, name: str):
     """An ISO 8601 timestamp filter (``?since=2026-11-30T18:00:00Z``)."""
-    from django.utils.dateparse import parse_datetime
-    from rest_framework.exceptions import ValidationError
-
     raw = params.get(name)
     if raw is None or raw == "":
         return None
@@ -162,7 +154,6 @@ class JSONParser(parsers.JSONParser):
     - NUL characters (no PostgreSQL text or jsonb value can hold one) and lone UTF-16 surrogates
       (``"\\udb8e"`` is valid JSON, but no UTF-8), anywhere in the body, keys included.
     """
-
     def parse(self, stream, media_type=None, parser_context=None):
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:

@@ -9,6 +9,8 @@ class CoreConfig(AppConfig):
     name = "core"
 
     def ready(self):
+        # At ready(), not at the top: both import auth's Group and Permission (schema through core.roles),
+        # and models need the app registry loaded.
         from core import schema  # noqa: F401  (registers the token auth scheme with drf-spectacular)
         from core.roles import ensure_roles
 

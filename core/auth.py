@@ -12,6 +12,7 @@ import functools
 import ipaddress
 
 from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
 from django.core.cache import cache
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions, throttling
@@ -116,8 +117,6 @@ class TokenAuthentication(authentication.BaseAuthentication):
         # Avoid a write per request: refresh the last-use stamp at most once a minute.
         if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
             ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
-        from django.contrib.auth.models import AnonymousUser
-
         return (token.user or AnonymousUser(), token)
 
     def authenticate_header(self, request):

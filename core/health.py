@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from django.conf import settings
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
@@ -46,6 +48,7 @@ def _migrations() -> str:
 
 def _broker() -> str:
     if settings.REDIS_URL:
+        # Only a Redis deployment probes it: the embedded broker's processes never load the client.
         import redis
 
         try:
@@ -54,6 +57,4 @@ def _broker() -> str:
         except Exception as exc:  # noqa: BLE001
             return f"error: {type(exc).__name__}"
     folder = settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]
-    import os
-
     return "ok" if os.access(folder, os.W_OK) else "error: broker folder not writable"

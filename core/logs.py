@@ -10,6 +10,8 @@ from __future__ import annotations
 import inspect
 import logging
 
+from celery import current_task
+
 from agents.jsonlog import JsonFormatter
 
 #: task parameter name -> log field
@@ -36,10 +38,6 @@ def task_ids(task) -> dict:
 
 class ControlPlaneJsonFormatter(JsonFormatter):
     def extra_context(self, record: logging.LogRecord) -> dict:
-        try:
-            from celery import current_task
-        except ImportError:  # pragma: no cover - celery is part of the server extra
-            return {}
         task = current_task
         if not task:
             return {}

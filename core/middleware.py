@@ -9,6 +9,7 @@ from django.http import JsonResponse
 from django.urls import Resolver404, resolve
 
 from agents.jsonlog import start_context
+from core.problems import CONTENT_TYPE, problem
 
 #: URL keyword -> log field, by the prefix of the route's name
 _ROUTE_IDS = {"job": "job", "incident": "incident", "checkpoint": "checkpoint", "node": "node", "agent": "node"}
@@ -128,7 +129,5 @@ def _nul_parameter(request) -> str | None:
 
 
 def _problem(request, status: int, title: str, code: str, detail: str, errors=None):
-    from core.problems import CONTENT_TYPE, problem
-
     body = problem(status, title, detail, code=code, instance=request.path, errors=errors)
     return JsonResponse(body, status=status, content_type=CONTENT_TYPE)

@@ -7,6 +7,7 @@ shape for validation errors, auth failures, conflicts, unknown routes and server
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, JsonResponse
@@ -94,8 +95,6 @@ def exception_handler(exc, context):
 
 
 def _title(status_code: int) -> str:
-    from http import HTTPStatus
-
     try:
         return HTTPStatus(status_code).phrase
     except ValueError:

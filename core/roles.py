@@ -7,6 +7,9 @@ permissions are kept in sync after every migrate, so a deployment never drifts f
 
 from __future__ import annotations
 
+from django.contrib.auth.models import Group, Permission
+from django.db.models import Q
+
 VIEW = "view"
 LAUNCH = "launch"
 OPERATE = "operate"
@@ -51,9 +54,6 @@ SCOPE_CAPABILITIES = {
 
 def ensure_roles(sender=None, **kwargs) -> None:
     """Create or update the role groups (idempotent; runs after every ``migrate``)."""
-    from django.contrib.auth.models import Group, Permission
-    from django.db.models import Q
-
     for role, perms in ROLE_PERMISSIONS.items():
         query = Q(pk__in=[])
         for perm in perms:
