@@ -11,7 +11,7 @@ module only gathers its inputs:
 - peak: per node of that generation, ``labels['peak_tflops']`` (per accelerator), else the GPU
   table by NVML name, else — CPU jobs and nodes without GPUs — ``CPU_PEAK_TFLOPS``, times the
   job's processes per node;
-- downtime ratio and cost: ``jobs.services.goodput_of``. Downtime is what faults cost in wall
+- downtime ratio and cost: ``jobs.goodput.goodput_of``. Downtime is what faults cost in wall
   time (detection + restart + paused); cost spreads the price of the job's accelerators
   (``PoolPrice`` by ``Node.labels['pool']``, else the settings) over the whole goodput split.
 """
@@ -121,7 +121,7 @@ def snapshot(job, goodput=None) -> dict:
     shows and what a metrics exporter can publish as gauges. ``goodput``: the job's
     ``goodput_of`` result when the caller has it already (it is the expensive part)."""
     from alerts.models import EfficiencyTarget
-    from jobs.services import goodput_of
+    from jobs.goodput import goodput_of
 
     target = EfficiencyTarget.objects.filter(job=job).first()
     facts = model_facts(job)

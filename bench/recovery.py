@@ -476,7 +476,7 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                "first_step_reported_s", "recovery_s", "first_step_received_s")
     from torch.distributed.constants import default_pg_timeout
 
-    from jobs import services
+    from jobs import progress
 
     details = {
         "crash": {
@@ -514,8 +514,8 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                                 f"(agents receive stop/launch commands on heartbeats), sweep every {opts.sweep_s} s, "
                                 "a stop command's SIGTERM grace 10 s (the orchestrator's default), "
                                 "restart backoff 0 s (the default for a job's first restart)",
-                  "default_progress_timeout": f"max({services.PROGRESS_TIMEOUT_FLOOR_S} s, "
-                                              f"{services.PROGRESS_TIMEOUT_STEPS} x median step time)",
+                  "default_progress_timeout": f"max({progress.PROGRESS_TIMEOUT_FLOOR_S} s, "
+                                              f"{progress.PROGRESS_TIMEOUT_STEPS} x median step time)",
                   "torchrun": "python -m torch.distributed.run --nproc-per-node=2 --standalone --max-restarts=3 "
                               "(monitor interval 0.1 s), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
                   "first_step": "first --log-samples line of the resumed run, seen by a 20 ms poll (both systems)",

@@ -53,7 +53,7 @@ class NightwatchCollector:
     """One scrape = a handful of queries over jobs, incidents, nodes, GPUs and checkpoints."""
 
     def collect(self):
-        from jobs.services import goodput_of
+        from jobs.goodput import goodput_of
 
         started = time.monotonic()
         now = timezone.now()
@@ -83,7 +83,7 @@ class NightwatchCollector:
 
     def _jobs(self, reported, goodputs):
         from jobs.choices import JobState
-        from jobs.goodput import KINDS
+        from jobs.goodput_math import KINDS
         from jobs.models import Job
 
         by_state = dict(Job.objects.values_list("state").annotate(n=Count("pk")))

@@ -2,7 +2,7 @@
 
 Each function returns the context of one page section; ``dashboard.sections`` renders them. The
 query counts are bounded (one query per table per section, never one per row, except goodput,
-which ``jobs.services.goodput_of`` computes per job for the jobs shown).
+which ``jobs.goodput.goodput_of`` computes per job for the jobs shown).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from checkpoints.models import Checkpoint
 from checkpoints.services import lineage_tree
 from core.models import Event
 from jobs.choices import IncidentState, JobState
+from jobs.goodput import goodput_of
 from jobs.models import Generation, Incident, Job, StepMetric
-from jobs.services import goodput_of
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node
 

@@ -1,76 +1,63 @@
-"""Goodput accounting: how much of a job's wall time was productive, and where the rest went.
-
-ETTR (effective training time ratio) = productive training time / wall time. Badput is split
-into the kinds an operator can act on:
-
-- ``startup``: launch of the first generation until its first step;
-- ``detection``: from a fault to its detection;
-- ``restart``: from detection to the first step of the resumed generation (quiesce, relaunch,
-  restore); a pause waiting for a human is counted apart as ``paused``;
-- ``lost_work``: steps trained after the last checkpoint and redone after the restore;
-- ``checkpoint_stall``: time training was blocked by checkpoint saves.
-
-Everything is computed from recorded facts (incident timestamps, lost steps, checkpoint
-blocking times, step times), never from estimates. ``compute()`` is pure; ``jobs.services``
-gathers its inputs from the database.
-"""
+"""A job's goodput from what was recorded: ``goodput_of`` gathers the facts, ``jobs.goodput_math``
+(pure, type-checked) does the accounting."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
 from datetime import datetime
 
-KINDS = ("startup", "detection", "restart", "paused", "lost_work", "checkpoint_stall")
+from django.db.models import Sum
+from django.utils import timezone
+
+from checkpoints.models import Checkpoint
+from core.events import EventKind
+from core.models import Event
+from jobs.choices import JobState
+from jobs.goodput_math import Goodput, IncidentTimes, compute
+from jobs.models import Generation, Incident, Job
+from jobs.steps import recent_step_seconds
+
+#: How many of the newest steps the median step time (the price of a lost step) reads.
+STEP_SAMPLES = 200
 
 
-@dataclass(frozen=True)
-class IncidentTimes:
-    fault_at: datetime | None
-    detected_at: datetime
-    first_step_at: datetime | None  # None while recovery is still under way
-    lost_steps: int = 0
-    paused_s: float = 0.0  # time spent waiting for a human inside this incident
+def goodput_of(job: Job, *, now: datetime | None = None) -> Goodput:
+    """The job's ETTR and badput by kind, from recorded facts (``jobs.goodput_math.compute``).
 
-
-@dataclass(frozen=True)
-class Goodput:
-    wall_s: float
-    productive_s: float
-    badput_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ettr(self) -> float:
-        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def compute(*, started_at: datetime, now: datetime, first_step_at: datetime | None,
-            incidents: list[IncidentTimes], median_step_s: float, checkpoint_blocking_s: float) -> Goodput:
-    """Split ``now - started_at`` into productive time and badput by kind.
-
-    1. Startup runs until the first step (or until now, if none yet).
-    2. Each incident costs detection (fault → detected) and restart (detected → first step of
-       the next generation, or now), less the time it sat paused for a human, counted apart.
-    3. Lost work is lost steps × the median step time.
-    4. Checkpoint stalls are the summed blocking time of saves.
-    Productive time is what is left, never below zero.
+    Wall time runs from the first generation's start to now (or to the end of a finished job);
+    paused time inside an incident is taken from the job's ``paused`` state events.
     """
-    wall = max(0.0, (now - started_at).total_seconds())
-    bad = dict.fromkeys(KINDS, 0.0)
-    # A first generation that never trained counts as startup only until its first fault.
-    startup_end = first_step_at or min([i.fault_at or i.detected_at for i in incidents] + [now])
-    bad["startup"] = _span(started_at, startup_end)
-    for incident in incidents:
-        if incident.fault_at is not None:
-            bad["detection"] += _span(incident.fault_at, incident.detected_at)
-        recovery = _span(incident.detected_at, incident.first_step_at or now)
-        paused = min(incident.paused_s, recovery)
-        bad["paused"] += paused
-        bad["restart"] += recovery - paused
-        bad["lost_work"] += incident.lost_steps * median_step_s
-    bad["checkpoint_stall"] = checkpoint_blocking_s
-    productive = max(0.0, wall - sum(bad.values()))
-    return Goodput(wall_s=wall, productive_s=productive, badput_s=bad)
+    first = Generation.objects.filter(job=job).order_by("number").first()
+    if first is None:
+        return Goodput(wall_s=0.0, productive_s=0.0, badput_s={})
+    end = job.state_changed_at if job.is_terminal else (now or timezone.now())
+    paused = _paused_spans(job, end)
+    incidents = [
+        IncidentTimes(fault_at=i.fault_at, detected_at=i.detected_at, first_step_at=i.first_step_at,
+                      lost_steps=i.lost_steps,
+                      paused_s=sum(_overlap(span, (i.detected_at, i.first_step_at or end)) for span in paused))
+        for i in Incident.objects.filter(job=job).exclude(decision="alert")
+    ]
+    step_times = recent_step_seconds(job, limit=STEP_SAMPLES)
+    blocking = Checkpoint.objects.filter(job=job).aggregate(s=Sum("blocking_s"))["s"] or 0.0
+    return compute(started_at=first.started_at, now=end, first_step_at=first.first_step_at, incidents=incidents,
+                   median_step_s=statistics.median(step_times) if step_times else 0.0,
+                   checkpoint_blocking_s=blocking)
 
 
-def _span(start: datetime, end: datetime) -> float:
-    return max(0.0, (end - start).total_seconds())
+def _paused_spans(job: Job, end: datetime) -> list[tuple[datetime, datetime]]:
+    """(entered, left) of every stay in ``paused``, from the state events."""
+    spans, entered = [], None
+    for event in Event.objects.filter(job=job, kind=EventKind.JOB_STATE).order_by("created_at", "pk"):
+        if event.new_state == JobState.PAUSED and entered is None:
+            entered = event.created_at
+        elif event.old_state == JobState.PAUSED and entered is not None:
+            spans.append((entered, event.created_at))
+            entered = None
+    if entered is not None:
+        spans.append((entered, end))
+    return spans
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    return max(0.0, (min(a[1], b[1]) - max(a[0], b[0])).total_seconds())

@@ -17,8 +17,6 @@ processes are gone — one active generation, always.
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 from datetime import timedelta
 
 from django.conf import settings
@@ -33,7 +31,10 @@ from jobs.choices import Decision, IncidentState, JobState
 from jobs.launching import candidates, end_generations, spec_hash, start_generation
 from jobs.models import Generation, Incident, Job, StepMetric
 from jobs.policies import RecoveryPolicy
-from jobs.services import PROGRESS_WATCHED
+from nodes import services as node_services
+from nodes import transports
+from nodes.choices import Health
+from nodes.models import Node
 
 log = logging.getLogger(__name__)
 SYSTEM = "system:orchestrator"
@@ -75,8 +76,6 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
         )
         blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
         if blamed:
-            from nodes.models import Node
-
             incident.nodes.set(Node.objects.filter(hostname__in=blamed))
         record_event(EventKind.INCIDENT_OPEN, actor=actor, job=job, generation=generation,
                      reason=decision.reason, evidence={"incident": incident.pk, "decision": decision.action})
@@ -92,9 +91,6 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
 
 
 def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> policy.Evidence:
-    from nodes.choices import Health
-    from nodes.models import Node
-
     rp = RecoveryPolicy.of(job)
     window_start = timezone.now() - timedelta(minutes=rp.window_minutes)
     if job.breaker_reset_at and job.breaker_reset_at > window_start:
@@ -135,17 +131,12 @@ def _jsonable(evidence: dict) -> dict:
 
 
 def _drain(hostnames, incident: Incident, *, actor: str) -> None:
-    from nodes import services as node_services
-    from nodes.models import Node
-
     for node in Node.objects.filter(hostname__in=hostnames):
         node_services.drain_node(node, actor=actor, reason=f"incident {incident.pk}: {incident.classification}")
 
 
 def _blame_lemons(incident: Incident, *, actor: str) -> None:
     """A node blamed in repeated incidents (any job) inside the window is kept out until cleared."""
-    from nodes import services as node_services
-
     since = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["LEMON_WINDOW_S"])
     for node in incident.nodes.all():
         node_services.blame_node(node, actor=actor, reason=f"incident {incident.pk}")
@@ -179,8 +170,6 @@ HUNG_GRACE_S = 2.0
 def stop_generation(job: Job, *, reason: str, grace_s: float = 10.0) -> None:
     """Queue a stop of the current generation on each of its nodes that has not confirmed yet,
     through the nodes' transport (stop commands to agents, or ``scancel`` of the Slurm job)."""
-    from nodes import transports
-
     generation = Generation.objects.filter(job=job, number=job.generation).first()
     if generation is None:
         return
@@ -266,6 +255,8 @@ def _move(job: Job, new_state: str, actor: str, reason: str, **fields) -> bool:
 
 
 def _advance_later(job_id: int) -> None:
+    # Deferred: jobs.tasks sits above the orchestrator (its tasks run these functions) and imports
+    # this module at its top, so importing it here at module level would be a cycle.
     from jobs.tasks import advance_job
 
     advance_job.delay(job_id)
@@ -301,44 +292,7 @@ def resolve_incident(incident: Incident, *, now, actor: str, reason: str, **outc
 
 
 # --- periodic one-shots (beat, tests and management commands call the same functions) ---------
-
-def expire_one_progress_deadline() -> bool:
-    """The first job past its progress deadline is reported as hung; returns whether one was.
-    Nothing is while the fleet is silent: the reports may be stuck on our side (see
-    ``nodes.services.silence``)."""
-    from nodes.services import silence
-
-    if silence.held():
-        return False
-    job = (Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=timezone.now())
-           .order_by("progress_deadline").first())
-    if job is None:
-        return False
-    steps = dict(StepMetric.objects.filter(job=job, generation=job.generation).values("rank")
-                 .annotate(last=Max("step")).values_list("rank", "last"))
-    incident = report_fault(job.pk, policy.HANG, generation=job.generation, rank_steps=steps,
-                            step_tolerance=_report_lag_steps(job),
-                            fault_at=job.last_step_at or job.state_changed_at,
-                            detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
-    if incident is None:  # fenced off: clear the deadline so we do not spin on it
-        Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
-    return True
-
-
-#: How often the hooks flush their reports (agents.hooks.reporter's default flush interval).
-HOOKS_FLUSH_S = 1.0
-
-
-def _report_lag_steps(job: Job) -> int:
-    """How many steps apart two ranks of one synchronous job can *appear* only because each
-    reports in batches: one collective, plus the steps that fit in a flush interval."""
-    phases = StepMetric.objects.filter(job=job, generation=job.generation, rank=0).order_by("-step") \
-        .values_list("phases", flat=True)[:50]
-    step_times = [sum(p.values()) for p in phases if p]
-    if not step_times:
-        return 1
-    return 1 + math.ceil(HOOKS_FLUSH_S / max(statistics.median(step_times), 1e-3))
-
+# (the hang sweep's is jobs.progress.expire_one_progress_deadline)
 
 def start_one_pending() -> bool:
     """Try to place the pending job that has waited longest; returns whether one was launched."""
@@ -391,8 +345,6 @@ def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> No
 
 def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
     """A node turned unhealthy or unreachable: every live generation on it is affected."""
-    from nodes.choices import Health
-
     signal = {Health.UNHEALTHY: policy.NODE_UNHEALTHY, Health.UNREACHABLE: policy.NODE_UNREACHABLE}.get(new_health)
     if signal is None:
         return

@@ -1,4 +1,6 @@
-"""Celery tasks of the jobs app: thin wrappers that take primary keys and call the orchestrator.
+"""Celery tasks of the jobs app: thin wrappers that take primary keys and call the orchestrator,
+the progress sweep or a verb. They sit above what they run, which enqueues them through a deferred
+import (a module-level one would be a cycle).
 
 Each is safe to run twice and returns quietly when its row is gone.
 """
@@ -9,7 +11,9 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator
+from jobs import checkpoint_interval, orchestrator, progress, services
+from jobs.choices import JobState
+from jobs.models import Job
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ def sweep() -> None:
     """Beat, every few seconds: hung generations, recoveries to finish or re-drive, and pending jobs
     that waited for nodes."""
     for _ in range(50):  # bounded: a poison row must not keep a worker busy forever
-        if not orchestrator.expire_one_progress_deadline():
+        if not progress.expire_one_progress_deadline():
             break
     for _ in range(50):
         if not orchestrator.advance_one_recovery():
@@ -47,8 +51,6 @@ def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
 
 @shared_task(ignore_result=True)
 def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
-    from jobs.models import Job
-
     job = Job.objects.filter(pk=job_id).first()
     if job is not None:
         orchestrator.handle_hook_flags(job, generation, nan=nan, spikes=spikes, inconsistent=inconsistent)
@@ -56,10 +58,6 @@ def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, incons
 
 @shared_task(ignore_result=True)
 def start_job_task(job_id: int, actor: str) -> None:
-    from jobs import services
-    from jobs.choices import JobState
-    from jobs.models import Job
-
     job = Job.objects.filter(pk=job_id, state=JobState.PENDING).first()
     if job is not None:
         services.start_job(job, actor=actor)

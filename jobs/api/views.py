@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from agents.protocol import dump
 from agents.protocol import hooks as hooks_protocol
+from checkpoints.models import Checkpoint
 from core import roles
 from core.api import (
     IDEMPOTENCY_HEADER,
@@ -24,7 +25,7 @@ from core.auth import actor_label
 from core.models import Event
 from core.problems import Conflict
 from core.schema import protocol_schema
-from jobs import services
+from jobs import ingest, services
 from jobs.api.access import require_hooks_caller
 from jobs.api.serializers import (
     ApproveSerializer,
@@ -40,6 +41,7 @@ from jobs.api.serializers import (
     RollbackSerializer,
 )
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
+from jobs.goodput import goodput_of
 from jobs.models import Generation, Incident, Job
 from jobs.state import TransitionError
 
@@ -147,7 +149,7 @@ class JobStatus(APIView):
             "needs_human": job.state == JobState.PAUSED, "pause_reason": job.pause_reason,
             "generation": job.generation, "restart_count": job.restart_count, "last_step": job.last_step,
             "last_step_at": job.last_step_at, "state_changed_at": job.state_changed_at,
-            "ettr": services.goodput_of(job).ettr,
+            "ettr": goodput_of(job).ettr,
             "open_incidents": incidents.filter(state=IncidentState.OPEN).count(),
             "recent_incidents": IncidentSummarySerializer(incidents[:5], many=True).data,
         }).data)
@@ -186,12 +188,12 @@ class JobReports(APIView):
             raise ValidationError({"job": [f"the batch is for job {batch.job!r}, the URL for job {job.pk}"]})
         require_hooks_caller(request, job, batch.generation)
         try:
-            result = services.record_reports(job, batch, actor=actor_label(request))
+            result = ingest.record_reports(job, batch, actor=actor_label(request))
         except TransitionError as exc:
             raise Conflict(str(exc)) from exc
         job.refresh_from_db()
         answer = hooks_protocol.ReportsAccepted(accepted=result.accepted, duplicates=result.duplicates,
-                                                control=services.control_for(job, batch.generation))
+                                                control=ingest.control_for(job, batch.generation))
         return Response(dump(answer), status=status.HTTP_202_ACCEPTED)
 
 
@@ -210,7 +212,7 @@ class JobControl(APIView):
         require_hooks_caller(request, job)
         generation = int_param(request.query_params, "generation", required=True)
         require_hooks_caller(request, job, generation)
-        return Response(dump(services.control_for(job, generation)))
+        return Response(dump(ingest.control_for(job, generation)))
 
 
 class _Action(APIView):
@@ -269,8 +271,6 @@ class JobRollback(_Action):
     serializer_class = RollbackSerializer
 
     def perform(self, job, data, actor):
-        from checkpoints.models import Checkpoint
-
         checkpoint = Checkpoint.objects.filter(pk=data["checkpoint"], job=job).first()
         if checkpoint is None:
             raise ValidationError({"checkpoint": [f"job {job.pk} has no checkpoint {data['checkpoint']}"]})
@@ -330,7 +330,7 @@ class JobGoodput(APIView):
 
     @extend_schema(responses={200: GoodputSerializer})
     def get(self, request, pk):
-        result = services.goodput_of(get_object_or_404(Job, pk=pk))
+        result = goodput_of(get_object_or_404(Job, pk=pk))
         return Response(GoodputSerializer({"ettr": result.ettr, "wall_s": result.wall_s,
                                            "productive_s": result.productive_s,
                                            "badput_s": result.badput_s}).data)

@@ -129,7 +129,7 @@ def watch(now: datetime | None = None) -> bool:
 def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
     """Contact is back: deadlines that ran out while nobody could reach us start over."""
     from jobs.models import Job
-    from jobs.services import PROGRESS_WATCHED
+    from jobs.progress import PROGRESS_WATCHED
 
     grace = heartbeat_timeout()
     with transaction.atomic():

@@ -13,8 +13,9 @@ from agents.protocol.hooks import ReportBatch, StepReport
 from alerts import efficiency
 from alerts.choices import AlertState
 from alerts.models import Alert, EfficiencyTarget, PoolPrice
-from jobs import orchestrator, services
+from jobs import ingest, orchestrator, services
 from jobs.choices import JobState
+from jobs.goodput import goodput_of
 from jobs.models import Job, TrainingEvent
 
 pytestmark = pytest.mark.django_db
@@ -45,7 +46,7 @@ def model_event(job):
 def report(job, steps, step_s: float) -> None:
     """Both ranks report ``steps``, each taking ``step_s`` by the hooks' phase timings."""
     job.refresh_from_db()
-    services.record_reports(job, ReportBatch(job=str(job.pk), generation=job.generation, reports=[
+    ingest.record_reports(job, ReportBatch(job=str(job.pk), generation=job.generation, reports=[
         StepReport(job=str(job.pk), generation=job.generation, rank=rank, step=step, loss=2.0, grad_norm=1.0,
                    world_size=2, data_cursor=8 * step, samples=4, tokens=TOKENS_PER_RANK,
                    phases={"input": 0.01, "compute": step_s - 0.03, "optimizer": 0.02, "checkpoint": 0.0},
@@ -142,7 +143,7 @@ def test_cost_and_wasted_cost_add_up_to_the_badput_breakdown(job, cast, settings
     time_machine.move_to(timezone.now() + timedelta(seconds=300), tick=False)
 
     figures = efficiency.snapshot(job)
-    goodput = services.goodput_of(job)
+    goodput = goodput_of(job)
     cost = figures["cost"]
     rate = 2 * 1.5  # two processes on a node of the 1.50/GPU-hour pool
     assert cost["rate_per_hour"] == rate

@@ -17,6 +17,7 @@ from alerts.choices import AlertState
 from alerts.models import Alert, EfficiencyTarget
 from examples.train import TinyLM
 from jobs import services
+from jobs.ingest import record_reports
 from jobs.models import Job
 from tests.hooks.conftest import ControlPlaneStub, torchrun
 
@@ -48,7 +49,7 @@ def run_example(job, tmp_path, *extra: str) -> ControlPlaneStub:
 def ingest(job, stub: ControlPlaneStub) -> None:
     """What the real control plane does with what the hooks sent."""
     for body in stub.received:
-        services.record_reports(job, parse(ReportBatch, body), actor="node:gpu-01")
+        record_reports(job, parse(ReportBatch, body), actor="node:gpu-01")
 
 
 def launched_job(name: str) -> Job:

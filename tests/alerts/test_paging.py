@@ -16,7 +16,7 @@ from agents.protocol.hooks import ReportBatch, StepReport
 from alerts import signing
 from alerts.choices import AlertState, DeliveryState
 from alerts.models import Alert, Delivery
-from jobs import orchestrator, services
+from jobs import ingest, orchestrator, services
 from jobs.choices import IncidentState, JobState
 from jobs.models import Incident, Job
 from tests.alerts.conftest import PD_ROUTING_KEY, WEBHOOK_SECRET
@@ -41,7 +41,7 @@ def job(cast, eager_celery, django_capture_on_commit_callbacks):
 
 def report_step(job, step: int) -> None:
     job.refresh_from_db()
-    services.record_reports(job, ReportBatch(job=str(job.pk), generation=job.generation, reports=[
+    ingest.record_reports(job, ReportBatch(job=str(job.pk), generation=job.generation, reports=[
         StepReport(job=str(job.pk), generation=job.generation, rank=rank, step=step, loss=2.0, grad_norm=1.0,
                    world_size=2, data_cursor=8 * step, samples=4, tokens=256, phases={"compute": 0.1},
                    time=time.time()) for rank in (0, 1)]), actor="test")

@@ -20,7 +20,7 @@ def _started(job):
 
 
 def _reports(job, steps, *, slow_rank=None, world=4, **flags):
-    from jobs import services
+    from jobs import ingest
 
     batch = wire.ReportBatch(job=str(job.pk), generation=job.generation, reports=[
         wire.StepReport(job=str(job.pk), generation=job.generation, rank=rank, step=step, loss=2.0, grad_norm=1.0,
@@ -29,7 +29,7 @@ def _reports(job, steps, *, slow_rank=None, world=4, **flags):
                         spike=step in flags.get("spikes", ()), skipped=step in flags.get("skipped", ()),
                         time=time.time())
         for step in steps for rank in range(world)])
-    services.record_reports(job, batch, actor="node:gpu-01")
+    ingest.record_reports(job, batch, actor="node:gpu-01")
 
 
 def test_rank_skew_flags_the_straggler_and_splits_the_phases(cast):

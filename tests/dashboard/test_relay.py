@@ -39,12 +39,12 @@ class Sent(list):
 
 def test_reports_and_events_reach_the_job_and_cluster_groups(running_job, cast):
     from dashboard.relay import Relay
-    from jobs import services
+    from jobs import ingest
     from nodes.services import drain_node
 
     relay, sent = Relay(min_gap_s=0, lease=False), Sent()
     relay.mark_now()
-    services.record_reports(running_job, report_batch(running_job, [1, 2, 3], spike_at={2}), actor="node:gpu-01")
+    ingest.record_reports(running_job, report_batch(running_job, [1, 2, 3], spike_at={2}), actor="node:gpu-01")
     drain_node(cast.node2, actor="user:otto", reason="fan")
     relay.collect()
     async_to_sync(relay.flush)(sent)
@@ -63,12 +63,12 @@ def test_reports_and_events_reach_the_job_and_cluster_groups(running_job, cast):
 
 def test_a_fast_reporter_is_coalesced_to_a_few_messages_a_second(running_job):
     from dashboard.relay import Relay
-    from jobs import services
+    from jobs import ingest
 
     relay, sent = Relay(min_gap_s=0.25, lease=False), Sent()
     relay.mark_now()
     for step in range(1, 11):  # ten report batches within a tenth of a second
-        services.record_reports(running_job, report_batch(running_job, [step], ranks=(0,)), actor="node:gpu-01")
+        ingest.record_reports(running_job, report_batch(running_job, [step], ranks=(0,)), actor="node:gpu-01")
         relay.collect()
         async_to_sync(relay.flush)(sent, now=1000 + step / 100)
     job_messages = [m for g, m in sent if g == f"job.{running_job.pk}"]

@@ -12,7 +12,7 @@ import time_machine
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
-from jobs import services, state
+from jobs import ingest, progress, state
 from jobs.choices import JobState
 from jobs.models import Generation, Job, StepMetric, TrainingEvent
 
@@ -113,9 +113,9 @@ def test_an_event_that_loses_the_race_with_a_new_generation_moves_nothing(cast):
         launched(cast, progress_timeout_s=10)
         batch = hooks_protocol.ReportBatch(job=str(cast.job.pk), generation=old, events=[
             hooks_protocol.Event(**event(cast.job, old, "resumed"))])
-        services.record_reports(as_read, batch, actor="test")
+        ingest.record_reports(as_read, batch, actor="test")
         assert deadline(cast.job) == T0 + timedelta(seconds=180)
-        assert not services.end_startup(as_read, old, timezone.now())
+        assert not progress.end_startup(as_read, old, timezone.now())
 
 
 @pytest.mark.django_db
@@ -161,4 +161,4 @@ def test_without_any_step_history_the_default_progress_timeout_applies(cast, api
     with time_machine.travel(T0, tick=False):
         number = launched(cast)
         post(api, cast, number, [event(cast.job, number, "model")])
-        assert deadline(cast.job) == T0 + timedelta(seconds=services.DEFAULT_PROGRESS_TIMEOUT_S)
+        assert deadline(cast.job) == T0 + timedelta(seconds=progress.DEFAULT_PROGRESS_TIMEOUT_S)

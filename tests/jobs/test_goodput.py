@@ -1,6 +1,6 @@
 from datetime import UTC, datetime, timedelta
 
-from jobs.goodput import IncidentTimes, compute
+from jobs.goodput_math import IncidentTimes, compute
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

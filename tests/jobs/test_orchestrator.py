@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from jobs import orchestrator, services
 from jobs.choices import IncidentState, JobState
+from jobs.goodput import goodput_of
 from jobs.models import Event, Generation, Incident, Job
 from nodes.models import NodeCommand
 
@@ -237,7 +238,7 @@ def test_the_resumed_first_step_records_lost_work_and_goodput_adds_up(cast, job,
     orchestrator.record_first_step(job, 2)  # a later batch of the same generation: resolved once, logged once
     assert Event.objects.filter(kind="incident.resolved").count() == 1
 
-    g = services.goodput_of(Job.objects.get(pk=job.pk), now=timezone.now() + timedelta(seconds=60))
+    g = goodput_of(Job.objects.get(pk=job.pk), now=timezone.now() + timedelta(seconds=60))
     assert g.badput_s["lost_work"] == pytest.approx(30 * 0.1)
     assert sum(g.badput_s.values()) + g.productive_s == pytest.approx(g.wall_s)
     assert 0 < g.ettr < 1

@@ -9,7 +9,7 @@ import pytest
 import time_machine
 from django.utils import timezone
 
-from jobs import orchestrator, services
+from jobs import ingest, orchestrator, services
 from jobs.launching import startup_timeout_s
 from jobs.models import Generation, Job
 
@@ -110,7 +110,7 @@ def test_a_relaunch_gets_a_deadline_from_the_jobs_first_start(cast, nightwatch):
         clock.shift(12)
         from agents.protocol import hooks as hooks_protocol
 
-        services.record_reports(job, hooks_protocol.ReportBatch(job=str(job.pk), generation=1, reports=[
+        ingest.record_reports(job, hooks_protocol.ReportBatch(job=str(job.pk), generation=1, reports=[
             hooks_protocol.StepReport(job=str(job.pk), generation=1, rank=0, step=1, loss=2.0, grad_norm=1.0,
                                       world_size=2, data_cursor=8, samples=4, time=timezone.now().timestamp())]),
             actor="test")

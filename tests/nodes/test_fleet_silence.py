@@ -9,7 +9,7 @@ import time_machine
 from django.utils import timezone
 
 from core.events import EventKind
-from jobs import orchestrator
+from jobs import progress
 from jobs.models import Event, Job
 from nodes import services, tasks
 from nodes.choices import Health
@@ -92,7 +92,7 @@ def test_contact_restored_restarts_the_deadlines_that_ran_out_meanwhile(fleet, c
         clock.shift(7)
         assert tasks.expire_heartbeats() == 0  # all three silent: hold
         clock.shift(20)
-        assert orchestrator.expire_one_progress_deadline() is False  # the job's deadline ran out: held
+        assert progress.expire_one_progress_deadline() is False  # the job's deadline ran out: held
         beat(fleet[0])  # the API is back: one agent gets through first
         assert tasks.expire_heartbeats() == 0
         assert transitions() == ["silent", "restored"]

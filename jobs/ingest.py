@@ -1,0 +1,125 @@
+"""What the training hooks report (``POST /jobs/{id}/reports``) and what they are told (``/control``).
+
+    batch ─▶ fence the generation ─▶ store new steps and events ─▶ progress (jobs.progress)
+                                                                └▶ flags (NaN, spike run, disagreement)
+                                                                   ─▶ jobs.tasks.handle_flags ─▶ orchestrator
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.db import transaction
+from django.db.models import IntegerField, Max
+from django.db.models.functions import Cast
+from django.utils import timezone
+
+from agents.protocol import hooks as hooks_protocol
+from checkpoints.policies import CheckpointPolicy
+from jobs import progress, state
+from jobs.choices import JobState
+from jobs.models import Job, StepMetric, TrainingEvent
+from jobs.policies import RecoveryPolicy
+from jobs.tasks import handle_flags
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+
+
+def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -> IngestResult:
+    """Store a batch of step reports and hook events; advance the job's progress marks.
+
+    1. Refuse a stale generation (the fencing token), and every generation of a job that ended.
+    2. Insert what is new; (job, generation, rank, step) and (job, generation, key) already stored
+       are duplicates of a replay and are counted, not stored again.
+    3. Move the progress deadline, and mark the generation's first step (a generation that
+       reports its first step is running); hand what the hooks flagged to the orchestrator.
+    """
+    state.check_live(job, batch.generation)
+    now = timezone.now()
+    with transaction.atomic():
+        reports = {(r.rank, r.step): r for r in batch.reports}
+        known = set(
+            StepMetric.objects.filter(job=job, generation=batch.generation, step__in={s for _, s in reports})
+            .values_list("rank", "step")
+        )
+        fresh = [r for key, r in reports.items() if key not in known]
+        StepMetric.objects.bulk_create(
+            [_step_metric(job, r, now) for r in fresh], ignore_conflicts=True, batch_size=500
+        )
+        events = {e.key: e for e in batch.events}
+        known_keys = set(
+            TrainingEvent.objects.filter(job=job, generation=batch.generation, key__in=list(events))
+            .values_list("key", flat=True)
+        )
+        fresh_events = [e for key, e in events.items() if key not in known_keys]
+        TrainingEvent.objects.bulk_create(
+            [TrainingEvent(job=job, generation=e.generation, rank=e.rank, step=e.step, kind=e.kind, key=e.key,
+                           message=e.message, detail=e.detail, reported_at=_utc(e.time), received_at=now)
+             for e in fresh_events],
+            ignore_conflicts=True,
+        )
+        if any(e.kind in progress.LOOP_STARTING_EVENTS for e in fresh_events):
+            progress.end_startup(job, batch.generation, now)
+        if fresh:
+            progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
+                                      now, actor=actor)
+            _raise_flags(job, batch.generation, fresh)
+    return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh))
+
+
+def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport]) -> None:
+    """Hand NaN, spike runs and cross-rank disagreements to the orchestrator (after commit)."""
+    nan = any(r.nan or not math.isfinite(r.loss) for r in fresh)
+    inconsistent = any(r.inconsistent for r in fresh)
+    spikes = 0
+    if any(r.spike for r in fresh):
+        # The run of consecutive spiking steps (any rank) that ends at the newest step.
+        flags = (StepMetric.objects.filter(job=job, generation=generation).values("step")
+                 .annotate(spiked=Max(Cast("spike", IntegerField()))).order_by("-step")
+                 .values_list("spiked", flat=True)[:1000])
+        for spiked in flags:
+            if not spiked:
+                break
+            spikes += 1
+    if nan or inconsistent or spikes >= RecoveryPolicy.of(job).loss_spike_limit:
+        detail = None
+        if inconsistent:
+            event = TrainingEvent.objects.filter(job=job, generation=generation, kind="inconsistency").last()
+            detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
+        transaction.on_commit(
+            lambda: handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail))
+
+
+def _step_metric(job: Job, r: hooks_protocol.StepReport, now: datetime) -> StepMetric:
+    finite = math.isfinite(r.loss)
+    return StepMetric(
+        job=job, generation=r.generation, rank=r.rank, step=r.step,
+        loss=r.loss if finite else None,
+        grad_norm=r.grad_norm if r.grad_norm is not None and math.isfinite(r.grad_norm) else None,
+        world_size=r.world_size, data_cursor=r.data_cursor, samples=r.samples, tokens=r.tokens,
+        phases=r.phases, skipped=r.skipped, spike=r.spike, nan=r.nan or not finite,
+        inconsistent=r.inconsistent, reported_at=_utc(r.time), received_at=now,
+    )
+
+
+def _utc(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, tz=UTC)
+
+
+def control_for(job: Job, generation: int) -> hooks_protocol.Control:
+    """What a running generation should do next (polled by the hooks). Stale: an older generation,
+    or any generation of a job that has ended (the hooks stop on it)."""
+    interval = job.recommended_interval_steps if CheckpointPolicy.of(job).interval == "auto" else None
+    return hooks_protocol.Control(
+        generation=job.generation,
+        stale=generation != job.generation or job.state in JobState.TERMINAL,
+        checkpoint_now=job.checkpoint_requested_at is not None,
+        pause=job.pause_requested_at is not None,
+        checkpoint_interval_steps=interval,
+    )
