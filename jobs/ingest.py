@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.db import transaction
-from django.db.models import IntegerField, Max
-from django.db.models.functions import Cast
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
-from jobs import progress, state
+from jobs import policy, progress, state
 from jobs.choices import JobState
 from jobs.models import Job, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
@@ -69,31 +67,34 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         if fresh:
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
                                       now, actor=actor)
-            _raise_flags(job, batch.generation, fresh)
+        _raise_flags(job, batch.generation, fresh, fresh_events)
     return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh))
 
 
-def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport]) -> None:
-    """Hand NaN, spike runs and cross-rank disagreements to the orchestrator (after commit)."""
+def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport],
+                 fresh_events: list[hooks_protocol.Event]) -> None:
+    """Hand NaN, spike runs and cross-rank disagreements to the orchestrator (after commit).
+
+    The spike run is the hooks' own count: each rank counts its consecutive spiking steps and sends
+    the count with every ``spike`` event (``detail.consecutive``); the longest run in the batch is
+    the one judged, by ``jobs.policy``.
+    """
     nan = any(r.nan or not math.isfinite(r.loss) for r in fresh)
     inconsistent = any(r.inconsistent for r in fresh)
-    spikes = 0
-    if any(r.spike for r in fresh):
-        # The run of consecutive spiking steps (any rank) that ends at the newest step.
-        flags = (StepMetric.objects.filter(job=job, generation=generation).values("step")
-                 .annotate(spiked=Max(Cast("spike", IntegerField()))).order_by("-step")
-                 .values_list("spiked", flat=True)[:1000])
-        for spiked in flags:
-            if not spiked:
-                break
-            spikes += 1
-    if nan or inconsistent or spikes >= RecoveryPolicy.of(job).loss_spike_limit:
+    spikes = max((_consecutive(e) for e in fresh_events if e.kind == "spike"), default=0)
+    if nan or inconsistent or policy.spike_run_pauses(spikes, RecoveryPolicy.of(job).loss_spike_limit):
         detail = None
         if inconsistent:
             event = TrainingEvent.objects.filter(job=job, generation=generation, kind="inconsistency").last()
             detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
         transaction.on_commit(
             lambda: handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail))
+
+
+def _consecutive(event: hooks_protocol.Event) -> int:
+    """The run length a ``spike`` event carries (1: the spike itself, from hooks that sent none)."""
+    count = event.detail.get("consecutive")
+    return count if isinstance(count, int) and count > 0 else 1
 
 
 def _step_metric(job: Job, r: hooks_protocol.StepReport, now: datetime) -> StepMetric:

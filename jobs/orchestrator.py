@@ -362,7 +362,7 @@ def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inco
         report_fault(job.pk, policy.NAN, generation=generation, detail={"last_step": job.last_step})
     elif inconsistent:
         report_fault(job.pk, policy.INCONSISTENCY, generation=generation, detail=inconsistent)
-    elif spikes >= RecoveryPolicy.of(job).loss_spike_limit:
+    elif spikes:  # a run the policy judged long enough (jobs.policy.spike_run_pauses)
         report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
                      detail={"last_step": job.last_step})
 

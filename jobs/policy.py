@@ -120,7 +120,7 @@ def _classify(ev: Evidence) -> Decision:
     if ev.signal == NAN:
         return Decision("numerical", "pause", "the loss became NaN/Inf", propose_rollback=True, page=True)
     if ev.signal == SPIKE:
-        if ev.consecutive_spikes >= ev.spike_limit:
+        if spike_run_pauses(ev.consecutive_spikes, ev.spike_limit):
             return Decision("numerical", "pause", propose_rollback=True, page=True,
                             reason=f"{ev.consecutive_spikes} consecutive loss spikes (limit {ev.spike_limit})")
         return Decision("numerical", "alert", f"loss spike ({ev.consecutive_spikes} in a row)")
@@ -156,6 +156,13 @@ def _classify(ev: Evidence) -> Decision:
                             reason=f"{', '.join(blamed)} unhealthy, no spare, and the job may not shrink")
         return Decision("crash", "restart", f"a rank exited ({_label(ev)})")
     raise ValueError(f"unknown signal {ev.signal!r}")
+
+
+def spike_run_pauses(consecutive_spikes: int, spike_limit: int) -> bool:
+    """Whether a run of consecutive loss spikes (as the hooks count them, on one rank) is long
+    enough to pause the job. The one place the limit is judged: the ingest asks it before handing
+    a spike run to the orchestrator, and ``decide`` asks it again of the evidence."""
+    return consecutive_spikes >= spike_limit
 
 
 def _repeats(ev: Evidence) -> bool:

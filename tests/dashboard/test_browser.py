@@ -63,17 +63,26 @@ class World:
         return page
 
     def report(self, job, steps, *, generation: int, node: str = "gpu-01", spike_at=(), skipped_at=()) -> float:
-        """POST step reports of both ranks through the API, as the hooks do; returns when it answered."""
+        """POST step reports of both ranks through the API, as the hooks do; returns when it answered.
+        Like the hooks, each rank sends a ``spike`` event with the run of spikes it counted."""
         from agents.protocol import dump
         from agents.protocol import hooks as wire
 
+        runs, run = {}, 0
+        for step in steps:
+            run = run + 1 if step in spike_at else 0
+            runs[step] = run
         batch = wire.ReportBatch(job=str(job.pk), generation=generation, reports=[
             wire.StepReport(job=str(job.pk), generation=generation, rank=rank, step=step,
                             loss=(9.0 if step in spike_at else 3.0 - step * 0.02) + rank * 0.01,
                             grad_norm=1.2 + (step % 3) * 0.1, world_size=2, data_cursor=step * 16, samples=8,
                             phases={"input": 0.01, "compute": 0.08 * (1.6 if rank == 1 else 1.0), "optimizer": 0.02},
                             spike=step in spike_at, skipped=step in skipped_at, time=time.time())
-            for step in steps for rank in (0, 1)])
+            for step in steps for rank in (0, 1)], events=[
+            wire.Event(job=str(job.pk), generation=generation, rank=rank, step=step, kind="spike",
+                       key=f"0:{rank}:{step}:spike:0", message=f"loss spike at step {step}",
+                       detail={"consecutive": runs[step]}, time=time.time())
+            for step in steps if step in spike_at for rank in (0, 1)])
         request = urllib.request.Request(  # noqa: S310 - the test's own server
             f"{self.cluster.url}/api/v1/jobs/{job.pk}/reports", data=json.dumps(dump(batch)).encode(), method="POST",
             headers={"Authorization": f"Bearer {self.agent_tokens[node]}", "Content-Type": "application/json"})
