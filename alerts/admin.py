@@ -1,4 +1,5 @@
-"""Admin: channels (with a test-send action), the alert log with its deliveries, targets and prices."""
+"""Admin: channels (with a test-send action), the alert log with its deliveries. Efficiency targets
+and pool prices are registered by the jobs app, which owns them."""
 
 from django import forms
 from django.contrib import admin
@@ -6,7 +7,7 @@ from django.contrib import admin
 from alerts import channels, services
 from alerts.choices import Action, ChannelKind
 from alerts.crypto import SecretUnreadable
-from alerts.models import Alert, Channel, Delivery, EfficiencyTarget, PoolPrice
+from alerts.models import Alert, Channel, Delivery
 
 
 class ChannelForm(forms.ModelForm):
@@ -94,6 +95,3 @@ class AlertAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False
 
-
-admin.site.register(EfficiencyTarget)
-admin.site.register(PoolPrice)

@@ -1,245 +1,27 @@
-"""The efficiency watch: MFU, GPU utilisation, downtime ratio and cost of a job, from recorded facts.
+"""The efficiency watch: MFU below the expected, GPU utilisation low while running, downtime high.
 
-``snapshot(job)`` returns plain numbers (for the API, the dashboard and the metrics exporter);
-``specs(job)`` turns them into alert specs. The arithmetic is ``alerts.efficiency_math``; this
-module only gathers its inputs:
-
-- parameters and FLOPs per token: the hooks' ``model`` event (``agents.hooks``), unless the job's
-  ``EfficiencyTarget`` overrides FLOPs per token;
-- tokens per step and step time: the step reports of the newest generation that trained (its
-  last ``WINDOW_STEPS`` steps; step time = median of rank 0's phase sums);
-- peak: per node of that generation, ``labels['peak_tflops']`` (per accelerator), else the GPU
-  table by NVML name, else — CPU jobs and nodes without GPUs — ``CPU_PEAK_TFLOPS``, times the
-  job's processes per node;
-- downtime ratio and cost: ``jobs.goodput.goodput_of``. Downtime is what faults cost in wall
-  time (detection + restart + paused); cost spreads the price of the job's accelerators
-  (``PoolPrice`` by ``Node.labels['pool']``, else the settings) over the whole goodput split.
+The figures are the jobs app's (``jobs.efficiency``); the alert specs are judged in
+``alerts.rules.efficiency_alerts``. This module applies them: per job, and for beat over every
+running job.
 """
 
 from __future__ import annotations
 
-import statistics
-from datetime import timedelta
-
-from django.conf import settings
-from django.db.models import Avg, Max, Sum
-from django.utils import timezone
-
-from alerts import efficiency_math as math_
-from alerts import messages
-from alerts.choices import Rule, Severity
-from alerts.rules import AlertSpec
+from alerts import rules
+from alerts.choices import AlertState
+from alerts.models import Alert
+from alerts.services import apply
 from jobs.choices import JobState
-
-#: Steps of the newest generation that make up "recent" throughput.
-WINDOW_STEPS = 50
-#: Fewer steps than this say nothing yet about a generation's speed.
-MIN_STEPS = 5
-#: Badput kinds that are downtime: the job was not training because of a fault.
-DOWNTIME_KINDS = ("detection", "restart", "paused")
-
-
-def settings_() -> dict:
-    return settings.NIGHTWATCH["EFFICIENCY"]
-
-
-def model_facts(job) -> dict:
-    """Parameters and FLOPs per token as the hooks last reported them (``model`` event)."""
-    from jobs.models import TrainingEvent
-
-    event = TrainingEvent.objects.filter(job=job, kind="model").order_by("-generation", "-reported_at").first()
-    return dict(event.detail) if event else {}
-
-
-def throughput(job) -> tuple[int | None, math_.Throughput | None, int]:
-    """(generation, recent throughput, steps in the window) of the newest generation with reports."""
-    from jobs.models import StepMetric
-
-    generation = StepMetric.objects.filter(job=job).aggregate(g=Max("generation"))["g"]
-    if generation is None:
-        return None, None, 0
-    rows = StepMetric.objects.filter(job=job, generation=generation)
-    last = rows.aggregate(s=Max("step"))["s"]
-    window = rows.filter(step__gt=last - WINDOW_STEPS)
-    steps = window.values("step").distinct().count()
-    tokens = window.aggregate(t=Sum("tokens"))["t"] or 0
-    step_times = [sum(p.values()) for p in window.filter(rank=0).values_list("phases", flat=True) if p]
-    if not steps or not step_times:
-        return generation, None, steps
-    return generation, math_.Throughput(tokens_per_step=tokens / steps, step_s=statistics.median(step_times)), steps
-
-
-def _nodes_of(job, generation: int | None):
-    from jobs.models import Generation
-
-    row = Generation.objects.filter(job=job, number=generation).first() if generation else None
-    if row is None:
-        row = Generation.objects.filter(job=job).order_by("-number").first()
-    return list(row.nodes.prefetch_related("gpus")) if row else []
-
-
-def device_peak_tflops(job, node) -> float | None:
-    """Peak of one of ``node``'s accelerators for ``job``: the node's label, the GPU table, or the
-    nominal CPU figure for CPU jobs and GPU-less nodes; None for a GPU not in the table."""
-    label = (node.labels or {}).get("peak_tflops")
-    if label is not None:
-        try:
-            return float(label)
-        except (TypeError, ValueError):
-            pass
-    gpus = list(node.gpus.all())
-    if job.accelerator == "cpu" or not gpus:
-        return float(settings_()["CPU_PEAK_TFLOPS"])
-    return math_.peak_tflops_of(gpus[0].name)
-
-
-def price_of(node) -> float:
-    from alerts.models import PoolPrice
-
-    pool = (node.labels or {}).get("pool")
-    if pool:
-        row = PoolPrice.objects.filter(pool=pool).first()
-        if row is not None:
-            return float(row.price_per_gpu_hour)
-        if pool in settings_()["POOL_PRICES"]:
-            return float(settings_()["POOL_PRICES"][pool])
-    return float(settings_()["DEFAULT_PRICE_PER_GPU_HOUR"])
-
-
-def gpu_utilization(job, nodes) -> float | None:
-    """Mean GPU utilisation (percent) of the job's nodes over the recent window; None without samples."""
-    from nodes.models import GpuSample
-
-    since = timezone.now() - timedelta(seconds=settings_()["UTILIZATION_WINDOW_S"])
-    mean = GpuSample.objects.filter(node__in=nodes, time__gte=since, utilization_pct__isnull=False).aggregate(
-        u=Avg("utilization_pct"))["u"]
-    return float(mean) if mean is not None else None
-
-
-def snapshot(job, goodput=None) -> dict:
-    """Every efficiency figure of ``job`` as plain numbers (None where unknown). What the API
-    shows and what a metrics exporter can publish as gauges. ``goodput``: the job's
-    ``goodput_of`` result when the caller has it already (it is the expensive part)."""
-    from alerts.models import EfficiencyTarget
-    from jobs.goodput import goodput_of
-
-    target = EfficiencyTarget.objects.filter(job=job).first()
-    facts = model_facts(job)
-    parameters = facts.get("parameters")
-    fpt = math_.flops_per_token(parameters, (target.flops_per_token if target else None)
-                                or facts.get("flops_per_token"))
-    generation, speed, steps = throughput(job)
-    nodes = _nodes_of(job, generation)
-    peaks = [device_peak_tflops(job, node) for node in nodes]
-    peak_tflops = (sum(p * job.nproc_per_node for p in peaks) if nodes and None not in peaks else None)
-    mfu = (math_.mfu(speed, fpt, peak_tflops * 1e12)
-           if speed and fpt and peak_tflops and steps >= MIN_STEPS else None)
-    goodput = goodput if goodput is not None else goodput_of(job)
-    badput = dict(goodput.badput_s)
-    downtime_s = sum(badput.get(kind, 0.0) for kind in DOWNTIME_KINDS)
-    rate = math_.hourly_rate((job.nproc_per_node, price_of(node)) for node in nodes)
-    cost = math_.cost(rate_per_hour=rate, wall_s=goodput.wall_s, productive_s=goodput.productive_s, badput_s=badput)
-    margin = target.mfu_margin if target and target.mfu_margin is not None else settings_()["MFU_MARGIN"]
-    return {
-        "generation": generation,
-        "parameters": parameters,
-        "flops_per_token": fpt,
-        "steps_in_window": steps,
-        "tokens_per_step": speed.tokens_per_step if speed else None,
-        "step_s": speed.step_s if speed else None,
-        "tokens_per_s": speed.tokens_per_s if speed else None,
-        "achieved_tflops": speed.tokens_per_s * fpt / 1e12 if speed and fpt else None,
-        "peak_tflops": peak_tflops,
-        "mfu": mfu,
-        "expected_mfu": target.expected_mfu if target else None,
-        "mfu_margin": margin,
-        "gpu_utilization_pct": gpu_utilization(job, nodes) if job.accelerator == "gpu" else None,
-        "wall_s": goodput.wall_s,
-        "productive_s": goodput.productive_s,
-        "ettr": goodput.ettr,
-        "badput_s": badput,
-        "downtime_s": downtime_s,
-        "downtime_ratio": downtime_s / goodput.wall_s if goodput.wall_s > 0 else 0.0,
-        "cost": {"currency": settings_()["CURRENCY"], "rate_per_hour": cost.rate_per_hour, "total": cost.total,
-                 "productive": cost.productive, "wasted": cost.wasted, "wasted_total": cost.wasted_total},
-    }
-
-
-def specs(job, figures: dict | None = None) -> list[AlertSpec]:
-    """The three efficiency alerts of ``job`` as they should be now (info: they notify, never page)."""
-    figures = figures if figures is not None else snapshot(job)
-    conf = settings_()
-    running = job.state == JobState.RUNNING
-    link = messages.job_link(job.pk)
-    name = f"{job.name} (job {job.pk})"
-    mfu, expected, margin = figures["mfu"], figures["expected_mfu"], figures["mfu_margin"]
-    mfu_low = running and math_.below_expected(mfu, expected, margin)
-    util = figures["gpu_utilization_pct"]
-    util_low = running and util is not None and util < conf["GPU_UTILIZATION_MIN_PCT"]
-    ratio = figures["downtime_ratio"]
-    downtime_high = (job.state not in JobState.TERMINAL and figures["wall_s"] >= conf["DOWNTIME_MIN_WALL_S"]
-                     and ratio > conf["DOWNTIME_RATIO_MAX"])
-    evidence = {k: figures[k] for k in ("mfu", "expected_mfu", "mfu_margin", "tokens_per_step", "step_s",
-                                        "flops_per_token", "parameters", "peak_tflops", "achieved_tflops",
-                                        "gpu_utilization_pct", "downtime_ratio", "badput_s", "wall_s", "cost")}
-
-    def pct(value):
-        return f"{100 * value:.2f}%" if value is not None else "unknown"
-
-    return [
-        AlertSpec(key=f"job-{job.pk}-mfu", rule=Rule.MFU_LOW, severity=Severity.INFO, firing=mfu_low,
-                  title=f"{name}: MFU {pct(mfu)} is below the expected {pct(expected)}",
-                  summary=(f"MFU {pct(mfu)} ({figures['tokens_per_s'] or 0:.0f} tokens/s at "
-                           f"{figures['step_s'] or 0:.3f} s/step) is more than {100 * margin:.0f}% below the "
-                           f"expected {pct(expected)}."),
-                  evidence=evidence, link=link, job_id=job.pk, revision=""),
-        AlertSpec(key=f"job-{job.pk}-gpu-util", rule=Rule.GPU_UTIL_LOW, severity=Severity.INFO, firing=util_low,
-                  title=f"{name}: GPU utilisation {util or 0:.0f}% while running",
-                  summary=(f"Mean GPU utilisation over the last {conf['UTILIZATION_WINDOW_S']} s is "
-                           f"{util or 0:.1f}%, below {conf['GPU_UTILIZATION_MIN_PCT']}%."),
-                  evidence=evidence, link=link, job_id=job.pk),
-        AlertSpec(key=f"job-{job.pk}-downtime", rule=Rule.DOWNTIME_HIGH, severity=Severity.INFO,
-                  firing=downtime_high, title=f"{name}: downtime {pct(ratio)} of wall time",
-                  summary=(f"Faults cost {figures['downtime_s']:.0f} s of {figures['wall_s']:.0f} s "
-                           f"(detection, restart, paused): above {pct(conf['DOWNTIME_RATIO_MAX'])}."),
-                  evidence=evidence, link=link, job_id=job.pk),
-    ]
+from jobs.models import Job
 
 
 def watch(job) -> list:
     """Evaluate the efficiency alerts of one job; returns the alerts that changed."""
-    from alerts.services import apply
-
-    return [a for a in (apply(spec) for spec in specs(job)) if a is not None]
+    return [a for a in (apply(spec) for spec in rules.efficiency_alerts(job)) if a is not None]
 
 
 def watch_running_jobs(limit: int = 200) -> int:
     """Beat: every running job (and jobs with a firing efficiency alert); returns alerts changed."""
-    from alerts.choices import AlertState
-    from alerts.models import Alert
-    from alerts.rules import EFFICIENCY_RULES
-    from jobs.models import Job
-
-    firing = Alert.objects.filter(rule__in=EFFICIENCY_RULES, state=AlertState.FIRING).values("job_id")
+    firing = Alert.objects.filter(rule__in=rules.EFFICIENCY_RULES, state=AlertState.FIRING).values("job_id")
     jobs = Job.objects.filter(state=JobState.RUNNING) | Job.objects.filter(pk__in=firing)
     return sum(len(watch(job)) for job in jobs.distinct()[:limit])
-
-
-def gauges(job, figures: dict | None = None) -> dict[str, float]:
-    """``snapshot`` flattened for a metrics exporter: name -> number, unknown figures left out.
-
-    Per-kind figures are named ``<name>:<kind>`` (``cost_wasted:restart``, ``badput_s:paused``) so
-    an exporter can turn the suffix into a label.
-    """
-    figures = figures if figures is not None else snapshot(job)
-    flat: dict[str, float] = {}
-    for name in ("mfu", "expected_mfu", "tokens_per_s", "step_s", "achieved_tflops", "peak_tflops",
-                 "gpu_utilization_pct", "wall_s", "productive_s", "ettr", "downtime_s", "downtime_ratio"):
-        if figures[name] is not None:
-            flat[name] = float(figures[name])
-    cost = figures["cost"]
-    flat.update({"cost_total": cost["total"], "cost_productive": cost["productive"],
-                 "cost_wasted_total": cost["wasted_total"], "cost_rate_per_hour": cost["rate_per_hour"]})
-    flat.update({f"cost_wasted:{kind}": value for kind, value in cost["wasted"].items()})
-    flat.update({f"badput_s:{kind}": value for kind, value in figures["badput_s"].items()})
-    return flat

@@ -1,5 +1,6 @@
-"""Alert channels, the alerts raised (one per incident or condition), their deliveries, and the
-efficiency targets and prices the efficiency watch compares against."""
+"""Alert channels, the alerts raised (one per incident or condition) and their deliveries. The
+efficiency targets and pool prices the efficiency watch compares against are the jobs app's
+(``jobs.models.EfficiencyTarget``, ``PoolPrice``)."""
 
 from __future__ import annotations
 
@@ -121,33 +122,3 @@ class Delivery(models.Model):
 
     def __str__(self):
         return f"{self.action} → {self.channel_id} ({self.state}, {self.attempts} attempt(s))"
-
-
-class EfficiencyTarget(models.Model):
-    """What a job is expected to achieve, and overrides of what its hooks report."""
-
-    job = models.OneToOneField("jobs.Job", on_delete=models.CASCADE, related_name="efficiency_target")
-    expected_mfu = models.FloatField(null=True, blank=True,
-                                     help_text="0-1. The MFU alert fires below this less the margin.")
-    mfu_margin = models.FloatField(null=True, blank=True,
-                                   help_text="Relative margin, e.g. 0.2 = alert below 80% of the expected MFU. "
-                                             "Default: NIGHTWATCH['EFFICIENCY']['MFU_MARGIN'].")
-    flops_per_token = models.FloatField(null=True, blank=True,
-                                        help_text="Overrides the hooks' figure (default 6 x parameters).")
-
-    def __str__(self):
-        return f"efficiency target of job {self.job_id}"
-
-
-class PoolPrice(models.Model):
-    """Price of one accelerator-hour in a node pool (``Node.labels['pool']``)."""
-
-    pool = models.CharField(max_length=100, unique=True)
-    price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
-    currency = models.CharField(max_length=3, default="USD")
-
-    class Meta:
-        ordering = ["pool"]
-
-    def __str__(self):
-        return f"{self.pool}: {self.price_per_gpu_hour} {self.currency}/GPU-h"

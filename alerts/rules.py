@@ -23,7 +23,13 @@ from django.utils import timezone
 
 from alerts import messages
 from alerts.choices import Rule, Severity
+from checkpoints.choices import CheckpointState
+from checkpoints.models import Checkpoint
+from checkpoints.services import latest_verified_checkpoint
+from jobs import efficiency
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
+from jobs.efficiency_math import below_expected
+from jobs.models import Incident
 
 #: Decisions that stop the job until a human acts.
 HUMAN_DECISIONS = frozenset({Decision.PAUSE, Decision.ESCALATE})
@@ -122,8 +128,6 @@ def for_incident(incident) -> AlertSpec:
 def _job_facts(job) -> dict | None:
     if job is None:
         return None
-    from checkpoints.services import latest_verified_checkpoint
-
     checkpoint = latest_verified_checkpoint(job)
     return {"id": job.pk, "name": job.name, "state": job.state, "generation": job.generation,
             "restart_count": job.restart_count, "pause_reason": job.pause_reason, "last_step": job.last_step,
@@ -136,8 +140,6 @@ def _iso(value) -> str | None:
 
 
 def open_incident(job):
-    from jobs.models import Incident
-
     return Incident.objects.filter(job=job, state=IncidentState.OPEN).order_by("-detected_at").first()
 
 
@@ -171,8 +173,6 @@ def drain(node, event) -> AlertSpec:
 def lemon(node) -> AlertSpec:
     """Blamed in LEMON_INCIDENTS incidents within the window (the orchestrator's own count): a
     human must look at the hardware; it clears when an operator clears the lemon count."""
-    from jobs.models import Incident
-
     since = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["LEMON_WINDOW_S"])
     incidents = list(Incident.objects.filter(nodes=node, detected_at__gte=since).order_by("detected_at")
                      .values("id", "job_id", "kind", "classification", "detected_at"))
@@ -195,9 +195,6 @@ def lemon(node) -> AlertSpec:
 def corrupt_checkpoint(checkpoint) -> AlertSpec:
     """A checkpoint failed verification. It clears when the checkpoint verifies again (a storage
     fault cleared), a newer checkpoint of the job verifies, or the job ends."""
-    from checkpoints.choices import CheckpointState
-    from checkpoints.models import Checkpoint
-
     job = checkpoint.job
     newer = Checkpoint.objects.filter(job=job, step__gt=checkpoint.step, state=CheckpointState.VERIFIED).exists()
     firing = checkpoint.state == CheckpointState.CORRUPT and not newer and job.state not in JobState.TERMINAL
@@ -212,3 +209,47 @@ def corrupt_checkpoint(checkpoint) -> AlertSpec:
                                  "replica_state": checkpoint.replica_state},
                   "job": _job_facts(job)},
     )
+
+
+# --- efficiency ----------------------------------------------------------------------------------
+
+def efficiency_alerts(job, figures: dict | None = None) -> list[AlertSpec]:
+    """The three efficiency alerts of ``job`` as they should be now (info: they notify, never page),
+    judged on the jobs app's figures (``jobs.efficiency.snapshot``; ``figures`` when the caller has them)."""
+    figures = figures if figures is not None else efficiency.snapshot(job)
+    conf = efficiency.settings_()
+    running = job.state == JobState.RUNNING
+    link = messages.job_link(job.pk)
+    name = f"{job.name} (job {job.pk})"
+    mfu, expected, margin = figures["mfu"], figures["expected_mfu"], figures["mfu_margin"]
+    mfu_low = running and below_expected(mfu, expected, margin)
+    util = figures["gpu_utilization_pct"]
+    util_low = running and util is not None and util < conf["GPU_UTILIZATION_MIN_PCT"]
+    ratio = figures["downtime_ratio"]
+    downtime_high = (job.state not in JobState.TERMINAL and figures["wall_s"] >= conf["DOWNTIME_MIN_WALL_S"]
+                     and ratio > conf["DOWNTIME_RATIO_MAX"])
+    evidence = {k: figures[k] for k in ("mfu", "expected_mfu", "mfu_margin", "tokens_per_step", "step_s",
+                                        "flops_per_token", "parameters", "peak_tflops", "achieved_tflops",
+                                        "gpu_utilization_pct", "downtime_ratio", "badput_s", "wall_s", "cost")}
+
+    def pct(value):
+        return f"{100 * value:.2f}%" if value is not None else "unknown"
+
+    return [
+        AlertSpec(key=f"job-{job.pk}-mfu", rule=Rule.MFU_LOW, severity=Severity.INFO, firing=mfu_low,
+                  title=f"{name}: MFU {pct(mfu)} is below the expected {pct(expected)}",
+                  summary=(f"MFU {pct(mfu)} ({figures['tokens_per_s'] or 0:.0f} tokens/s at "
+                           f"{figures['step_s'] or 0:.3f} s/step) is more than {100 * margin:.0f}% below the "
+                           f"expected {pct(expected)}."),
+                  evidence=evidence, link=link, job_id=job.pk, revision=""),
+        AlertSpec(key=f"job-{job.pk}-gpu-util", rule=Rule.GPU_UTIL_LOW, severity=Severity.INFO, firing=util_low,
+                  title=f"{name}: GPU utilisation {util or 0:.0f}% while running",
+                  summary=(f"Mean GPU utilisation over the last {conf['UTILIZATION_WINDOW_S']} s is "
+                           f"{util or 0:.1f}%, below {conf['GPU_UTILIZATION_MIN_PCT']}%."),
+                  evidence=evidence, link=link, job_id=job.pk),
+        AlertSpec(key=f"job-{job.pk}-downtime", rule=Rule.DOWNTIME_HIGH, severity=Severity.INFO,
+                  firing=downtime_high, title=f"{name}: downtime {pct(ratio)} of wall time",
+                  summary=(f"Faults cost {figures['downtime_s']:.0f} s of {figures['wall_s']:.0f} s "
+                           f"(detection, restart, paused): above {pct(conf['DOWNTIME_RATIO_MAX'])}."),
+                  evidence=evidence, link=link, job_id=job.pk),
+    ]

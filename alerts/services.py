@@ -20,8 +20,12 @@ from alerts import channels, crypto, messages, rules
 from alerts.choices import Action, AlertState, DeliveryState, Rule, Severity
 from alerts.models import Alert, Channel, Delivery
 from alerts.rules import AlertSpec
+from checkpoints.choices import CheckpointState
+from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
 from core.models import Event
+from jobs.choices import JobState
+from jobs.models import Incident
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +185,7 @@ def _over_channel_budget(channel: Channel, alert: Alert, now) -> bool:
 
 
 def _deliver_later(delivery_ids: list[int]) -> None:
+    # alerts.tasks wraps this module's verbs (imports it at the top): the task is looked up when enqueued.
     from alerts.tasks import deliver
 
     for pk in delivery_ids:
@@ -239,6 +244,7 @@ def redispatch_one_delivery() -> bool:
     # Push it forward first, so the next sweep does not dispatch it again while this one runs.
     Delivery.objects.filter(pk=delivery.pk, attempts=delivery.attempts).update(
         next_attempt_at=timezone.now() + timedelta(seconds=IN_FLIGHT_LEASE_S))
+    # alerts.tasks wraps this module's verbs (imports it at the top): the task is looked up when enqueued.
     from alerts.tasks import deliver
 
     deliver.delay(delivery.pk, delivery.attempts)
@@ -284,8 +290,6 @@ def reencrypt_secrets() -> tuple[int, list[str]]:
 # --- evaluation entry points ----------------------------------------------------------------------
 
 def evaluate_incident(incident_id: int) -> Alert | None:
-    from jobs.models import Incident
-
     incident = Incident.objects.select_related("job").filter(pk=incident_id).first()
     if incident is None:
         return None
@@ -294,8 +298,6 @@ def evaluate_incident(incident_id: int) -> Alert | None:
 
 def evaluate_event(event_id: int) -> list[Alert]:
     """React to one event of the append-only log: new conditions, and conditions that cleared."""
-    from jobs.choices import JobState
-
     event = Event.objects.select_related("job", "node").filter(pk=event_id).first()
     if event is None:
         return []
@@ -314,9 +316,6 @@ def evaluate_event(event_id: int) -> list[Alert]:
     elif event.kind in (EventKind.NODE_UNDRAIN, EventKind.NODE_LEMON_CLEARED) and event.node is not None:
         touched += recheck_all(Alert.objects.filter(node=event.node, state=AlertState.FIRING))
     elif event.kind == EventKind.CHECKPOINT_VERIFY and event.job is not None:
-        from checkpoints.choices import CheckpointState
-        from checkpoints.models import Checkpoint
-
         checkpoint = Checkpoint.objects.select_related("job").filter(pk=(event.evidence or {}).get("checkpoint")) \
             .first()
         if checkpoint is not None and event.new_state == CheckpointState.CORRUPT:
@@ -328,9 +327,6 @@ def evaluate_event(event_id: int) -> list[Alert]:
 
 def current_spec(alert: Alert) -> AlertSpec | None:
     """The spec of ``alert``'s condition as it stands now (None: cannot be judged; leave it)."""
-    from checkpoints.models import Checkpoint
-    from jobs.choices import JobState
-
     if alert.incident_id is not None:
         return rules.for_incident(alert.incident)
     if alert.rule in rules.INCIDENT_RULES:  # the incident was deleted: nothing left to page about
@@ -348,9 +344,7 @@ def current_spec(alert: Alert) -> AlertSpec | None:
             return AlertSpec(key=alert.key, rule=alert.rule, severity=alert.severity, firing=False)
         return rules.corrupt_checkpoint(checkpoint)
     if alert.rule in rules.EFFICIENCY_RULES and alert.job is not None:
-        from alerts import efficiency
-
-        return next((s for s in efficiency.specs(alert.job) if s.key == alert.key), None)
+        return next((s for s in rules.efficiency_alerts(alert.job) if s.key == alert.key), None)
     return None
 
 
@@ -380,7 +374,5 @@ def reconcile_alerts(limit: int = 200) -> int:
 
 def raise_missed_incidents(limit: int = 100) -> int:
     """Open incidents that have no alert yet (their task was lost): evaluate them now."""
-    from jobs.models import Incident
-
     missed = list(Incident.objects.filter(state="open", alerts__isnull=True).values_list("pk", flat=True)[:limit])
     return sum(1 for pk in missed if evaluate_incident(pk) is not None)

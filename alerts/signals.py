@@ -12,6 +12,9 @@ from django.db import transaction
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 
+from alerts.choices import AlertState, Rule
+from alerts.models import Alert
+from alerts.tasks import evaluate_event, evaluate_incident
 from core.events import EventKind
 from core.models import Event
 from jobs.models import Incident
@@ -28,8 +31,6 @@ def on_event_saved(sender, instance: Event, created: bool, **kwargs):
     if (instance.kind == EventKind.CHECKPOINT_VERIFY and instance.new_state != "corrupt"
             and not _corrupt_alert_firing(instance)):
         return  # the common case, a checkpoint verified: nothing to raise, nothing to clear
-    from alerts.tasks import evaluate_event
-
     pk = instance.pk
     transaction.on_commit(lambda: evaluate_event.delay(pk), robust=True)
 
@@ -37,14 +38,9 @@ def on_event_saved(sender, instance: Event, created: bool, **kwargs):
 @receiver(post_save, sender=Incident, dispatch_uid="alerts.incident_saved")
 def on_incident_saved(sender, instance: Incident, **kwargs):
     """Created (a new fault) or saved again (further evidence, a manual close): re-evaluate."""
-    from alerts.tasks import evaluate_incident
-
     pk = instance.pk
     transaction.on_commit(lambda: evaluate_incident.delay(pk), robust=True)
 
 
 def _corrupt_alert_firing(event: Event) -> bool:
-    from alerts.choices import AlertState, Rule
-    from alerts.models import Alert
-
     return Alert.objects.filter(job_id=event.job_id, rule=Rule.CHECKPOINT_CORRUPT, state=AlertState.FIRING).exists()

@@ -19,15 +19,30 @@ import ipaddress
 import time
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
-from django.db.models import Count, Q
+from django.db.models import Count, Max, Q
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from rest_framework.authentication import SessionAuthentication
+from rest_framework.exceptions import APIException
+from rest_framework.request import Request
 
-from core.auth import client_address
+from checkpoints.choices import CheckpointState
+from checkpoints.models import Checkpoint
+from core import roles
+from core.auth import TokenAuthentication, capabilities, client_address
+from core.problems import CONTENT_TYPE, problem
+from jobs import efficiency
+from jobs.choices import Decision, IncidentKind, IncidentState, JobState
+from jobs.goodput import goodput_of
+from jobs.goodput_math import KINDS
+from jobs.models import Incident, Job
+from nodes.choices import Health, Schedulability
+from nodes.models import GPU, Node
 
 METRICS_FINISHED_JOBS_S = 24 * 3600
 METRICS_MAX_JOBS = 200
@@ -53,8 +68,6 @@ class NightwatchCollector:
     """One scrape = a handful of queries over jobs, incidents, nodes, GPUs and checkpoints."""
 
     def collect(self):
-        from jobs.goodput import goodput_of
-
         started = time.monotonic()
         now = timezone.now()
         # Goodput is the expensive part of a job's figures: computed once, used by both families.
@@ -74,18 +87,11 @@ class NightwatchCollector:
     # --- jobs -------------------------------------------------------------------------------------
     @staticmethod
     def reported_jobs(now):
-        from jobs.choices import JobState
-        from jobs.models import Job
-
         recent = now - timedelta(seconds=METRICS_FINISHED_JOBS_S)
         return list(Job.objects.filter(~Q(state__in=JobState.TERMINAL) | Q(state_changed_at__gte=recent))
                     .order_by("-created_at")[:METRICS_MAX_JOBS])
 
     def _jobs(self, reported, goodputs):
-        from jobs.choices import JobState
-        from jobs.goodput_math import KINDS
-        from jobs.models import Job
-
         by_state = dict(Job.objects.values_list("state").annotate(n=Count("pk")))
         jobs = GaugeMetricFamily("nightwatch_jobs", "Jobs by state.", labels=["state"])
         for state in JobState.values:
@@ -118,11 +124,8 @@ class NightwatchCollector:
         yield from (ettr, wall, productive, badput, restarts, step, state)
 
     def _efficiency(self, reported, goodputs):
-        """MFU, throughput, downtime and cost of the jobs still running (``alerts.efficiency``): a
+        """MFU, throughput, downtime and cost of the jobs still running (``jobs.efficiency``): a
         finished job's figures no longer change, and the API keeps them."""
-        from alerts import efficiency
-        from jobs.choices import JobState
-
         mfu = GaugeMetricFamily("nightwatch_job_mfu_ratio", "Model FLOPs utilisation: achieved / peak FLOPs of "
                                 "the job's accelerators.", labels=["job"])
         tokens = GaugeMetricFamily("nightwatch_job_tokens_per_second", "Training throughput.", labels=["job"])
@@ -146,9 +149,6 @@ class NightwatchCollector:
 
     # --- incidents --------------------------------------------------------------------------------
     def _incidents(self, now):
-        from jobs.choices import Decision, IncidentKind, IncidentState
-        from jobs.models import Incident
-
         counts = {(k, d): n for k, d, n in Incident.objects.values_list("kind", "decision").annotate(n=Count("pk"))}
         total = CounterMetricFamily("nightwatch_incidents", "Incidents by kind (classification) and decision.",
                                     labels=["kind", "decision"])
@@ -181,9 +181,6 @@ class NightwatchCollector:
 
     # --- nodes and GPUs -----------------------------------------------------------------------------
     def _fleet(self, now):
-        from nodes.choices import Health, Schedulability
-        from nodes.models import GPU, Node
-
         health = GaugeMetricFamily("nightwatch_node_health", "1 for the node's current health.",
                                    labels=["node", "health"])
         schedulable = GaugeMetricFamily("nightwatch_node_schedulable", "1 if new generations may be placed on "
@@ -228,11 +225,6 @@ class NightwatchCollector:
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoints(self, now):
-        from django.db.models import Max
-
-        from checkpoints.choices import CheckpointState
-        from checkpoints.models import Checkpoint
-
         by_state = dict(Checkpoint.objects.values_list("state").annotate(n=Count("pk")))
         total = GaugeMetricFamily("nightwatch_checkpoints", "Checkpoints by state.", labels=["state"])
         for state in CheckpointState.values:
@@ -259,6 +251,7 @@ class NightwatchCollector:
         """Celery queue lengths; only with Redis (the embedded filesystem broker has no cheap count)."""
         if not settings.REDIS_URL:
             return
+        # Only a Redis deployment reaches here: the embedded broker's processes never load the client.
         import redis
 
         depth = GaugeMetricFamily("nightwatch_queue_length", "Messages waiting in the Celery queue.",
@@ -276,10 +269,11 @@ class NightwatchCollector:
 
 
 def _queue_names() -> list[str]:
-    from controlplane.celery import app
-
-    names = {app.conf.task_default_queue or "celery"}
-    for route in (app.conf.task_routes or {}).values() if isinstance(app.conf.task_routes, dict) else []:
+    # The project's Celery app (controlplane.celery) is the current one; the dashboard sits below
+    # controlplane, so it asks Celery rather than importing it.
+    conf = current_app.conf
+    names = {conf.task_default_queue or "celery"}
+    for route in (conf.task_routes or {}).values() if isinstance(conf.task_routes, dict) else []:
         if isinstance(route, dict) and route.get("queue"):
             names.add(route["queue"])
     return sorted(names)
@@ -305,19 +299,10 @@ def _network_allowed(request) -> bool:
 
 def metrics_view(request):
     """``GET /metrics``: Prometheus text format for a caller holding ``view``, or from an allowed network."""
-    from rest_framework.exceptions import APIException
-    from rest_framework.request import Request
-
-    from core import roles
-    from core.auth import TokenAuthentication, capabilities
-    from core.problems import CONTENT_TYPE, problem
-
     if request.method != "GET":
         body = problem(405, "Method Not Allowed", "Use GET.", code="method_not_allowed", instance=request.path)
         return JsonResponse(body, status=405, content_type=CONTENT_TYPE, headers={"Allow": "GET"})
     if not _network_allowed(request):
-        from rest_framework.authentication import SessionAuthentication
-
         drf_request = Request(request, authenticators=[TokenAuthentication(), SessionAuthentication()])
         try:
             held = capabilities(drf_request) if drf_request.user is not None else set()

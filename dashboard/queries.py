@@ -17,6 +17,8 @@ from django.utils import timezone
 from checkpoints.models import Checkpoint
 from checkpoints.services import lineage_tree
 from core.models import Event
+from dashboard.events import points_from_rows
+from jobs import efficiency
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of
 from jobs.models import Generation, Incident, Job, StepMetric
@@ -86,8 +88,6 @@ def _with_timings(incident: Incident) -> Incident:
 # --- one job --------------------------------------------------------------------------------------
 
 def job_summary(job: Job) -> dict:
-    from alerts import efficiency
-
     goodput = goodput_of(job)
     last_checkpoint = Checkpoint.objects.filter(job=job).order_by("-created_at").first()
     return {"job": job, "goodput": goodput, "ettr": goodput.ettr if goodput.wall_s > 0 else None,
@@ -109,8 +109,6 @@ def breaker(job: Job) -> dict | None:
 def chart(job: Job) -> dict:
     """Every point of the loss / gradient-norm chart and its markers (spikes and skipped steps are
     flags of the points; checkpoints and restarts are steps)."""
-    from dashboard.events import points_from_rows
-
     rows = list(StepMetric.objects.filter(job=job).order_by("-pk")
                 .only("generation", "rank", "step", "loss", "grad_norm", "spike", "skipped", "nan")[:CHART_ROWS])
     checkpoints = list(Checkpoint.objects.filter(job=job).order_by("step").values("pk", "step", "state"))

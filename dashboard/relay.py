@@ -254,6 +254,7 @@ class Relay:
         url = getattr(settings, "REDIS_URL", None)
         if not url or self.lease is False:
             return True
+        # Only with Redis: the in-memory layer's processes (the embedded demo, tests) never load the client.
         import redis
 
         if self._redis is None:

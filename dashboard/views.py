@@ -9,6 +9,7 @@ the result to every open page. Errors are RFC 9457 problem details, like the API
 from __future__ import annotations
 
 import functools
+from http import HTTPStatus
 
 from django.contrib.auth.decorators import login_required
 from django.db import transaction
@@ -40,8 +41,6 @@ class ActionRefused(Exception):
 
 
 def _problem(request, status: int, code: str, detail: str) -> JsonResponse:
-    from http import HTTPStatus
-
     body = problem(status, HTTPStatus(status).phrase, detail, code=code, instance=request.path)
     return JsonResponse(body, status=status, content_type=CONTENT_TYPE)
 

@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from core.models import Event
-from jobs.models import Generation, Incident, Job
+from jobs.models import EfficiencyTarget, Generation, Incident, Job, PoolPrice
 
 
 class GenerationInline(admin.TabularInline):
@@ -43,3 +43,7 @@ class EventAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):
         return False
+
+
+admin.site.register(EfficiencyTarget)
+admin.site.register(PoolPrice)

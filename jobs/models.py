@@ -195,3 +195,43 @@ class TrainingEvent(models.Model):
 
     def __str__(self):
         return f"{self.kind} at step {self.step} (rank {self.rank})"
+
+
+class EfficiencyTarget(models.Model):
+    """What a job is expected to achieve, and overrides of what its hooks report.
+
+    Moved from alerts with the efficiency figures (issue 22); the table keeps its old name.
+    """
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, related_name="efficiency_target")
+    expected_mfu = models.FloatField(null=True, blank=True,
+                                     help_text="0-1. The MFU alert fires below this less the margin.")
+    mfu_margin = models.FloatField(null=True, blank=True,
+                                   help_text="Relative margin, e.g. 0.2 = alert below 80% of the expected MFU. "
+                                             "Default: NIGHTWATCH['EFFICIENCY']['MFU_MARGIN'].")
+    flops_per_token = models.FloatField(null=True, blank=True,
+                                        help_text="Overrides the hooks' figure (default 6 x parameters).")
+
+    class Meta:
+        db_table = "alerts_efficiencytarget"
+
+    def __str__(self):
+        return f"efficiency target of job {self.job_id}"
+
+
+class PoolPrice(models.Model):
+    """Price of one accelerator-hour in a node pool (``Node.labels['pool']``).
+
+    Moved from alerts with the efficiency figures (issue 22); the table keeps its old name.
+    """
+
+    pool = models.CharField(max_length=100, unique=True)
+    price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
+    currency = models.CharField(max_length=3, default="USD")
+
+    class Meta:
+        db_table = "alerts_poolprice"
+        ordering = ["pool"]
+
+    def __str__(self):
+        return f"{self.pool}: {self.price_per_gpu_hour} {self.currency}/GPU-h"

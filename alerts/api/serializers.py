@@ -10,8 +10,8 @@ from rest_framework import serializers
 from alerts import channels
 from alerts.choices import Action, ChannelKind
 from alerts.crypto import SecretUnreadable
-from alerts.models import Alert, Channel, Delivery, EfficiencyTarget
-from jobs.models import Job
+from alerts.models import Alert, Channel, Delivery
+from jobs.models import EfficiencyTarget, Job
 
 
 class TestSendSerializer(serializers.ModelSerializer):
@@ -119,7 +119,7 @@ class CostSerializer(serializers.Serializer):
 
 
 class EfficiencySerializer(serializers.Serializer):
-    """``alerts.efficiency.snapshot``: None where a figure is not known yet."""
+    """``jobs.efficiency.snapshot``: None where a figure is not known yet."""
 
     generation = serializers.IntegerField(allow_null=True)
     parameters = serializers.IntegerField(allow_null=True)

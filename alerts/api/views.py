@@ -14,7 +14,7 @@ from rest_framework import generics, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from alerts import efficiency, services
+from alerts import services
 from alerts.api.serializers import (
     AlertSerializer,
     ChannelSerializer,
@@ -23,11 +23,12 @@ from alerts.api.serializers import (
     TestSendQueuedSerializer,
 )
 from alerts.choices import Action
-from alerts.models import Alert, Channel, Delivery, EfficiencyTarget
+from alerts.models import Alert, Channel, Delivery
 from core import roles
 from core.auth import actor_label
 from core.events import EventKind, record_event
-from jobs.models import Job
+from jobs import efficiency
+from jobs.models import EfficiencyTarget, Job
 
 
 def _audit(request, action: str, channel: Channel, **evidence) -> None:

@@ -1,5 +1,6 @@
-"""The efficiency watch on PostgreSQL: MFU from step reports (by hand), the slowdown alert, GPU
-utilisation, and cost that adds up to the goodput badput breakdown."""
+"""The efficiency figures (jobs.efficiency) and the watch (alerts.efficiency) on PostgreSQL: MFU from
+step reports (by hand), the slowdown alert, GPU utilisation, and cost that adds up to the goodput
+badput breakdown."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import pytest
 from django.utils import timezone
 
 from agents.protocol.hooks import ReportBatch, StepReport
-from alerts import efficiency
 from alerts.choices import AlertState
-from alerts.models import Alert, EfficiencyTarget, PoolPrice
-from jobs import ingest, orchestrator, services
+from alerts.efficiency import watch
+from alerts.models import Alert
+from jobs import efficiency, ingest, orchestrator, services
 from jobs.choices import JobState
 from jobs.goodput import goodput_of
-from jobs.models import Job, TrainingEvent
+from jobs.models import EfficiencyTarget, Job, PoolPrice, TrainingEvent
 
 pytestmark = pytest.mark.django_db
 
@@ -91,12 +92,12 @@ def test_a_slowdown_raises_the_mfu_alert_and_recovering_resolves_it(job, channel
     baseline = efficiency.snapshot(job)["mfu"]
     EfficiencyTarget.objects.create(job=job, expected_mfu=baseline)  # margin: the 20% default
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch(job)
+        watch(job)
     assert not Alert.objects.filter(job=job, rule="mfu_low").exists()
 
     report(job, range(11, 71), 0.5)  # twice as slow: MFU halves, more than 20% below
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch(job)
+        watch(job)
     alert = Alert.objects.get(job=job, rule="mfu_low")
     assert alert.severity == "info" and alert.state == AlertState.FIRING
     assert alert.evidence["mfu"] == pytest.approx(baseline / 2)
@@ -104,7 +105,7 @@ def test_a_slowdown_raises_the_mfu_alert_and_recovering_resolves_it(job, channel
 
     report(job, range(71, 131), 0.25)
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch(job)
+        watch(job)
     alert.refresh_from_db()
     assert alert.state == AlertState.RESOLVED
 
@@ -122,7 +123,7 @@ def test_low_gpu_utilisation_while_running_alerts(job, cast, django_capture_on_c
     assert job.state == JobState.RUNNING
     assert efficiency.snapshot(job)["gpu_utilization_pct"] == pytest.approx(25.0)
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch(job)
+        watch(job)
     assert Alert.objects.get(job=job, rule="gpu_util_low").state == AlertState.FIRING
 
 
@@ -174,6 +175,6 @@ def test_downtime_above_the_ceiling_alerts(job, settings, time_machine, django_c
     time_machine.move_to(timezone.now() + timedelta(seconds=120), tick=False)  # still recovering: all of it is downtime
     job.refresh_from_db()
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch(job)
+        watch(job)
     alert = Alert.objects.get(job=job, rule="downtime_high")
     assert alert.state == AlertState.FIRING and alert.evidence["downtime_ratio"] > 0.05

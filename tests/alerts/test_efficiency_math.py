@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from alerts import efficiency_math as m
+from jobs import efficiency_math as m
 
 
 @pytest.mark.parametrize("name, tflops", [

@@ -12,13 +12,13 @@ import pytest
 
 from agents.protocol import parse
 from agents.protocol.hooks import ReportBatch
-from alerts import efficiency
 from alerts.choices import AlertState
-from alerts.models import Alert, EfficiencyTarget
+from alerts.efficiency import watch_running_jobs
+from alerts.models import Alert
 from examples.train import TinyLM
-from jobs import services
+from jobs import efficiency, services
 from jobs.ingest import record_reports
-from jobs.models import Job
+from jobs.models import EfficiencyTarget, Job
 from tests.hooks.conftest import ControlPlaneStub, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -90,7 +90,7 @@ def test_the_example_jobs_mfu_matches_a_hand_computation_and_a_slowdown_alerts(
     EfficiencyTarget.objects.create(job=slowed, expected_mfu=figures["mfu"])
     assert efficiency.snapshot(slowed)["mfu"] < 0.8 * figures["mfu"]
     with django_capture_on_commit_callbacks(execute=True):
-        efficiency.watch_running_jobs()
+        watch_running_jobs()
     alert = Alert.objects.get(job=slowed, rule="mfu_low")
     assert alert.state == AlertState.FIRING
     assert not Alert.objects.filter(job=normal, rule="mfu_low").exists()

@@ -99,9 +99,9 @@ def test_the_grafana_dashboard_only_queries_metrics_that_exist(scraped):
 
 
 def test_efficiency_and_cost_of_running_jobs_are_exported(world, api):
-    """MFU, throughput and cost per badput kind come from ``alerts.efficiency`` (issue 10), for
+    """MFU, throughput and cost per badput kind come from ``jobs.efficiency`` (issue 10), for
     jobs that still run; a finished job's figures stay in the API only."""
-    from alerts import efficiency
+    from jobs import efficiency
     from jobs.models import StepMetric, TrainingEvent
 
     job = world.cast.job

@@ -40,7 +40,7 @@ def test_the_job_page_shows_mfu_and_cost(signed_in, cast, settings, time_machine
     """Cost so far and the part of it wasted to badput, from the efficiency watch (issue 10)."""
     from django.utils import timezone
 
-    from alerts import efficiency
+    from jobs import efficiency
 
     job = pause_for_breaker(cast.job)
     time_machine.move_to(timezone.now(), tick=False)  # the cost grows with wall time: one instant

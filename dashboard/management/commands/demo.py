@@ -27,6 +27,11 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from jobs import services
+from jobs.models import Job
+from nodes.models import Node
+from nodes.services import issue_bootstrap_token
+
 DEMO_SCENARIO = "gpus: 1\nbaseline: {temperature: 45, utilization: 80}\n"
 
 
@@ -111,9 +116,6 @@ class Command(BaseCommand):
     def _start_agent(self, url: str, env: dict, var: Path) -> subprocess.Popen:
         """A node agent for this machine, registered with a fresh single-use bootstrap token (issued
         for the demo node when the database has it already: a generic token cannot re-register it)."""
-        from nodes.models import Node
-        from nodes.services import issue_bootstrap_token
-
         home = var / "demo-agent"
         home.mkdir(parents=True, exist_ok=True)
         (home / "scenario.yaml").write_text(DEMO_SCENARIO)
@@ -131,8 +133,6 @@ class Command(BaseCommand):
         return subprocess.Popen(argv, env=env)
 
     def _wait_for_node(self, children: dict, timeout: float) -> None:
-        from nodes.models import Node
-
         deadline = time.monotonic() + timeout
         while not Node.objects.filter(hostname="demo-node", health="healthy").exists():
             if children["agent"].poll() is not None or time.monotonic() > deadline:
@@ -141,9 +141,6 @@ class Command(BaseCommand):
 
     def _launch_job(self, steps: int):
         """The example job, launched like a CI pipeline would (same service as the API)."""
-        from jobs import services
-        from jobs.models import Job
-
         running = Job.objects.filter(name="demo-tiny-lm").exclude(state__in=["completed", "failed", "cancelled"])
         if running.exists():
             return running.first()
@@ -161,8 +158,6 @@ class Command(BaseCommand):
 
     def _inject_fault(self, job_id: int) -> None:
         """SIGKILL one rank of the running generation, as a failing GPU or OOM-killer would."""
-        from jobs.models import Job
-
         job = Job.objects.get(pk=job_id)
         if job.state != "running":
             return

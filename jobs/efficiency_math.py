@@ -1,6 +1,6 @@
 """Efficiency arithmetic: peak FLOPS by GPU, MFU, and cost split by the goodput breakdown.
 
-Pure functions, no Django and no I/O, like ``jobs.goodput``: ``alerts.efficiency`` gathers the
+Pure functions, no Django and no I/O, like ``jobs.goodput_math``: ``jobs.efficiency`` gathers the
 inputs from the database.
 
 MFU (model FLOPs utilisation, PaLM's definition) = achieved model FLOPs per second / the peak the
@@ -98,7 +98,7 @@ def cost(*, rate_per_hour: float, wall_s: float, productive_s: float, badput_s: 
 
     Since goodput splits wall time into productive + Σ badput, total = productive + Σ wasted
     (exactly, unless badput alone exceeds wall time, when productive is clamped at zero as in
-    ``jobs.goodput``).
+    ``jobs.goodput_math``).
     """
     per_s = rate_per_hour / 3600.0
     return Cost(rate_per_hour=rate_per_hour, total=wall_s * per_s, productive=productive_s * per_s,
