@@ -315,6 +315,8 @@ def evaluate_event(event_id: int) -> list[Alert]:
         touched.append(apply(rules.lemon(event.node)))
     elif event.kind in (EventKind.NODE_UNDRAIN, EventKind.NODE_LEMON_CLEARED) and event.node is not None:
         touched += recheck_all(Alert.objects.filter(node=event.node, state=AlertState.FIRING))
+    elif event.kind == EventKind.INCIDENT_RESOLVED and (event.evidence or {}).get("incident"):
+        touched.append(evaluate_incident(event.evidence["incident"]))
     elif event.kind == EventKind.CHECKPOINT_VERIFY and event.job is not None:
         checkpoint = Checkpoint.objects.select_related("job").filter(pk=(event.evidence or {}).get("checkpoint")) \
             .first()

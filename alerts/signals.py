@@ -19,9 +19,11 @@ from core.events import EventKind
 from core.models import Event
 from jobs.models import Incident
 
-#: Event kinds that can raise or clear an alert (see ``alerts.services.evaluate_event``).
+#: Event kinds that can raise or clear an alert (see ``alerts.services.evaluate_event``). An
+#: incident is resolved by a bulk update (no ``post_save``): its ``incident.resolved`` event is
+#: how its alert learns of it at once, not at the next sweep.
 WATCHED_EVENTS = frozenset({EventKind.JOB_STATE, EventKind.NODE_DRAIN, EventKind.NODE_BLAME, EventKind.NODE_UNDRAIN,
-                            EventKind.NODE_LEMON_CLEARED, EventKind.CHECKPOINT_VERIFY})
+                            EventKind.NODE_LEMON_CLEARED, EventKind.CHECKPOINT_VERIFY, EventKind.INCIDENT_RESOLVED})
 
 
 @receiver(post_save, sender=Event, dispatch_uid="alerts.event_saved")

@@ -263,6 +263,23 @@ def test_the_sweeper_resolves_what_no_event_announced(job, channels, receiver, d
     assert receiver.at("/hook")[-1].json["action"] == "resolve"
 
 
+def test_a_resolved_incident_resolves_its_alert_at_once_without_the_sweeper(job, channels, receiver,
+                                                                            django_capture_on_commit_callbacks):
+    """``resolve_incident`` closes the row by a bulk update (no ``post_save``); its ``incident.resolved``
+    event is what tells the alert, in the same commit, not the 60 s sweep."""
+    crash(job, django_capture_on_commit_callbacks)
+    incident = Incident.objects.get(job=job)
+    alert = Alert.objects.get(incident=incident)
+    assert alert.state == AlertState.FIRING
+    with django_capture_on_commit_callbacks(execute=True):
+        assert orchestrator.resolve_incident(incident, now=timezone.now(), actor="user:oncall",
+                                             reason="hardware replaced")
+    alert.refresh_from_db()
+    assert alert.state == AlertState.RESOLVED and alert.checked_at is None  # no sweep has looked at it
+    assert receiver.at("/hook")[-1].json["action"] == "resolve"
+    assert [r.json["event_action"] for r in receiver.at("/pd")][-1] == "resolve"
+
+
 def test_evaluating_twice_is_harmless_and_a_lost_task_is_made_up_for(job, channels, receiver,
                                                                      django_capture_on_commit_callbacks):
     from alerts import services as alert_services
