@@ -23,13 +23,17 @@ from django.utils import timezone
 from checkpoints.models import Checkpoint
 from checkpoints.paths import checkpoint_dir
 from checkpoints.services import restore_point
+from core.tokens import revoke_generation_tokens
 from jobs import state
 from jobs.choices import IncidentState, JobState
 from jobs.models import Generation, Incident, Job
 from jobs.placement import Candidate, place
 from jobs.policies import RecoveryPolicy
+from nodes import transports
 from nodes.choices import Health, Schedulability
 from nodes.models import Node
+from nodes.services import probe_peers_for
+from nodes.transports import TRANSPORTS
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +80,6 @@ def spec_hash(job: Job) -> str:
 def candidates(job: Job) -> list[Node]:
     """Nodes that may take this job now: active (not drained, not a lemon), usably healthy,
     reachable by a transport that can launch, and not running another job's live generation."""
-    from nodes.transports import TRANSPORTS
-
     busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True).exclude(job=job)
     return list(
         Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE,
@@ -90,8 +92,6 @@ def one_transport(pool: list[Node], *, previous: set[str], nnodes: int) -> list[
     """The candidates of the one transport this generation will use: a generation runs entirely
     on agents or entirely as one Slurm job. The previous generation's transport comes first, then
     the first (in ``TRANSPORTS`` order) with enough nodes, then the largest."""
-    from nodes.transports import TRANSPORTS
-
     groups = {kind: [n for n in pool if n.transport == kind] for kind in TRANSPORTS}
     before = {n.transport for n in pool if n.hostname in previous}
 
@@ -123,8 +123,6 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
        queue its launch through the nodes' one transport (a command per agent, or a Slurm batch
        job), and stamp open incidents as relaunched.
     """
-    from nodes import transports
-
     job.refresh_from_db()
     pool = candidates(job)
     previous = set(
@@ -183,8 +181,6 @@ def end_generations(generations, now) -> int:
     """Stamp the end of those of ``generations`` (a queryset) that have not ended, and revoke their
     job tokens: the one place a generation ends, so that no token outlives it. Returns how many
     ended now."""
-    from core.tokens import revoke_generation_tokens
-
     ending = list(generations.filter(ended_at__isnull=True).values_list("pk", "job_id", "number"))
     if not ending:
         return 0
@@ -195,8 +191,6 @@ def end_generations(generations, now) -> int:
 
 
 def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], checkpoint: Checkpoint | None) -> dict:
-    from nodes.services import probe_peers_for
-
     host = nodes[0].address
     # Before it starts, each node probes its bandwidth to the job's other nodes and refuses to
     # launch on a pair below the expected ratio (agents without a probe server are not probed).

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from core.events import EventKind, record_event
 from core.models import Event
+from core.tokens import retire_job_tokens
 from jobs.choices import JobState as S
 from jobs.models import Job
 
@@ -153,8 +154,6 @@ def transition(
             created_at=now,
         )
         if new_state in S.TERMINAL:
-            from core.tokens import retire_job_tokens
-
             retire_job_tokens(job_id)
         old_state = current.state
         for name, value in changes.items():
