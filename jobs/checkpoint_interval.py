@@ -41,7 +41,8 @@ from checkpoints.models import Checkpoint
 from checkpoints.policies import CheckpointPolicy
 from core.events import EventKind, record_event
 from jobs.choices import IncidentKind, JobState
-from jobs.models import Incident, Job, StepMetric
+from jobs.models import Incident, Job
+from jobs.steps import recent_step_seconds
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,8 @@ def recommend_interval(job: Job, *, now: datetime | None = None) -> IntervalReco
 
 
 def _median_step_time(job: Job) -> tuple[float | None, int]:
-    phases = StepMetric.objects.filter(job=job).order_by("-generation", "-step").values_list(
-        "phases", flat=True)[:STEP_SAMPLES]
-    times = [sum(float(p.get(name, 0.0)) for name in COMPUTE_PHASES) for p in phases if p]
-    times = [t for t in times if t > 0]
+    # Every rank's reports: more samples for the median of a synchronous job's step.
+    times = [t for t in recent_step_seconds(job, limit=STEP_SAMPLES, phases=COMPUTE_PHASES, rank=None) if t > 0]
     return (statistics.median(times) if times else None), len(times)
 
 
