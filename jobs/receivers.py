@@ -1,9 +1,11 @@
 """The jobs app listens to the nodes app (exits, stop acknowledgements, refused launches, health
-changes) and answers what it asks about the work placed on its nodes (``nodes.workload``,
-registered by ``JobsConfig.ready``).
+changes, contact back after a fleet silence) and answers what it asks about the work placed on
+its nodes (``nodes.workload``, registered by ``JobsConfig.ready``).
 
-Receivers run in whichever process committed the node's news (usually the web process answering
-an agent), so they only enqueue a Celery task with primary keys; the orchestrator does the work.
+Receivers of the signals sent after commit run in whichever process committed the node's news
+(usually the web process answering an agent), so they only enqueue a Celery task with primary
+keys; the orchestrator does the work. ``fleet_contact_restored`` is sent inside its transaction:
+its receiver moves the progress deadlines there and then.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Collection
 
 from django.dispatch import receiver
 
+from jobs import progress
 from jobs.choices import JobState
 from jobs.models import Generation, Job
 from jobs.tasks import confirm_stopped, handle_exit, handle_launch_refused, handle_node_health
@@ -47,6 +50,13 @@ def on_launch_refused(sender, node, job_id, generation, reason, **kwargs):
 @receiver(signals.node_health_changed, dispatch_uid="jobs.node_health_changed")
 def on_node_health_changed(sender, node, old, new, reasons, **kwargs):
     handle_node_health.delay(node.hostname, new, list(reasons))
+
+
+@receiver(signals.fleet_contact_restored, dispatch_uid="jobs.fleet_contact_restored")
+def on_fleet_contact_restored(sender, now, grace, **kwargs) -> int:
+    """The hooks could not reach us either: progress deadlines that ran out start over, by the
+    progress-timeout rule (``jobs.progress``); returns how many moved."""
+    return progress.restart_after_silence(now, grace=grace)
 
 
 class JobsWorkload:

@@ -1,13 +1,14 @@
 """What the nodes app tells the rest of the control plane (the jobs orchestrator connects here).
 
-Every signal is sent by ``nodes.services`` only, **after the transaction that recorded it has
-committed** (so a receiver sees the rows and may enqueue Celery tasks with their keys), once per
+Every signal but one is sent by ``nodes.services`` only, **after the transaction that recorded it
+has committed** (so a receiver sees the rows and may enqueue Celery tasks with their keys), once per
 fact: a replayed agent event or a repeated acknowledgement sends nothing. Signals are sent with
 ``send_robust``: a failing receiver is logged and never turns an agent's request into a 500,
 because the agent would retry, the retry would be a duplicate, and the fact would be lost.
 
-All keyword arguments are plain JSON-able values except ``node`` (a ``nodes.models.Node``);
-``sender`` is always ``Node``. Receivers must accept ``**kwargs`` (more may be added).
+All keyword arguments are plain JSON-able values except ``node`` (a ``nodes.models.Node``) and
+the times of ``fleet_contact_restored``; ``sender`` is always ``Node``. Receivers must accept
+``**kwargs`` (more may be added).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 
 from django.db import transaction
 from django.dispatch import Signal
+
+from nodes.models import Node
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,14 @@ drain_acked = Signal()
 #: values), ``reasons`` (list of str), ``evidence`` (dict), ``event_id`` (the ``core.Event`` pk).
 node_health_changed = Signal()
 
+#: Contact is back after a fleet-wide silence (``nodes.services.silence``): deadlines that ran out
+#: while no node could reach us start over. The one signal sent *inside* the transaction that
+#: records the restore, with ``send``: a receiver restarts the deadlines of its own work in the same
+#: transaction (both start over, or neither) and returns how many it moved (an int), which the
+#: ``fleet.silence`` event counts as the job deadlines. ``now`` (datetime); ``grace`` (timedelta,
+#: one heartbeat timeout: restart no deadline sooner than this); ``silent_since`` (datetime).
+fleet_contact_restored = Signal()
+
 #: The agent acknowledged a command for the first time (``nodes.services.ack_command``).
 #: ``node``, ``command_id`` (int), ``kind`` ("launch", "stop", "drain", "health_check"), ``job_id``
 #: and ``generation`` (None for commands not tied to a job), ``status`` ("done", "refused",
@@ -63,8 +74,6 @@ def send_on_commit(signal: Signal, **kwargs) -> None:
 
 
 def _send(signal: Signal, kwargs: dict) -> None:
-    from nodes.models import Node  # lazily: receivers may import this module before models are ready
-
     for receiver, result in signal.send_robust(sender=Node, **kwargs):
         if isinstance(result, Exception):
             log.error("receiver %r of a nodes signal failed", receiver, exc_info=result)

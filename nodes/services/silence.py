@@ -22,7 +22,9 @@ given up: the nodes turn unreachable and the partition policy pages a human as b
 
 Each transition is one ``fleet.silence`` event (``silent`` → ``restored`` or ``given_up``); the
 newest of them is the state, so every worker and the web process read the same answer. Only the
-heartbeat sweeper writes them (one beat task), so transitions are not raced.
+heartbeat sweeper writes them (one beat task), so transitions are not raced. The deadlines of
+the work on the nodes are not this app's: the jobs app restarts its progress deadlines when
+``nodes.signals.fleet_contact_restored`` tells it, by its own progress-timeout rule.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from django.utils import timezone
 
 from core.events import EventKind, record_event
 from core.models import Event
-from jobs.policies import RecoveryPolicy
+from nodes import signals
 from nodes.models import Node
 from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
 
@@ -127,19 +129,13 @@ def watch(now: datetime | None = None) -> bool:
 
 
 def _restore(now: datetime, silence: Silence, *, since: datetime) -> None:
-    """Contact is back: deadlines that ran out while nobody could reach us start over."""
-    from jobs.models import Job
-    from jobs.progress import PROGRESS_WATCHED
-
+    """Contact is back: deadlines that ran out while nobody could reach us start over, the nodes'
+    here and the jobs' in the receivers of ``fleet_contact_restored`` (in this transaction)."""
     grace = heartbeat_timeout()
     with transaction.atomic():
         nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
-        jobs = 0
-        for job in Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now + grace):
-            timeout = RecoveryPolicy.of(job).progress_timeout_s or 0
-            deadline = now + max(grace, timedelta(seconds=timeout))
-            jobs += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(
-                progress_deadline=deadline)
+        jobs = sum(moved for _, moved in signals.fleet_contact_restored.send(
+            sender=Node, now=now, grace=grace, silent_since=since))
         _record(RESTORED, now, silence,
                 f"contact restored after {(now - since).total_seconds():.0f} s of fleet silence: "
                 f"{nodes} node and {jobs} job deadline(s) start over",
