@@ -6,13 +6,16 @@ and torch can be assumed. The one distinction callers need is *answered* versus 
 - 2xx and 4xx are answers: ``request`` returns ``(status, decoded JSON or {})``. A 4xx is the
   server deciding something (409 stale generation, 400 bad message) and retrying will not help.
 - connection errors, timeouts and 5xx raise ``Unreachable``: the control plane could not decide,
-  so the caller keeps the data (spool) and tries again later.
+  so the caller keeps the data (spool) and tries again later. A 503 from an overloaded control plane
+  (admission control) carries ``Retry-After``: ``Unreachable.retry_after``, which ``retry_delay``
+  honours with jitter, so a fleet refused at once does not come back at once.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,9 +25,25 @@ from typing import Any
 class Unreachable(Exception):
     """The control plane did not answer (connection refused, timeout, reset) or failed (5xx)."""
 
-    def __init__(self, reason: str, status: int | None = None):
+    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None):
         super().__init__(reason)
         self.status = status
+        #: seconds the server asked us to wait (``Retry-After`` of a 503), if it said
+        self.retry_after = retry_after
+
+
+def retry_delay(failures: int, *, base: float = 0.5, cap: float = 10.0, retry_after: float | None = None,
+                rng: random.Random | None = None) -> float:
+    """Seconds to wait before the next try after ``failures`` failures in a row (``failures`` >= 1).
+
+    Exponential from ``base`` up to ``cap``, never sooner than the server's ``Retry-After`` (which
+    may exceed ``cap``: the server knows its load), plus up to 50% jitter so that callers refused
+    together spread out instead of returning together.
+    """
+    delay = min(cap, base * 2 ** (failures - 1))
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    return delay * (1.0 + 0.5 * (rng or random).random())
 
 
 class ControlPlaneClient:
@@ -58,11 +77,19 @@ class ControlPlaneClient:
                 return response.status, _decode(response.read())
         except urllib.error.HTTPError as error:
             if error.code >= 500:
-                raise Unreachable(f"{method} {path}: HTTP {error.code}", status=error.code) from error
+                raise Unreachable(f"{method} {path}: HTTP {error.code}", status=error.code,
+                                  retry_after=_retry_after(error.headers.get("Retry-After"))) from error
             return error.code, _decode(_read_quietly(error))
         # URLError and timeouts are OSErrors; HTTPException covers a reset half-way through a response.
         except (OSError, http.client.HTTPException) as error:
             raise Unreachable(f"{method} {path}: {error}") from error
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` as seconds; its HTTP-date form and anything malformed read as absent."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return min(float(value.strip()), 3600.0)
 
 
 def _read_quietly(error: urllib.error.HTTPError) -> bytes:

@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP through Django, WebSockets through Channels."""
+"""ASGI entry point: HTTP through admission control and Django, WebSockets through Channels."""
 
 import os
 
@@ -14,12 +14,26 @@ refuse_unsafe_production()
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs the app registry)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
 
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
+from core.admission import Admission  # noqa: E402
+
+#: URL names whose requests may use the whole admission bound: a heartbeat that does not get through
+#: turns a live node unreachable. Probes are never refused.
+PRIORITY_URLS = ("agent-heartbeat", "agent-register")
+EXEMPT_URLS = ("healthz", "readyz")
+
+
+def admission(app) -> Admission:
+    knobs = settings.NIGHTWATCH
+    return Admission(app, limit=knobs["MAX_IN_FLIGHT"], reserve=knobs["PRIORITY_RESERVE"],
+                     retry_after_s=knobs["RETRY_AFTER_S"], priority=PRIORITY_URLS, exempt=EXEMPT_URLS)
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": admission(django_asgi_app),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

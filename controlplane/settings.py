@@ -336,6 +336,11 @@ NIGHTWATCH = {
     "HEARTBEAT_MISSES": env_int("NIGHTWATCH_HEARTBEAT_MISSES", 3),
     # How long a bootstrap token may wait for its agent's (single) registration.
     "BOOTSTRAP_TOKEN_TTL_S": env_int("NIGHTWATCH_BOOTSTRAP_TOKEN_TTL_S", 24 * 3600),
+    # Admission control (core/admission.py): HTTP requests one web process works on at once (0: no
+    # bound), how many of those only heartbeats and registrations may use, and the Retry-After of a 503.
+    "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 64),
+    "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 16),
+    "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
     # How long an Idempotency-Key is remembered.
     "IDEMPOTENCY_TTL_S": env_int("NIGHTWATCH_IDEMPOTENCY_TTL_S", 24 * 3600),
     # The URL nodes and train.py use to reach the control plane.

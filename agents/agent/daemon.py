@@ -22,7 +22,7 @@ from agents.agent.config import AgentConfig
 from agents.agent.outbox import AuthRejected, Outbox
 from agents.agent.registration import NodeCredentials, RegistrationRefused, load_credentials, register, save_credentials
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
-from agents.http import ControlPlaneClient, Unreachable
+from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.agent import (
     HEARTBEAT_PATH,
@@ -133,7 +133,7 @@ class Agent:
         if not token:
             raise RegistrationRefused(f"no node token in {path} and no bootstrap token configured")
         client = ControlPlaneClient(self.config.control_plane_url, timeout=self.config.request_timeout_s)
-        backoff = 0.5
+        failures = 0
         while not self._stopping.is_set():
             try:
                 answer = register(client, bootstrap_token=token, hostname=self.config.hostname,
@@ -142,9 +142,10 @@ class Agent:
                                   gpu_telemetry_reason=self.source.reason,
                                   probe_port=self._probe.port if self._probe else None)
             except Unreachable as exc:
-                log.warning("control plane unreachable for registration (%s); retrying in %.1f s", exc, backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                failures += 1
+                delay = retry_delay(failures, cap=30.0, retry_after=exc.retry_after)
+                log.warning("control plane unreachable for registration (%s); retrying in %.1f s", exc, delay)
+                self._stopping.wait(delay)
                 continue
             creds = NodeCredentials(control_plane_url=self.config.control_plane_url, node_id=answer.node_id,
                                     node_token=answer.node_token, heartbeat_interval_s=answer.heartbeat_interval_s)
@@ -179,9 +180,11 @@ class Agent:
                     flush_backoff = TICK_S
                     self._set_reachable(True, "")
                 except (Unreachable, AuthRejected) as exc:
-                    # Back off, but never beyond a heartbeat: replay starts soon after it returns.
+                    # Back off, but never beyond a heartbeat (replay starts soon after it returns) unless
+                    # an overloaded control plane asked for longer; jittered, so a refused fleet spreads.
                     flush_backoff = min(flush_backoff * 2, creds.heartbeat_interval_s)
-                    next_flush = now + flush_backoff
+                    retry_after = exc.retry_after if isinstance(exc, Unreachable) else None
+                    next_flush = now + retry_delay(1, base=flush_backoff, cap=flush_backoff, retry_after=retry_after)
                     self._set_reachable(False, str(exc))
             if self._wake.wait(TICK_S):
                 self._wake.clear()

@@ -19,7 +19,7 @@ from collections import deque
 from typing import Any
 from urllib.parse import quote
 
-from agents.http import ControlPlaneClient, Unreachable
+from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.hooks import (
     CHECKPOINTS_PATH,
@@ -217,7 +217,7 @@ class Reporter:
 
     def _back_off(self, error: Unreachable) -> None:
         self._failures += 1
-        delay = min(self.max_backoff, 0.5 * 2 ** (self._failures - 1))
+        delay = retry_delay(self._failures, cap=self.max_backoff, retry_after=error.retry_after)
         self._retry_at = time.monotonic() + delay
         if self._failures == 1:
             log.warning("control plane unreachable (%s); spooling, retrying in %.1fs", error, delay)

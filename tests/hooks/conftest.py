@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -118,6 +119,9 @@ class ControlPlaneStub:
     commits: list[dict[str, Any]] = field(default_factory=list)
     bad_requests: list[str] = field(default_factory=list)
     tokens: list[str | None] = field(default_factory=list)
+    shed: int = 0  # report batches still to refuse with 503 + Retry-After, as an overloaded server does
+    retry_after_s: int = 1
+    report_posts: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, status) per POST
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -144,16 +148,24 @@ class ControlPlaneStub:
                 stub.tokens.append(self.headers.get("Authorization"))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 path = urlsplit(self.path).path
-                if path.endswith("/reports"):
+                if path.endswith("/reports") and stub.shed > 0:
+                    stub.shed -= 1
+                    stub.report_posts.append((time.monotonic(), 503))
+                    self._answer(503, {"title": "Service Unavailable"},
+                                 headers={"Retry-After": str(stub.retry_after_s)})
+                elif path.endswith("/reports"):
+                    stub.report_posts.append((time.monotonic(), 202))
                     self._answer(*stub.accept_reports(body))
                 elif path.endswith("/checkpoints"):
                     self._answer(*stub.accept_commit(body))
                 else:
                     self._answer(404, {"error": "no such endpoint"})
 
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
+            def _answer(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

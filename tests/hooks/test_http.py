@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agents.http import ControlPlaneClient, Unreachable
+from agents.http import ControlPlaneClient, Unreachable, retry_delay
 
 
 @pytest.fixture
@@ -32,6 +33,8 @@ def server():
             status = int(self.path.split("/")[2]) if self.path.startswith("/status/") else 200
             payload = b"not json" if self.path.endswith("/garbage") else json.dumps({"echo": body}).encode()
             self.send_response(status)
+            if self.headers.get("X-Answer-Retry-After") is not None:  # the test says what the server says
+                self.send_header("Retry-After", self.headers["X-Answer-Retry-After"])
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -100,3 +103,23 @@ def test_nan_is_refused_before_anything_is_sent(server):
 def test_only_http_urls_are_accepted():
     with pytest.raises(ValueError, match="http"):
         ControlPlaneClient("file:///etc/passwd")
+
+
+@pytest.mark.parametrize("header, seconds", [("3", 3.0), (" 2 ", 2.0), ("Wed, 21 Oct 2026 07:28:00 GMT", None),
+                                             ("-1", None), ("soon", None), ("99999", 3600.0)])
+def test_a_503_carries_the_servers_retry_after_in_whole_seconds(server, header, seconds):
+    with pytest.raises(Unreachable) as raised:
+        ControlPlaneClient(server.url).request("POST", "/status/503", {"x": 1},
+                                               headers={"X-Answer-Retry-After": header})
+    assert raised.value.status == 503 and raised.value.retry_after == seconds
+
+
+def test_retry_delay_grows_to_its_cap_never_undercuts_retry_after_and_is_jittered():
+    rng = random.Random(7)
+    plain = [retry_delay(n, base=0.5, cap=4.0, rng=rng) for n in range(1, 7)]
+    for n, delay in enumerate(plain, start=1):
+        floor = min(4.0, 0.5 * 2 ** (n - 1))
+        assert floor <= delay <= 1.5 * floor
+    asked = [retry_delay(1, base=0.5, cap=4.0, retry_after=10.0, rng=rng) for _ in range(200)]
+    assert min(asked) >= 10.0 and max(asked) <= 15.0
+    assert len({round(d, 3) for d in asked}) > 100  # spread out, not one instant for the whole fleet

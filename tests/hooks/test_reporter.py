@@ -90,6 +90,24 @@ def test_an_outage_spools_everything_and_replays_it_in_order_exactly_once(make_r
     assert [c["step"] for c in control_plane.commits] == [50]
 
 
+def test_an_overloaded_server_is_given_the_time_it_asks_for_and_loses_nothing(make_reporter, control_plane):
+    """A 503 with Retry-After (admission control) is waited out, past the reporter's own backoff cap
+    (0.2 s here), with jitter; then everything arrives once, in order."""
+    control_plane.shed, control_plane.retry_after_s = 2, 1
+    reporter = make_reporter()
+    for step in range(1, 11):
+        reporter.report(step_report(step))
+    wait_for(lambda: delivered_steps(control_plane) == list(range(1, 11)), timeout=15,
+             what="delivery after two 503s", interval=POLL_S)
+    times = [t for t, _ in control_plane.report_posts]
+    statuses = [status for _, status in control_plane.report_posts]
+    assert statuses[:3] == [503, 503, 202]
+    for refused, retried in ((times[0], times[1]), (times[1], times[2])):
+        assert 1.0 <= retried - refused < 1.5 + 0.5  # Retry-After plus at most 50% jitter (and slack)
+    sent_steps = [r["step"] for batch in control_plane.received for r in batch["reports"]]
+    assert sent_steps == list(range(1, 11))
+
+
 def test_records_delivered_but_not_acknowledged_before_a_crash_are_deduplicated(
         tmp_path, make_reporter, control_plane):
     # A first process delivered steps 1-3; a crash lost its acknowledgement, so a new process

@@ -1,0 +1,122 @@
+"""Admission control: a bound on the HTTP requests one web process works on at once.
+
+Without it, a control plane offered more than it can serve collapses instead of levelling off:
+every request it accepts waits behind all the others, answers arrive after the callers gave up,
+the callers resend, and throughput falls as load rises (issue 18's probe: 2.9 step reports a second
+accepted out of 1,024 offered; PostgreSQL out of connections). With it, the process works on at
+most ``limit`` requests; the next one is answered at once with ``503`` and ``Retry-After``, which the
+agents and the training hooks honour with jittered backoff while their spools keep everything.
+
+Not every request is worth the same. A heartbeat that does not get through today makes the sweeper
+call a live node unreachable tomorrow, so ``priority`` requests (heartbeats, registration) may use
+the whole bound, while bulk data (step reports, telemetry, events) and everything else leave
+``reserve`` slots free for them. Probes (``exempt``: liveness, readiness) are always admitted: an
+orchestrator must not restart a process for being busy.
+
+ASGI middleware, in front of Django: it counts on the event loop, before a request queues for
+Django's thread, so "in flight" includes the requests waiting for it. One event loop per process,
+so a plain integer is the counter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.urls import Resolver404, resolve
+
+from core.problems import CONTENT_TYPE, problem
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+PRIORITY = "priority"
+EXEMPT = "exempt"
+OTHER = "other"
+
+
+@dataclass
+class Counters:
+    """What this process admitted and refused, by class (for logs and /metrics)."""
+
+    in_flight: int = 0
+    peak: int = 0
+    admitted: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, EXEMPT: 0, OTHER: 0})
+    refused: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, OTHER: 0})
+
+
+class Admission:
+    """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
+
+    def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int,
+                 priority: Collection[str] = (), exempt: Collection[str] = ()):
+        if limit < 0 or reserve < 0 or (limit and reserve >= limit):
+            raise ValueError(f"admission: need 0 <= reserve < limit (or limit 0: off), got limit={limit} "
+                             f"reserve={reserve}")
+        if retry_after_s < 1:
+            raise ValueError(f"admission: Retry-After is whole seconds, at least 1, got {retry_after_s}")
+        self.app = app
+        self.limit = limit
+        self.reserve = reserve
+        self.retry_after_s = retry_after_s
+        self.priority = frozenset(priority)
+        self.exempt = frozenset(exempt)
+        self.counters = Counters()
+
+    def classify(self, path: str) -> str:
+        """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)."""
+        try:
+            name = resolve(path).url_name
+        except Resolver404:
+            return OTHER
+        if name in self.exempt:
+            return EXEMPT
+        return PRIORITY if name in self.priority else OTHER
+
+    def admits(self, kind: str) -> bool:
+        if not self.limit or kind == EXEMPT:
+            return True
+        bound = self.limit if kind == PRIORITY else self.limit - self.reserve
+        return self.counters.in_flight < bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        kind = self.classify(scope["path"])
+        counters = self.counters
+        if not self.admits(kind):
+            counters.refused[kind] += 1
+            await self._refuse(scope, send, kind)
+            return
+        counters.admitted[kind] += 1
+        counters.in_flight += 1
+        counters.peak = max(counters.peak, counters.in_flight)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            counters.in_flight -= 1
+
+    async def _refuse(self, scope: Scope, send: Send, kind: str) -> None:
+        refused = sum(self.counters.refused.values())
+        if refused == 1 or refused % 1000 == 0:
+            log.warning("admission: %d requests in flight, refusing %s requests with 503 (%d refused so far)",
+                        self.counters.in_flight, kind, refused)
+        body = json.dumps(problem(
+            503, "Service Unavailable",
+            f"This server is working on {self.counters.in_flight} requests, its bound; retry after "
+            f"{self.retry_after_s} s (with jitter).",
+            code="overloaded", instance=scope["path"],
+        )).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", CONTENT_TYPE.encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(self.retry_after_s).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,121 @@
+"""Admission control (core/admission.py) in front of an ASGI app whose requests we hold open.
+
+The downstream app is a stand-in that answers only when the test releases it, so "in flight" is
+exactly what the test says; the middleware, URL resolution and the 503 it writes are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, application
+from core.admission import Admission
+
+HEARTBEAT = "/api/v1/nodes/7/heartbeat"
+REPORTS = "/api/v1/jobs/3/reports"
+PROBE = "/healthz"
+
+
+class Held:
+    """An ASGI app that answers 200 once ``release`` is set."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def __call__(self, scope, receive, send):
+        self.started += 1
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def call(app, path: str) -> dict:
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+    start = sent[0]
+    return {"status": start["status"], "headers": dict(start["headers"]), "body": sent[1]["body"]}
+
+
+def admission(limit=3, reserve=1):
+    held = Held()
+    return held, Admission(held, limit=limit, reserve=reserve, retry_after_s=2, priority=PRIORITY_URLS,
+                           exempt=EXEMPT_URLS)
+
+
+async def until(predicate):
+    async with asyncio.timeout(5):
+        while not predicate():
+            await asyncio.sleep(0)
+
+
+def test_bulk_is_refused_at_the_bound_less_the_reserve_and_heartbeats_use_the_reserve():
+    async def scenario():
+        held, app = admission(limit=3, reserve=1)
+        bulk = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: held.started == 2)
+
+        refused = await call(app, REPORTS)  # 2 in flight = limit - reserve: bulk waits outside
+        assert refused["status"] == 503
+        assert refused["headers"][b"retry-after"] == b"2"
+        assert refused["headers"][b"content-type"] == b"application/problem+json"
+        problem = json.loads(refused["body"])
+        assert problem["type"].endswith("/overloaded") and problem["status"] == 503
+        assert problem["instance"] == REPORTS
+
+        beat = asyncio.create_task(call(app, HEARTBEAT))  # the reserved slot
+        await until(lambda: held.started == 3)
+        assert (await call(app, HEARTBEAT))["status"] == 503  # the bound is the bound, for heartbeats too
+        probe = asyncio.create_task(call(app, PROBE))  # never refused
+        await until(lambda: held.started == 4)
+
+        held.release.set()
+        answers = await asyncio.gather(*bulk, beat, probe)
+        assert [a["status"] for a in answers] == [200, 200, 200, 200]
+        assert app.counters.in_flight == 0 and app.counters.peak == 4
+        assert app.counters.refused == {"priority": 1, "other": 1}
+        assert (await call(app, REPORTS))["status"] == 200  # capacity is back
+
+    asyncio.run(scenario())
+
+
+def test_an_unknown_path_counts_as_bulk_and_a_zero_limit_admits_everything():
+    async def scenario():
+        held, app = admission(limit=2, reserve=1)
+        first = asyncio.create_task(call(app, "/no/such/page"))
+        await until(lambda: held.started == 1)
+        assert (await call(app, "/no/such/page"))["status"] == 503
+        held.release.set()
+        await first
+
+        held, off = admission(limit=0, reserve=0)
+        held.release.set()
+        answers = await asyncio.gather(*[call(off, REPORTS) for _ in range(50)])
+        assert {a["status"] for a in answers} == {200}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("limit, reserve, retry", [(4, 4, 1), (4, 5, 1), (-1, 0, 1), (4, 1, 0)])
+def test_a_bound_that_cannot_work_is_refused_at_start(limit, reserve, retry):
+    with pytest.raises(ValueError):
+        Admission(Held(), limit=limit, reserve=reserve, retry_after_s=retry)
+
+
+def test_the_project_routes_http_through_admission_with_the_settings_bound(settings):
+    http = application.application_mapping["http"]
+    assert isinstance(http, Admission)
+    assert http.limit == settings.NIGHTWATCH["MAX_IN_FLIGHT"] > http.reserve == settings.NIGHTWATCH[
+        "PRIORITY_RESERVE"]
+    assert http.classify(HEARTBEAT) == "priority" and http.classify("/api/v1/agents/register") == "priority"
+    assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"
