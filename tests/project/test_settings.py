@@ -83,3 +83,16 @@ def test_docker_compose_file_is_valid(tmp_path):
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     assert services["web"]["environment"]["NIGHTWATCH_ENV"] == "production"
+
+
+def test_a_connection_pool_is_configured_for_postgresql_and_refused_for_anything_else(tmp_path):
+    show = "from django.conf import settings; d = settings.DATABASES['default']; print(d['CONN_MAX_AGE'], d['OPTIONS'])"
+    pooled = manage("shell", "-c", show, tmp_path=tmp_path, env_overrides={
+        "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/nightwatch", "DB_POOL_MAX_SIZE": "8",
+        "DB_CONN_MAX_AGE": "60"})
+    assert pooled.returncode == 0, pooled.stderr
+    assert pooled.stdout.strip().splitlines()[-1] == "0 {'pool': {'min_size': 1, 'max_size': 8, 'timeout': 10.0}}"
+
+    sqlite = manage("check", tmp_path=tmp_path, env_overrides={
+        "DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite3", "DB_POOL_MAX_SIZE": "8"})
+    assert sqlite.returncode != 0 and "a connection pool needs PostgreSQL" in sqlite.stderr
