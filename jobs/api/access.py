@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from rest_framework.exceptions import PermissionDenied
+from typing import Any
 
+from rest_framework.exceptions import PermissionDenied, ValidationError
+
+from core.api import parse_wire
 from core.models import ApiToken, Scope
-from jobs.models import Generation
+from jobs.models import Generation, Job
 
 
 def require_hooks_caller(request, job, generation: int | None = None) -> None:
@@ -32,3 +35,15 @@ def require_hooks_caller(request, job, generation: int | None = None) -> None:
         which = "any generation" if generation is None else f"generation {generation}"
         raise PermissionDenied(f"This token speaks neither for {which} of job {job.pk} nor for a node it is "
                                f"placed on.")
+
+
+def hooks_message(request, job: Job, message_class: type, what: str) -> Any:
+    """The body of a hooks' POST about ``job`` (``what``: "batch", "commit"), read only once the
+    caller may speak for the job, and kept only if it names that job and a generation the caller
+    may speak for."""
+    require_hooks_caller(request, job)
+    message = parse_wire(message_class, request)
+    if message.job != str(job.pk):
+        raise ValidationError({"job": [f"the {what} is for job {message.job!r}, the URL for job {job.pk}"]})
+    require_hooks_caller(request, job, message.generation)
+    return message

@@ -29,12 +29,11 @@ from checkpoints.api.views import CONFLICT, LIST_FILTERS, filter_checkpoints
 from checkpoints.models import Checkpoint
 from checkpoints.policies import CheckpointPolicy
 from core import roles
-from core.api import parse_wire
 from core.auth import actor_label
 from core.problems import Conflict
 from core.schema import protocol_schema
 from jobs import checkpoint_interval, checkpointing
-from jobs.api.access import require_hooks_caller
+from jobs.api.access import hooks_message
 from jobs.models import Job
 from jobs.state import TransitionError
 
@@ -63,11 +62,7 @@ class JobCheckpoints(generics.ListAPIView):
                                "another job's checkpoint.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
-        require_hooks_caller(request, job)
-        commit = parse_wire(hooks_protocol.CheckpointCommit, request)
-        if commit.job != str(job.pk):
-            raise ValidationError({"job": [f"the commit is for job {commit.job!r}, the URL for job {job.pk}"]})
-        require_hooks_caller(request, job, commit.generation)
+        commit = hooks_message(request, job, hooks_protocol.CheckpointCommit, "commit")
         try:
             checkpoint, created = checkpointing.commit_checkpoint(job, commit, actor=actor_label(request))
         except paths.OutsideRoot as exc:

@@ -19,14 +19,13 @@ from core.api import (
     datetime_param,
     idempotent,
     int_param,
-    parse_wire,
 )
 from core.auth import actor_label
 from core.models import Event
 from core.problems import Conflict
 from core.schema import protocol_schema
 from jobs import ingest, services
-from jobs.api.access import require_hooks_caller
+from jobs.api.access import hooks_message, require_hooks_caller
 from jobs.api.serializers import (
     ApproveSerializer,
     EventSerializer,
@@ -182,11 +181,7 @@ class JobReports(APIView):
                                "that generation; 409 when the generation is stale or the job has ended.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
-        require_hooks_caller(request, job)
-        batch = parse_wire(hooks_protocol.ReportBatch, request)
-        if batch.job != str(job.pk):
-            raise ValidationError({"job": [f"the batch is for job {batch.job!r}, the URL for job {job.pk}"]})
-        require_hooks_caller(request, job, batch.generation)
+        batch = hooks_message(request, job, hooks_protocol.ReportBatch, "batch")
         try:
             result = ingest.record_reports(job, batch, actor=actor_label(request))
         except TransitionError as exc:
