@@ -357,6 +357,8 @@ NIGHTWATCH = {
     "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 64),
     "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 16),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
+    # Rank timings per node and window (jobs.models.NodeWindow); the job's step rows are kept.
+    "NODE_WINDOW_RETENTION_HOURS": env_int("NIGHTWATCH_NODE_WINDOW_RETENTION_HOURS", 48),
     # How long an Idempotency-Key is remembered.
     "IDEMPOTENCY_TTL_S": env_int("NIGHTWATCH_IDEMPOTENCY_TTL_S", 24 * 3600),
     # The URL nodes and train.py use to reach the control plane.

@@ -14,6 +14,7 @@ from datetime import timedelta
 from django.db.models import Count, Max, Q
 from django.utils import timezone
 
+from agents.protocol.hooks import PHASES
 from checkpoints.models import Checkpoint
 from checkpoints.services import lineage_tree
 from core.models import Event
@@ -21,15 +22,17 @@ from dashboard.events import points_from_rows
 from jobs import efficiency
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of
-from jobs.models import Generation, Incident, Job, StepMetric
+from jobs.models import Generation, Incident, Job, NodeWindow, StepMetric
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node
 
 #: The chart shows at most this many step reports (newest); older history is in the API.
 CHART_ROWS = 6000
-#: The rank-skew view covers the newest steps of the active generation.
-SKEW_STEPS = 30
-#: A rank whose step took this many times the median of its step is a straggler.
+#: The skew view covers the newest timing windows of the active generation (a window is the steps
+#: between two of the hooks' exchanges, 10 by default) and shows at most this many nodes, slowest first.
+SKEW_WINDOWS = 12
+SKEW_NODES = 32
+#: A node whose slowest rank took this many times the window's median step is a straggler's node.
 STRAGGLER_RATIO = 1.25
 OVERVIEW_JOBS = 50
 FEED_INCIDENTS = 20
@@ -123,43 +126,62 @@ def chart(job: Job) -> dict:
 
 
 def rank_skew(job: Job) -> dict:
-    """Ranks × the newest steps of the active generation, each cell the rank's step time over the
-    median of that step; and the phase breakdown per rank over the same steps."""
-    newest = (StepMetric.objects.filter(job=job, generation=job.generation).order_by("-step")
-              .values_list("step", flat=True).first())
-    if newest is None:
-        return {"steps": [], "ranks": [], "phases": [], "stragglers": []}
-    rows = StepMetric.objects.filter(job=job, generation=job.generation, step__gt=newest - SKEW_STEPS) \
-        .values_list("rank", "step", "phases")
-    by_step: dict[int, dict[int, float]] = defaultdict(dict)
-    phase_sums: dict[int, Counter] = defaultdict(Counter)
-    for rank, step, phases in rows:
-        if phases:
-            by_step[step][rank] = sum(phases.values())
-            phase_sums[rank].update(phases)
-    steps = sorted(by_step)
-    ranks = sorted({rank for per_rank in by_step.values() for rank in per_rank})
-    medians = {step: statistics.median(per_rank.values()) for step, per_rank in by_step.items()}
-    grid, stragglers = [], set()
-    for rank in ranks:
+    """The active generation's nodes × its newest timing windows (``NodeWindow``): each cell the
+    node's slowest rank's mean step over the window's median step (the median of the nodes'
+    medians), the slowest ``SKEW_NODES`` nodes only; the phase breakdown of each shown node's
+    slowest rank, and of the whole job, over the same windows.
+
+    Reads ``SKEW_WINDOWS`` × nodes rows, however many ranks the job has.
+    """
+    windows = NodeWindow.objects.filter(job=job, generation=job.generation)
+    newest = list(windows.order_by("-last_step").values_list("last_step", flat=True).distinct()[:SKEW_WINDOWS])
+    if not newest:
+        return {"steps": [], "nodes": [], "phases": [], "stragglers": [], "node_count": 0}
+    rows = list(windows.filter(last_step__in=newest)
+                .values_list("node", "last_step", "step_median_s", "slowest_rank", "slowest_s", "slowest_phases",
+                             "phases"))
+    medians = {step: statistics.median(r[2] for r in rows if r[1] == step) for step in newest}
+    by_node: dict[int, dict[int, tuple]] = defaultdict(dict)
+    for row in rows:
+        by_node[row[0]][row[1]] = row
+    steps = sorted(newest)
+
+    def worst(node: int) -> float:
+        return max(r[4] / medians[r[1]] if medians[r[1]] > 0 else 0.0 for r in by_node[node].values())
+
+    shown = sorted(by_node, key=worst, reverse=True)[:SKEW_NODES]
+    grid, stragglers = [], []
+    for node in sorted(shown):
         cells = []
         for step in steps:
-            seconds = by_step[step].get(rank)
-            ratio = seconds / medians[step] if seconds is not None and medians[step] > 0 else None
+            row = by_node[node].get(step)
+            ratio = row[4] / medians[step] if row is not None and medians[step] > 0 else None
             slow = ratio is not None and ratio >= STRAGGLER_RATIO
-            if slow:
-                stragglers.add(rank)
-            cells.append({"step": step, "seconds": seconds, "ratio": ratio, "slow": slow,
-                          "shade": _shade(ratio)})
-        grid.append({"rank": rank, "cells": cells, "straggler": rank in stragglers})
-    names = sorted({name for sums in phase_sums.values() for name in sums})
-    phases = []
-    for rank in ranks:
-        total = sum(phase_sums[rank].values()) or 1.0
-        phases.append({"rank": rank, "parts": [{"name": n, "share": phase_sums[rank][n] / total,
-                                                "seconds": phase_sums[rank][n] / max(len(steps), 1)}
-                                               for n in names]})
-    return {"steps": steps, "ranks": grid, "phases": phases, "phase_names": names, "stragglers": sorted(stragglers)}
+            cells.append({"step": step, "seconds": row[4] if row else None, "rank": row[3] if row else None,
+                          "ratio": ratio, "slow": slow, "shade": _shade(ratio)})
+        if any(cell["slow"] for cell in cells):
+            stragglers.append(node)
+        grid.append({"node": node, "cells": cells, "straggler": node in stragglers,
+                     "rank": by_node[node][max(by_node[node])][3]})
+    job_phases: Counter = Counter()
+    for row in rows:
+        job_phases.update(row[6])
+    names = [n for n in PHASES if any(n in row[5] or n in row[6] for row in rows)]
+    phases = [_phase_row("job (mean rank)", job_phases, len(rows), names)]
+    for entry in grid:
+        slowest: Counter = Counter()
+        for row in by_node[entry["node"]].values():
+            slowest.update(row[5])
+        phases.append(_phase_row(f"node {entry['node']}: rank {entry['rank']}", slowest, len(by_node[entry["node"]]),
+                                 names))
+    return {"steps": steps, "nodes": grid, "phases": phases, "phase_names": names, "stragglers": stragglers,
+            "node_count": len(by_node)}
+
+
+def _phase_row(label: str, sums: Counter, windows: int, names: list[str]) -> dict:
+    total = sum(sums[n] for n in names) or 1.0
+    return {"label": label, "parts": [{"name": n, "share": sums[n] / total, "seconds": sums[n] / max(windows, 1)}
+                                      for n in names]}
 
 
 def _shade(ratio: float | None) -> int:

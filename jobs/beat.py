@@ -3,6 +3,7 @@
 
 - checkpoint interval push every 5 minutes (``jobs.checkpoint_interval``): failure rates and save
   costs change slowly, and the hooks pick the new value up on their next control poll.
+- node-window retention hourly (``jobs.steps.prune_node_windows``).
 """
 
 from __future__ import annotations
@@ -12,5 +13,10 @@ BEAT_SCHEDULE: dict = {
         "task": "jobs.tasks.push_checkpoint_intervals",
         "schedule": 300.0,
         "options": {"expires": 300},
+    },
+    "jobs-node-window-retention": {
+        "task": "jobs.tasks.prune_node_windows",
+        "schedule": 3600.0,
+        "options": {"expires": 3600},
     },
 }

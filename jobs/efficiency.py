@@ -7,8 +7,9 @@ so they live with the jobs app, below everything that reads them. The arithmetic
 
 - parameters and FLOPs per token: the hooks' ``model`` event (``agents.hooks``), unless the job's
   ``EfficiencyTarget`` overrides FLOPs per token;
-- tokens per step and step time: the step reports of the newest generation that trained (its
-  last ``WINDOW_STEPS`` steps; step time = median of rank 0's phase sums);
+- tokens per step and step time: rank 0's step reports of the newest generation that trained
+  (its last ``WINDOW_STEPS`` steps; every rank trains the same batch size, so the job's tokens
+  per step are rank 0's times the world size; step time = median of rank 0's phase sums);
 - peak: per node of that generation, ``labels['peak_tflops']`` (per accelerator), else the GPU
   table by NVML name, else — CPU jobs and nodes without GPUs — ``CPU_PEAK_TFLOPS``, times the
   job's processes per node;
@@ -23,7 +24,7 @@ import statistics
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Avg, Max, Sum
+from django.db.models import Avg, F, Max, Sum
 from django.utils import timezone
 
 from jobs import efficiency_math as math_
@@ -55,11 +56,13 @@ def throughput(job) -> tuple[int | None, math_.Throughput | None, int]:
     generation = StepMetric.objects.filter(job=job).aggregate(g=Max("generation"))["g"]
     if generation is None:
         return None, None, 0
-    rows = StepMetric.objects.filter(job=job, generation=generation)
+    rows = StepMetric.objects.filter(job=job, generation=generation, rank=0)
     last = rows.aggregate(s=Max("step"))["s"]
+    if last is None:
+        return generation, None, 0
     window = rows.filter(step__gt=last - WINDOW_STEPS)
-    steps = window.values("step").distinct().count()
-    tokens = window.aggregate(t=Sum("tokens"))["t"] or 0
+    steps = window.count()
+    tokens = window.aggregate(t=Sum(F("tokens") * F("world_size")))["t"] or 0
     step_times = recent_step_seconds(job, generation=generation, limit=WINDOW_STEPS)
     if not steps or not step_times:
         return generation, None, steps

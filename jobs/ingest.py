@@ -1,8 +1,12 @@
 """What the training hooks report (``POST /jobs/{id}/reports``) and what they are told (``/control``).
 
-    batch ─▶ fence the generation ─▶ store new steps and events ─▶ progress (jobs.progress)
-                                                                └▶ flags (NaN, spike run, disagreement)
-                                                                   ─▶ jobs.tasks.handle_flags ─▶ orchestrator
+    batch ─▶ fence the generation ─▶ store new steps, node windows, events ─▶ progress (jobs.progress)
+                                                                        └▶ flags (NaN, spike run, disagreement)
+                                                                           ─▶ jobs.tasks.handle_flags ─▶ orchestrator
+
+Rows grow with steps and nodes, not ranks: a step row is rank 0's, or another rank's flagged step
+(the hooks send no others, and a report that is neither is counted and not stored), and timings
+arrive one row per node and window (docs/architecture.md, "Step data").
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
 from jobs import policy, progress, state
 from jobs.choices import JobState
-from jobs.models import Job, StepMetric, TrainingEvent
+from jobs.models import Job, NodeWindow, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
 from jobs.tasks import handle_flags
 
@@ -26,22 +30,25 @@ from jobs.tasks import handle_flags
 @dataclass(frozen=True)
 class IngestResult:
     accepted: int
-    duplicates: int
+    duplicates: int  # already stored
+    ignored: int  # not stored by design: another rank's step it did not flag
 
 
 def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -> IngestResult:
     """Store a batch of step reports and hook events; advance the job's progress marks.
 
     1. Refuse a stale generation (the fencing token), and every generation of a job that ended.
-    2. Insert what is new; (job, generation, rank, step) and (job, generation, key) already stored
-       are duplicates of a replay and are counted, not stored again.
+    2. Insert what is new; (job, generation, rank, step), (job, generation, node, last_step) and
+       (job, generation, key) already stored are duplicates of a replay and are counted, not stored
+       again.
     3. Move the progress deadline, and mark the generation's first step (a generation that
        reports its first step is running); hand what the hooks flagged to the orchestrator.
     """
     state.check_live(job, batch.generation)
     now = timezone.now()
     with transaction.atomic():
-        reports = {(r.rank, r.step): r for r in batch.reports}
+        kept = [r for r in batch.reports if r.rank == 0 or _flagged(r)]
+        reports = {(r.rank, r.step): r for r in kept}
         known = set(
             StepMetric.objects.filter(job=job, generation=batch.generation, step__in={s for _, s in reports})
             .values_list("rank", "step")
@@ -50,6 +57,7 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         StepMetric.objects.bulk_create(
             [_step_metric(job, r, now) for r in fresh], ignore_conflicts=True, batch_size=500
         )
+        _store_windows(job, batch.windows, now)
         events = {e.key: e for e in batch.events}
         known_keys = set(
             TrainingEvent.objects.filter(job=job, generation=batch.generation, key__in=list(events))
@@ -68,7 +76,8 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
                                       now, actor=actor)
         _raise_flags(job, batch.generation, fresh, fresh_events)
-    return IngestResult(accepted=len(fresh), duplicates=len(batch.reports) - len(fresh))
+    return IngestResult(accepted=len(fresh), duplicates=len(kept) - len(fresh),
+                        ignored=len(batch.reports) - len(kept))
 
 
 def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport],
@@ -89,6 +98,22 @@ def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepRepor
             detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
         transaction.on_commit(
             lambda: handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail))
+
+
+def _flagged(report: hooks_protocol.StepReport) -> bool:
+    return report.nan or report.spike or report.skipped or report.inconsistent or not math.isfinite(report.loss)
+
+
+def _store_windows(job: Job, windows: list[hooks_protocol.NodeWindow], now: datetime) -> None:
+    """Insert the node windows not stored yet (a replay's are skipped by the unique key)."""
+    if windows:
+        NodeWindow.objects.bulk_create(
+            [NodeWindow(job=job, generation=w.generation, node=w.node, first_step=w.first_step,
+                        last_step=w.last_step, ranks=w.ranks, step_median_s=w.step_median_s,
+                        step_max_s=w.step_max_s, slowest_rank=w.slowest_rank, slowest_s=w.slowest_s,
+                        slowest_phases=w.slowest_phases, phases=w.phases, reported_at=_utc(w.time),
+                        received_at=now) for w in windows],
+            ignore_conflicts=True, batch_size=500)
 
 
 def _consecutive(event: hooks_protocol.Event) -> int:

@@ -142,7 +142,9 @@ class Incident(models.Model):
 
 
 class StepMetric(models.Model):
-    """One rank's report for one optimizer step, as sent by the training hooks.
+    """One optimizer step of a job, as the training hooks reported it: rank 0's report of every
+    step speaks for the job; another rank has a row only for a step it flagged (NaN, spike,
+    skipped, inconsistent). Rank timings are in ``NodeWindow``.
 
     Unique on (job, generation, rank, step): replays after an outage are recognised, not doubled.
     """
@@ -173,6 +175,42 @@ class StepMetric(models.Model):
 
     def __str__(self):
         return f"job {self.job_id} gen {self.generation} rank {self.rank} step {self.step}"
+
+
+class NodeWindow(models.Model):
+    """The step times of one node's ranks over the steps between two cross-rank exchanges, with
+    the node's slowest rank (``agents.protocol.hooks.NodeWindow``): a row per node and window,
+    whatever the number of ranks.
+
+    Unique on (job, generation, node, last_step): replays are recognised. ``node`` is torchrun's
+    node rank within the generation.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="node_windows")
+    generation = models.PositiveIntegerField()
+    node = models.PositiveIntegerField()
+    first_step = models.BigIntegerField()
+    last_step = models.BigIntegerField()
+    ranks = models.PositiveIntegerField()
+    step_median_s = models.FloatField()
+    step_max_s = models.FloatField()
+    slowest_rank = models.PositiveIntegerField()
+    slowest_s = models.FloatField()
+    slowest_phases = models.JSONField(default=dict, blank=True)
+    phases = models.JSONField(default=dict, blank=True)
+    reported_at = models.DateTimeField(help_text="The exchange that closed the window, by rank 0's clock.")
+    received_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "generation", "last_step", "node"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "generation", "node", "last_step"], name="nodewindow_unique"),
+        ]
+        indexes = [models.Index(fields=["job", "generation", "last_step"], name="nodewindow_newest"),
+                   models.Index(fields=["received_at"], name="nodewindow_received")]  # retention
+
+    def __str__(self):
+        return f"job {self.job_id} gen {self.generation} node {self.node} steps {self.first_step}-{self.last_step}"
 
 
 class TrainingEvent(models.Model):

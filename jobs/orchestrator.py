@@ -120,14 +120,11 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     )
 
 
-_EVIDENCE_FIELDS = {"signature", "error_line", "step", "rank_steps", "step_tolerance", "consecutive_spikes"}
+_EVIDENCE_FIELDS = {"signature", "error_line", "step", "consecutive_spikes"}
 
 
 def _jsonable(evidence: dict) -> dict:
-    out = {k: v for k, v in evidence.items() if k in _EVIDENCE_FIELDS}
-    if "rank_steps" in out:
-        out["rank_steps"] = {str(k): v for k, v in out["rank_steps"].items()}
-    return out
+    return {k: v for k, v in evidence.items() if k in _EVIDENCE_FIELDS}
 
 
 def _drain(hostnames, incident: Incident, *, actor: str) -> None:

@@ -20,7 +20,7 @@ here and one unit test in ``tests/jobs/test_policy.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jobs.policies import RecoveryPolicy
 
@@ -63,10 +63,6 @@ class Evidence:
     #: Nodes blamed by this evidence (hostnames), and whether each is healthy now.
     nodes: tuple[str, ...] = ()
     unhealthy_nodes: tuple[str, ...] = ()
-    #: hang: the last step each rank reported, and how far apart they may be only because the
-    #: hooks report in batches (a frozen rank's last batch never leaves it).
-    rank_steps: dict[int, int] = field(default_factory=dict)
-    step_tolerance: int = 1
     #: spike: how many consecutive steps spiked; the job's limit.
     consecutive_spikes: int = 0
     spike_limit: int = _DEFAULTS.loss_spike_limit
@@ -135,11 +131,6 @@ def _classify(ev: Evidence) -> Decision:
                         reason=f"{max(ev.nodes_lost_in_window, 1)} node(s) of the job lost contact: a restart could "
                                "run beside ranks that are still alive (split brain)")
     if ev.signal == HANG:
-        steps = set(ev.rank_steps.values())
-        if steps and max(steps) - min(steps) > ev.step_tolerance:
-            return Decision("hang", "pause", page=True,
-                            reason=f"ranks stopped at steps {sorted(steps)}, further apart than batched reporting "
-                                   f"explains ({ev.step_tolerance}): a collective mismatch, not a transient hang")
         return Decision("hang", "restart", "no step progress past the progress timeout")
     if ev.signal in (EXIT, NODE_UNHEALTHY):
         bad = tuple(ev.unhealthy_nodes)

@@ -14,17 +14,16 @@ A new generation starts with no deadline (``jobs.state``) until its launch sets 
 
 from __future__ import annotations
 
-import math
 import statistics
 from datetime import datetime, timedelta
 
-from django.db.models import Max, Q, Value
+from django.db.models import Q, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from jobs import policy, state
 from jobs.choices import GenerationState, JobState
-from jobs.models import Generation, Job, StepMetric
+from jobs.models import Generation, Job
 from jobs.orchestrator import record_first_step, report_fault
 from jobs.policies import RecoveryPolicy
 from jobs.steps import recent_step_seconds
@@ -43,8 +42,6 @@ PROGRESS_TIMEOUT_FLOOR_S = 15
 LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
 #: The states in which the hang sweep watches the progress deadline.
 PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING)
-#: How often the hooks flush their reports (agents.hooks.reporter's default flush interval).
-HOOKS_FLUSH_S = 1.0
 
 
 def progress_timeout_s(job: Job, step_seconds: list[float]) -> float:
@@ -132,21 +129,10 @@ def expire_one_progress_deadline() -> bool:
            .order_by("progress_deadline").first())
     if job is None:
         return False
-    steps = dict(StepMetric.objects.filter(job=job, generation=job.generation).values("rank")
-                 .annotate(last=Max("step")).values_list("rank", "last"))
-    incident = report_fault(job.pk, policy.HANG, generation=job.generation, rank_steps=steps,
-                            step_tolerance=report_lag_steps(job),
+    incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
                             fault_at=job.last_step_at or job.state_changed_at,
                             detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
     if incident is None:  # fenced off: clear the deadline so we do not spin on it
         Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
     return True
 
-
-def report_lag_steps(job: Job) -> int:
-    """How many steps apart two ranks of one synchronous job can *appear* only because each
-    reports in batches: one collective, plus the steps that fit in a flush interval."""
-    step_times = recent_step_seconds(job, generation=job.generation)
-    if not step_times:
-        return 1
-    return 1 + math.ceil(HOOKS_FLUSH_S / max(statistics.median(step_times), 1e-3))

@@ -11,9 +11,9 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator, progress, services
+from jobs import checkpoint_interval, orchestrator, progress, services, steps
 from jobs.choices import JobState
-from jobs.models import Job
+from jobs.models import Generation, Job
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,16 @@ def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
 
 
 @shared_task(ignore_result=True)
+def handle_nodes_health(new_health: str, reasons: dict) -> None:
+    """A batch of nodes changed health together (``reasons``: hostname -> reasons): each is handled
+    as by ``handle_node_health``, after one query for those that run a live generation at all."""
+    busy = set(Generation.objects.filter(nodes__hostname__in=list(reasons), ended_at__isnull=True,
+                                         job__state__in=orchestrator.WATCHED).values_list("nodes__hostname", flat=True))
+    for hostname in sorted(busy):
+        orchestrator.handle_node_health(hostname, new_health, reasons[hostname])
+
+
+@shared_task(ignore_result=True)
 def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
     job = Job.objects.filter(pk=job_id).first()
     if job is not None:
@@ -71,6 +81,12 @@ def confirm_stopped(job_id: int, generation: int, hostname: str) -> None:
 @shared_task(ignore_result=True)
 def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
     orchestrator.handle_launch_refused(job_id, generation, hostname, reason)
+
+
+@shared_task(ignore_result=True)
+def prune_node_windows() -> int:
+    """Beat, hourly: rank timings older than their retention go, in one bulk delete."""
+    return steps.prune_node_windows()
 
 
 @shared_task(ignore_result=True)

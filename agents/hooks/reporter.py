@@ -28,17 +28,19 @@ from agents.protocol.hooks import (
     CheckpointCommit,
     Control,
     Event,
+    NodeWindow,
     StepReport,
 )
 from agents.spool import Spool
 
 log = logging.getLogger("nightwatch.hooks")
 
-# Spool kinds. Only step reports may be dropped when the spool is full: one missing step is a
-# gap in a chart, a missing event or checkpoint commit is a hole in the job's history.
-REPORT, EVENT, CHECKPOINT = "report", "event", "checkpoint"
-DROPPABLE = frozenset({REPORT})
-BATCH_LIMIT = 1000  # ReportBatch allows at most 1000 reports and 1000 events
+# Spool kinds. Only step reports and node windows may be dropped when the spool is full: one
+# missing step is a gap in a chart, a missing event or checkpoint commit is a hole in the job's history.
+REPORT, WINDOW, EVENT, CHECKPOINT = "report", "window", "event", "checkpoint"
+DROPPABLE = frozenset({REPORT, WINDOW})
+BATCH_LIMIT = 1000  # ReportBatch allows at most 1000 each of reports, windows and events
+BUCKETS = {REPORT: "reports", WINDOW: "windows", EVENT: "events"}
 
 
 class Reporter:
@@ -55,7 +57,7 @@ class Reporter:
         self.control_interval = control_interval
         self.max_backoff = max_backoff
         self.max_in_memory = max_in_memory
-        self._incoming: deque[tuple[str, StepReport | Event | CheckpointCommit, str]] = deque()
+        self._incoming: deque[tuple[str, StepReport | NodeWindow | Event | CheckpointCommit, str]] = deque()
         self.dropped_in_memory = 0
         # What the control plane asked for, read by the training thread.
         self.stale = False
@@ -82,6 +84,12 @@ class Reporter:
             return
         key = f"report:{step_report.generation}:{step_report.rank}:{step_report.step}"
         self._incoming.append((REPORT, step_report, key))  # encoded by the background thread
+
+    def window(self, window: NodeWindow) -> None:
+        if len(self._incoming) >= self.max_in_memory:
+            self.dropped_in_memory += 1
+            return
+        self._incoming.append((WINDOW, window, f"window:{window.generation}:{window.node}:{window.last_step}"))
 
     def event(self, event: Event) -> None:
         self._incoming.append((EVENT, event, f"event:{event.generation}:{event.key}"))
@@ -147,7 +155,7 @@ class Reporter:
                 row_id, batch = self._next_batch(records)
                 status, answer = self.client.request("POST", REPORTS_PATH.format(job=self._job_path), batch)
                 self._settle(status, answer, batch["generation"], row_id,
-                             size=len(batch["reports"]) + len(batch["events"]))
+                             size=sum(len(batch[bucket]) for bucket in BUCKETS.values()))
                 if status == 202 and answer.get("control") is not None:
                     self._apply_control(answer["control"])
             if self._failures:
@@ -155,15 +163,15 @@ class Reporter:
                 self._failures = 0
 
     def _next_batch(self, records: list[tuple[int, str, dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
-        """The longest run of reports/events of one generation at the head of the spool."""
+        """The longest run of reports, windows and events of one generation at the head of the spool."""
         generation = records[0][2]["generation"]
-        batch: dict[str, Any] = {"job": self.job, "generation": generation, "reports": [], "events": []}
+        batch: dict[str, Any] = {"job": self.job, "generation": generation} | {b: [] for b in BUCKETS.values()}
         last_id = records[0][0]
-        for row_id, kind, body in records:
+        for size, (row_id, kind, body) in enumerate(records):
             if kind == CHECKPOINT or body["generation"] != generation:
                 break
-            bucket = batch["reports" if kind == REPORT else "events"]
-            if len(bucket) == BATCH_LIMIT or len(batch["reports"]) + len(batch["events"]) == self._batch_size:
+            bucket = batch[BUCKETS[kind]]
+            if len(bucket) == BATCH_LIMIT or size == self._batch_size:
                 break
             bucket.append(body)
             last_id = row_id

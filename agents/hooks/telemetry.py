@@ -2,8 +2,10 @@
 
 Events that are the same on every rank (a skipped step under DDP, a resume, a checkpoint) are
 logged on every rank but reported by rank 0 only; events about one rank's own numbers (its loss
-is NaN or spiking) are reported by that rank. Step reports come from every rank: the control
-plane needs each rank's timings to find stragglers.
+is NaN or spiking) are reported by that rank. Likewise rank 0 reports every step for the job and
+the other ranks only the steps they flagged. Every rank's timings travel in the cross-rank
+exchange and rank 0 reports them per node (``agents.hooks.windows``): what the control plane
+stores grows with steps and nodes, not with ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from agents.hooks.guards import Consistency, GuardSettings, judge_consistency
 from agents.hooks.reporter import DROPPABLE, Reporter
 from agents.hooks.settings import Environment
 from agents.hooks.topology import Topology
+from agents.hooks.windows import RankTimings, node_windows
 from agents.http import ControlPlaneClient
 from agents.protocol.hooks import CheckpointCommit, Event, StepReport
 from agents.spool import Spool
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("nightwatch.hooks")
 
 SPOOL_MAX_RECORDS = 100_000
+CONTROL_FIELDS = 6  # the exchange's leading floats: loss, grad norm and rank 0's control flags
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Telemetry:
         self._input_s = 0.0
         self._batch_handed_out = time.perf_counter()
         self._event_numbers: Counter[tuple[int, str]] = Counter()
+        self._timings = RankTimings()
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -72,10 +77,12 @@ class Telemetry:
     # -- the cross-rank exchange ---------------------------------------------------------------
 
     def exchange(self, step: int, loss: float, grad_norm: float) -> Exchange:
-        """All-gather (loss, grad norm, control flags): a collective, called at the same step everywhere.
+        """All-gather (loss, grad norm, control flags, step timings): a collective, called at the
+        same step everywhere.
 
         Only rank 0 polls the control plane; sharing its answer here is what makes every rank
-        checkpoint or pause at the same step, which DCP's collectives require.
+        checkpoint or pause at the same step, which DCP's collectives require. Rank 0 also reports
+        the timings of every node's ranks since the previous exchange.
         """
         reporter = self.reporter
         stale = pause = checkpoint_now = False
@@ -86,8 +93,14 @@ class Telemetry:
                 pause = reporter.pause_requested
                 checkpoint_now = reporter.take_checkpoint_request()
                 interval = reporter.checkpoint_interval or 0
+        timings, self._timings = self._timings, RankTimings()
         rows = self.topology.all_gather_floats(
-            [loss, grad_norm, float(stale), float(pause), float(checkpoint_now), float(interval)])
+            [loss, grad_norm, float(stale), float(pause), float(checkpoint_now), float(interval),
+             *timings.row(self.topology.node)])
+        if reporter is not None and self.topology.rank == 0:
+            for window in node_windows([r[CONTROL_FIELDS:] for r in rows], job=self.env.job,
+                                       generation=self.env.generation, time=time.time()):
+                reporter.window(window)
         consistency = judge_consistency([r[0] for r in rows], [r[1] for r in rows], self.settings.spread_threshold)
         if consistency.inconsistent:
             self.event(step, "inconsistency",
@@ -119,14 +132,15 @@ class Telemetry:
             self.event(step, "spike", f"loss spike at step {step}: {outcome.loss:.4g} (z={spike_score:.1f})",
                        {"loss": outcome.loss, "score": spike_score, "consecutive": consecutive_spikes},
                        level=logging.WARNING, local=True)
-        if self.reporter is None:
+        phases = {"input": self._input_s, "compute": compute_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
+        self._timings.add(step, phases)
+        flagged = outcome.skipped or outcome.spike or outcome.nan or outcome.inconsistent
+        if self.reporter is None or not (flagged or self.topology.rank == 0):
             return
         self.reporter.report(StepReport(
             job=self.env.job, generation=self.env.generation, rank=self.topology.rank, step=step,
             loss=outcome.loss, grad_norm=outcome.grad_norm, world_size=self.topology.world_size,
-            data_cursor=data_cursor, samples=samples, tokens=tokens,
-            phases={"input": self._input_s, "compute": compute_s, "optimizer": optimizer_s,
-                    "checkpoint": checkpoint_s},
+            data_cursor=data_cursor, samples=samples, tokens=tokens, phases=phases,
             skipped=outcome.skipped, spike=outcome.spike, nan=outcome.nan, inconsistent=outcome.inconsistent,
             time=time.time()))
 

@@ -29,6 +29,7 @@ class Topology:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    node: int = 0  # torchrun's node rank (GROUP_RANK): which of the job's nodes this process runs on
     checkpoint_group: Any = None
     sync_group: Any = None
 
@@ -65,5 +66,6 @@ def discover() -> Topology:
         return Topology()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return Topology(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                    node=int(os.environ.get("GROUP_RANK", "0")),
                     checkpoint_group=dist.new_group(backend="gloo"),
                     sync_group=dist.new_group(backend="gloo"))

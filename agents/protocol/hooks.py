@@ -10,7 +10,13 @@ Endpoints (``{job}`` is NIGHTWATCH_JOB, ``G`` the generation, ``R`` the rank):
 
 Every record carries its job and generation (the fencing token) so a record stands on its own in
 the hooks' spool and on the server; the server deduplicates step reports on
-(job, generation, rank, step) and events on (job, generation, key).
+(job, generation, rank, step), node windows on (job, generation, node, last_step) and events on
+(job, generation, key).
+
+What a job sends grows with its steps and nodes, not with its ranks (docs/architecture.md, "Step
+data"): rank 0 reports every step for the job; the other ranks report only the steps they flagged
+(NaN, spike, skipped, inconsistent); every rank's timings reach rank 0 in the cross-rank exchange,
+and rank 0 reports them summarised per node (``NodeWindow``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ _JOB_MAX_LEN = 128
 
 @dataclass(frozen=True, kw_only=True)
 class StepReport:
-    """What one rank did in one optimizer step (sent for every step)."""
+    """What one rank did in one optimizer step: every step from rank 0, flagged steps from the others."""
 
     job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
@@ -77,6 +83,37 @@ class StepReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeWindow:
+    """The step times of one node's ranks over the steps between two cross-rank exchanges.
+
+    Rank 0 builds it from what every rank contributed to the exchange (each rank's mean and
+    longest step and its mean phases over the window), so straggler and skew views still see the
+    slowest rank of every node while the control plane stores one row per node and window.
+    ``node`` is torchrun's node rank (``GROUP_RANK``); times are seconds per step.
+    """
+
+    job: str = field(max_len=_JOB_MAX_LEN)
+    generation: int = field(min=0)
+    node: int = field(min=0, max=1_000_000)
+    first_step: int = field(min=1)
+    last_step: int = field(min=1)
+    ranks: int = field(min=1, max=1_000_000)  # ranks of the node that trained in the window
+    step_median_s: float = field(min=0)  # median over the node's ranks of each rank's mean step
+    step_max_s: float = field(min=0)  # the longest single step of any of the node's ranks
+    slowest_rank: int = field(min=0, max=1_000_000)  # the rank with the highest mean step time
+    slowest_s: float = field(min=0)  # that rank's mean step time
+    slowest_phases: dict[str, float] = field(default_factory=dict, choices=PHASES)  # its mean phases
+    phases: dict[str, float] = field(default_factory=dict, choices=PHASES)  # the node's mean phases
+    time: float = field(min=0, max=MAX_TIME)  # unix time of the exchange
+
+    def __post_init__(self) -> None:
+        if self.last_step < self.first_step:
+            raise ProtocolError("last_step", f"{self.last_step} is before first_step {self.first_step}")
+        if self.slowest_s > self.step_max_s + 1e-9:
+            raise ProtocolError("slowest_s", "a mean step longer than the longest step")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Event:
     """Something worth a line in the job's timeline; ``key`` makes a replay idempotent."""
 
@@ -93,15 +130,17 @@ class Event:
 
 @dataclass(frozen=True, kw_only=True)
 class ReportBatch:
-    """Step reports and events of one rank, oldest first; all of the batch's job and generation."""
+    """Step reports, node windows and events of one rank, oldest first; all of the batch's job and
+    generation."""
 
     job: str = field(max_len=_JOB_MAX_LEN)
     generation: int = field(min=0)
     reports: list[StepReport] = field(default_factory=list, max_len=1000)
     events: list[Event] = field(default_factory=list, max_len=1000)
+    windows: list[NodeWindow] = field(default_factory=list, max_len=1000)
 
     def __post_init__(self) -> None:
-        for name in ("reports", "events"):
+        for name in ("reports", "events", "windows"):
             for i, record in enumerate(getattr(self, name)):
                 if (record.job, record.generation) != (self.job, self.generation):
                     raise ProtocolError(f"{name}.{i}", "job or generation differs from the batch's")
@@ -143,8 +182,10 @@ class Control:
 
 @dataclass(frozen=True, kw_only=True)
 class ReportsAccepted:
-    """The 202 answer to a ReportBatch: how many were new, how many already known, and control."""
+    """The 202 answer to a ReportBatch: how many step reports were new, how many already known, how
+    many not stored (another rank's step it did not flag: rank 0 speaks for the job), and control."""
 
     accepted: int = field(min=0)
     duplicates: int = field(default=0, min=0)
+    ignored: int = field(default=0, min=0)
     control: Control | None = field(default=None)

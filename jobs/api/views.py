@@ -188,6 +188,7 @@ class JobReports(APIView):
             raise Conflict(str(exc)) from exc
         job.refresh_from_db()
         answer = hooks_protocol.ReportsAccepted(accepted=result.accepted, duplicates=result.duplicates,
+                                                ignored=result.ignored,
                                                 control=ingest.control_for(job, batch.generation))
         return Response(dump(answer), status=status.HTTP_202_ACCEPTED)
 

@@ -12,7 +12,7 @@ from core.events import EventKind
 from core.models import Event
 from jobs import state
 from jobs.choices import JobState
-from jobs.models import Generation, Job, StepMetric, TrainingEvent
+from jobs.models import Generation, Job, NodeWindow, StepMetric, TrainingEvent
 
 
 @pytest.fixture
@@ -30,8 +30,16 @@ def report(job, generation=1, rank=0, step=1, loss=2.5, **extra):
             "phases": {"input": 0.01, "compute": 0.1, "optimizer": 0.02}, "time": time.time(), **extra}
 
 
-def batch(job, reports, generation=1, events=()):
-    return {"job": str(job.pk), "generation": generation, "reports": reports, "events": list(events)}
+def batch(job, reports, generation=1, events=(), windows=()):
+    return {"job": str(job.pk), "generation": generation, "reports": reports, "events": list(events),
+            "windows": list(windows)}
+
+
+def window(job, node, last_step, generation=1, ranks=8, slowest_rank=0):
+    return {"job": str(job.pk), "generation": generation, "node": node, "first_step": last_step - 9,
+            "last_step": last_step, "ranks": ranks, "step_median_s": 0.1, "step_max_s": 0.3,
+            "slowest_rank": slowest_rank, "slowest_s": 0.2, "slowest_phases": {"compute": 0.18, "input": 0.02},
+            "phases": {"compute": 0.09, "input": 0.01}, "time": time.time()}
 
 
 def post_reports(api, cast, body, token="agent"):  # noqa: S107 - a name in cast.tokens
@@ -42,7 +50,7 @@ def post_reports(api, cast, body, token="agent"):  # noqa: S107 - a name in cast
 def test_first_step_marks_the_generation_running_and_sets_a_progress_deadline(running, api):
     response = post_reports(api, running, batch(running.job, [report(running.job, rank=r, step=1) for r in (0, 1)]))
     assert response.status_code == 202, response.content
-    assert response.json()["accepted"] == 2
+    assert (response.json()["accepted"], response.json()["ignored"]) == (1, 1)  # rank 0 speaks for the job
     assert response.json()["control"] == {"generation": 1, "stale": False, "checkpoint_now": False,
                                           "pause": False, "checkpoint_interval_steps": None}
     job = Job.objects.get(pk=running.job.pk)
@@ -50,6 +58,24 @@ def test_first_step_marks_the_generation_running_and_sets_a_progress_deadline(ru
     assert job.progress_deadline is not None
     generation = Generation.objects.get(job=job, number=1)
     assert generation.first_step == 1 and generation.first_step_at is not None
+
+
+@pytest.mark.django_db
+def test_rows_grow_with_steps_and_nodes_not_ranks(running, api):
+    """Rank 0's steps and other ranks' flagged steps are stored; timings arrive as node windows."""
+    job = running.job
+    reports = [report(job, rank=r, step=s) for s in (1, 2) for r in range(4)]
+    reports += [report(job, rank=3, step=3, spike=True), report(job, rank=2, step=3, loss="nan", nan=True)]
+    windows = [window(job, node, 10, slowest_rank=8 * node + 5) for node in range(3)]
+    answer = post_reports(api, running, batch(job, reports, windows=windows)).json()
+    assert (answer["accepted"], answer["duplicates"], answer["ignored"]) == (4, 0, 6)
+    assert sorted(StepMetric.objects.filter(job=job).values_list("rank", "step")) == [(0, 1), (0, 2), (2, 3), (3, 3)]
+    stored = NodeWindow.objects.filter(job=job).order_by("node")
+    assert [(w.node, w.slowest_rank, w.last_step) for w in stored] == [(0, 5, 10), (1, 13, 10), (2, 21, 10)]
+    assert stored[0].slowest_phases == {"compute": 0.18, "input": 0.02}
+    # A replay stores nothing twice.
+    post_reports(api, running, batch(job, reports, windows=windows))
+    assert NodeWindow.objects.filter(job=job).count() == 3 and StepMetric.objects.filter(job=job).count() == 4
 
 
 @pytest.mark.django_db

@@ -32,22 +32,55 @@ def _reports(job, steps, *, slow_rank=None, world=4, **flags):
     ingest.record_reports(job, batch, actor="node:gpu-01")
 
 
-def test_rank_skew_flags_the_straggler_and_splits_the_phases(cast):
+def _windows(job, last_steps, *, nodes=4, ranks_per_node=8, slow_rank=None):
+    """What rank 0 reports after each exchange: one window per node, built by the hooks' own code
+    from every rank's figures; ``slow_rank``'s compute phase takes twice as long."""
+    from agents.hooks.windows import RankTimings, node_windows
+    from jobs import ingest
+
+    windows = []
+    for last in last_steps:
+        rows = []
+        for rank in range(nodes * ranks_per_node):
+            timings = RankTimings()
+            for step in range(last - 9, last + 1):
+                timings.add(step, {"input": 0.02, "compute": 0.2 if rank == slow_rank else 0.1, "optimizer": 0.01,
+                                   "checkpoint": 0.0})
+            rows.append(timings.row(rank // ranks_per_node))
+        windows += node_windows(rows, job=str(job.pk), generation=job.generation, time=time.time())
+    ingest.record_reports(job, wire.ReportBatch(job=str(job.pk), generation=job.generation, windows=windows),
+                          actor="node:gpu-01")
+
+
+def test_rank_skew_finds_the_straggler_node_and_its_rank_and_splits_the_phases(cast):
     from dashboard.queries import STRAGGLER_RATIO, rank_skew
 
     job = _started(cast.job)
-    _reports(job, range(1, 6), slow_rank=3)
+    _windows(job, [10, 20, 30], slow_rank=19)
     skew = rank_skew(job)
-    assert skew["steps"] == [1, 2, 3, 4, 5]
-    assert skew["stragglers"] == [3]
-    slow = next(r for r in skew["ranks"] if r["rank"] == 3)
-    assert all(cell["slow"] and cell["ratio"] >= STRAGGLER_RATIO for cell in slow["cells"])
-    assert all(not cell["slow"] for r in skew["ranks"] if r["rank"] != 3 for cell in r["cells"])
+    assert skew["steps"] == [10, 20, 30] and skew["node_count"] == 4
+    assert skew["stragglers"] == [2]
+    slow = next(r for r in skew["nodes"] if r["node"] == 2)
+    assert slow["rank"] == 19
+    assert all(cell["slow"] and cell["ratio"] >= STRAGGLER_RATIO and cell["rank"] == 19 for cell in slow["cells"])
+    assert all(not cell["slow"] for r in skew["nodes"] if r["node"] != 2 for cell in r["cells"])
     for row in skew["phases"]:
         assert sum(part["share"] for part in row["parts"]) == pytest.approx(1.0)
-    compute = {row["rank"]: next(p["seconds"] for p in row["parts"] if p["name"] == "compute")
+    compute = {row["label"]: next(p["seconds"] for p in row["parts"] if p["name"] == "compute")
                for row in skew["phases"]}
-    assert compute[3] == pytest.approx(0.2) and compute[0] == pytest.approx(0.1)
+    assert compute["node 2: rank 19"] == pytest.approx(0.2) and compute["node 0: rank 0"] == pytest.approx(0.1)
+    assert compute["job (mean rank)"] == pytest.approx(0.1 + 0.1 / 32)
+
+
+def test_rank_skew_shows_the_slowest_nodes_of_a_large_job(cast, django_assert_max_num_queries):
+    from dashboard import queries
+
+    job = _started(cast.job)
+    _windows(job, [10, 20], nodes=queries.SKEW_NODES + 8, ranks_per_node=1, slow_rank=37)
+    with django_assert_max_num_queries(2):
+        skew = queries.rank_skew(job)
+    assert len(skew["nodes"]) == queries.SKEW_NODES and skew["node_count"] == queries.SKEW_NODES + 8
+    assert 37 in [row["node"] for row in skew["nodes"]] and skew["stragglers"] == [37]
 
 
 def test_the_chart_carries_spikes_skips_checkpoints_and_restarts(cast):

@@ -108,13 +108,15 @@ def read_samples(directory: Path, rank: int) -> dict[int, list[int]]:
 @dataclass
 class ControlPlaneStub:
     """The hooks' endpoints on a real socket: validates with the shared protocol, deduplicates on
-    (job, generation, rank, step) like the real server, and can be taken down (connections refused)."""
+    (job, generation, rank, step) and (job, generation, node, last_step) like the real server, and
+    can be taken down (connections refused)."""
 
     generation: int = 0
     control: dict[str, Any] = field(default_factory=dict)
     port: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)  # every report batch, duplicates included
     reports: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)  # (gen, rank, step)
+    windows: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)  # (gen, node, last_step)
     events: list[dict[str, Any]] = field(default_factory=list)
     commits: list[dict[str, Any]] = field(default_factory=list)
     bad_requests: list[str] = field(default_factory=list)
@@ -208,6 +210,8 @@ class ControlPlaneStub:
                 else:
                     self.reports[key] = report
                     accepted += 1
+            for window in body["windows"]:
+                self.windows.setdefault((window["generation"], window["node"], window["last_step"]), window)
             known = {e["key"] for e in self.events}
             self.events.extend(e for e in body["events"] if e["key"] not in known)
         return 202, {"accepted": accepted, "duplicates": duplicates, "control": self.current_control()}

@@ -25,9 +25,13 @@ def test_guards_skip_flag_and_report_on_every_rank(tmp_path, control_plane):
     assert run.returncode == 0, run.output[-3000:]
     reports = control_plane.reports
 
-    # Every step of every rank arrived, once, from generation 3, and nothing was refused.
-    assert sorted(reports) == [(3, rank, step) for rank in (0, 1) for step in range(1, STEPS + 1)]
-    assert sum(len(batch["reports"]) for batch in control_plane.received) == 2 * STEPS
+    # Every step of rank 0 arrived, once, from generation 3, and nothing was refused. Rank 1 sent
+    # only the steps it flagged: from the first consistency check that flagged it (step 5) on, all.
+    assert sorted(reports) == [(3, 0, s) for s in range(1, STEPS + 1)] + [(3, 1, s) for s in range(5, STEPS + 1)]
+    assert sum(len(batch["reports"]) for batch in control_plane.received) == len(reports)
+    # Both ranks' timings arrived through rank 0, one window per exchange.
+    assert sorted((w["first_step"], w["last_step"], w["ranks"]) for w in control_plane.windows.values()) == [
+        (max(1, s - 5), s - 1, 2) for s in range(5, STEPS + 1, 5)]
     assert control_plane.bad_requests == [] and set(control_plane.tokens) == {"Bearer agent-token"}
 
     # The exploded step was skipped on both ranks (same all-reduced gradient, same decision) ...
