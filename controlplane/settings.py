@@ -357,6 +357,10 @@ NIGHTWATCH = {
     "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 64),
     "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 16),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
+    # GPU telemetry (docs/architecture.md, "Telemetry storage"): raw samples for this many hours
+    # (dropped an hourly partition at a time on PostgreSQL), 1-minute rollups for this many days.
+    "TELEMETRY_RAW_RETENTION_HOURS": env_int("NIGHTWATCH_TELEMETRY_RAW_RETENTION_HOURS", 48),
+    "TELEMETRY_ROLLUP_RETENTION_DAYS": env_int("NIGHTWATCH_TELEMETRY_ROLLUP_RETENTION_DAYS", 90),
     # Rank timings per node and window (jobs.models.NodeWindow); the job's step rows are kept.
     "NODE_WINDOW_RETENTION_HOURS": env_int("NIGHTWATCH_NODE_WINDOW_RETENTION_HOURS", 48),
     # How long an Idempotency-Key is remembered.

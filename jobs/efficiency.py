@@ -24,14 +24,14 @@ import statistics
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Avg, F, Max, Sum
+from django.db.models import F, Max, Sum
 from django.utils import timezone
 
 from jobs import efficiency_math as math_
 from jobs.goodput import goodput_of
 from jobs.models import EfficiencyTarget, Generation, PoolPrice, StepMetric, TrainingEvent
 from jobs.steps import recent_step_seconds
-from nodes.models import GpuSample
+from nodes.services import retention, rollup
 
 #: Steps of the newest generation that make up "recent" throughput.
 WINDOW_STEPS = 50
@@ -104,10 +104,10 @@ def price_of(node) -> float:
 
 def gpu_utilization(job, nodes) -> float | None:
     """Mean GPU utilisation (percent) of the job's nodes over the recent window; None without samples."""
-    since = timezone.now() - timedelta(seconds=settings_()["UTILIZATION_WINDOW_S"])
-    mean = GpuSample.objects.filter(node__in=nodes, time__gte=since, utilization_pct__isnull=False).aggregate(
-        u=Avg("utilization_pct"))["u"]
-    return float(mean) if mean is not None else None
+    now = timezone.now()
+    since = now - timedelta(seconds=settings_()["UTILIZATION_WINDOW_S"])
+    return rollup.mean_utilization([node.pk for node in nodes], since,
+                                   raw_since=retention.retention().raw_cutoff(now))
 
 
 def snapshot(job, goodput=None) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django.db import models
 from django.utils import timezone
 
@@ -80,54 +82,111 @@ class GPU(models.Model):
         return f"{self.node.hostname}/gpu{self.index}"
 
 
-class GpuSample(models.Model):
-    """One GPU at one moment, as the agent's telemetry reported it (``agents.protocol.agent.GpuSample``).
+class PerGpuField(models.Field):
+    """One value per GPU of a node, at the GPU's index (``None`` where that GPU said nothing).
 
-    Keyed by (node, gpu, time): a replay after an outage finds its rows already there and adds
-    nothing. The key's index also serves the history charts (one GPU over a time range). The
-    columns mirror the wire fields one to one; a test keeps the two in step.
+    A PostgreSQL array of ``base_type`` (``smallint``, ``integer``, ``real``): eight readings in
+    one row cost one tuple header and one index entry instead of eight. Elsewhere (SQLite, the
+    embedded demo) the same list as JSON text. Values arrive already clamped to ``base_type``'s range.
     """
 
-    pk = models.CompositePrimaryKey("node", "gpu", "time")
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
-    gpu = models.PositiveSmallIntegerField()
+    def __init__(self, *args, base_type: str = "smallint", **kwargs):
+        self.base_type = base_type
+        super().__init__(*args, **kwargs)
+
+    def deconstruct(self):
+        name, path, args, kwargs = super().deconstruct()
+        kwargs["base_type"] = self.base_type
+        return name, path, args, kwargs
+
+    def db_type(self, connection):
+        return f"{self.base_type}[]" if connection.vendor == "postgresql" else "text"
+
+    def from_db_value(self, value, expression, connection):
+        return json.loads(value) if isinstance(value, str) else value
+
+    def get_db_prep_value(self, value, connection, prepared=False):
+        if value is None or connection.vendor == "postgresql":
+            return value
+        return json.dumps(value)
+
+
+class NodeGpuSample(models.Model):
+    """The GPUs of one node at one moment, as the agent's telemetry reported them: raw history.
+
+    Only what an operator charts is kept here (the full reading of each GPU, which the health
+    rules judge, is ``GPU.last_sample``); ``NodeGpuMinute`` keeps it longer, a minute at a time.
+    One row per (node, time) with a value per GPU (``PerGpuField``): ~38 bytes per GPU sample
+    where a row per GPU cost ~136 (docs/architecture.md, "Telemetry storage"). ``gpus`` is the
+    bitmask of the GPUs the row holds, so that a batch split between GPUs, or replayed, merges
+    into the row and is counted once.
+
+    On PostgreSQL the table is range-partitioned by ``time`` (an hour a partition, plus a
+    default one) and retention drops whole partitions (``nodes.services.partitions``). The key
+    includes ``time``, as a partitioned table's key must; its leading ``node`` serves a node's
+    history over a time range.
+    """
+
+    pk = models.CompositePrimaryKey("node", "time")
+    # No index of its own: the key (node, time) leads with it.
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples", db_index=False)
     time = models.DateTimeField()
-    reachable = models.BooleanField(default=True)
-    temperature_c = models.FloatField(null=True, blank=True)
-    memory_used = models.BigIntegerField(null=True, blank=True)
-    memory_free = models.BigIntegerField(null=True, blank=True)
-    utilization_pct = models.FloatField(null=True, blank=True)
-    power_w = models.FloatField(null=True, blank=True)
-    sm_clock_mhz = models.BigIntegerField(null=True, blank=True)
-    throttle_reasons = models.BigIntegerField(null=True, blank=True)
-    ecc_corrected_volatile = models.BigIntegerField(null=True, blank=True)
-    ecc_uncorrected_volatile = models.BigIntegerField(null=True, blank=True)
-    ecc_corrected_aggregate = models.BigIntegerField(null=True, blank=True)
-    ecc_uncorrected_aggregate = models.BigIntegerField(null=True, blank=True)
-    ecc_corrected_recent = models.BigIntegerField(null=True, blank=True)
-    ecc_uncorrected_recent = models.BigIntegerField(null=True, blank=True)
-    retired_pages = models.BigIntegerField(null=True, blank=True)
-    retired_pages_pending = models.BooleanField(null=True, blank=True)
-    remapped_rows_correctable = models.BigIntegerField(null=True, blank=True)
-    remapped_rows_uncorrectable = models.BigIntegerField(null=True, blank=True)
-    remap_pending = models.BooleanField(null=True, blank=True)
-    remap_failed = models.BooleanField(null=True, blank=True)
-    xid_total = models.BigIntegerField(default=0)
-    xid_recent = models.BigIntegerField(default=0)
-    recent_xid_codes = models.JSONField(default=list, blank=True)
-    nvlink_replay_errors = models.BigIntegerField(null=True, blank=True)
-    nvlink_recovery_errors = models.BigIntegerField(null=True, blank=True)
-    nvlink_crc_flit_errors = models.BigIntegerField(null=True, blank=True)
-    nvlink_crc_data_errors = models.BigIntegerField(null=True, blank=True)
-    nvlink_errors_recent = models.BigIntegerField(null=True, blank=True)
-    pcie_replays = models.BigIntegerField(null=True, blank=True)
-    window_s = models.FloatField(default=600.0)
+    gpus = models.BigIntegerField(help_text="Bit i set: GPU i is in this row.")
+    temperature_c = PerGpuField(null=True)
+    utilization_pct = PerGpuField(null=True)
+    memory_used_mib = PerGpuField(base_type="integer", null=True)
+    power_w = PerGpuField(null=True)
+    sm_clock_mhz = PerGpuField(null=True)
+    # Lifetime error counters; NULL when every GPU of the row counted none (a NULL costs a bit).
+    xid_total = PerGpuField(base_type="integer", null=True)
+    ecc_uncorrected = PerGpuField(base_type="integer", null=True)
+    nvlink_errors = PerGpuField(base_type="integer", null=True)
 
     class Meta:
-        ordering = ["node", "gpu", "time"]
+        ordering = ["node", "time"]
 
     def __str__(self):
-        return f"{self.node_id}/gpu{self.gpu} at {self.time:%Y-%m-%d %H:%M:%S}"
+        return f"{self.node_id} at {self.time:%Y-%m-%d %H:%M:%S}"
+
+
+class NodeGpuMinute(models.Model):
+    """The GPUs of one node over one closed minute: the rollup of their raw samples, kept for months.
+
+    Laid out like ``NodeGpuSample`` (a value per GPU, ``gpus`` the bitmask of those present), for
+    the same reason: a row per GPU and minute cost ~168 bytes a GPU-minute, this ~80 (docs/
+    architecture.md, "Telemetry storage"). Written by ``nodes.services.rollup``, always recomputed
+    from the raw rows, so writing a minute twice gives the same row. ``samples``: how many samples
+    each GPU had in the minute; means are over the samples that had the value; error counters are
+    the minute's highest lifetime count, NULL when no GPU counted any. Partitioned by day on
+    PostgreSQL.
+    """
+
+    pk = models.CompositePrimaryKey("node", "minute")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="minutes", db_index=False)
+    minute = models.DateTimeField()
+    gpus = models.BigIntegerField(help_text="Bit i set: GPU i is in this row.")
+    samples = PerGpuField()
+    temperature_min = PerGpuField(null=True)
+    temperature_mean = PerGpuField(base_type="real", null=True)
+    temperature_max = PerGpuField(null=True)
+    utilization_min = PerGpuField(null=True)
+    utilization_mean = PerGpuField(base_type="real", null=True)
+    utilization_max = PerGpuField(null=True)
+    memory_used_mib_min = PerGpuField(base_type="integer", null=True)
+    memory_used_mib_mean = PerGpuField(base_type="real", null=True)
+    memory_used_mib_max = PerGpuField(base_type="integer", null=True)
+    power_min = PerGpuField(null=True)
+    power_mean = PerGpuField(base_type="real", null=True)
+    power_max = PerGpuField(null=True)
+    xid_total = PerGpuField(base_type="integer", null=True)
+    ecc_uncorrected = PerGpuField(base_type="integer", null=True)
+    nvlink_errors = PerGpuField(base_type="integer", null=True)
+
+    class Meta:
+        ordering = ["node", "minute"]
+
+    def __str__(self):
+        return f"{self.node_id} at {self.minute:%Y-%m-%d %H:%M}"
 
 
 class NodeCommand(models.Model):

@@ -14,6 +14,7 @@ from celery import shared_task
 from django.conf import settings
 
 from nodes import services
+from nodes.services import retention, rollup
 from nodes.transports.slurm import launch, mirror, watch
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,27 @@ def expire_heartbeats() -> int:
 
 
 @shared_task(ignore_result=True)
-def prune_telemetry() -> int:
-    """Beat, hourly: telemetry older than the retention period goes (heavy: never in a request)."""
-    deleted = services.prune_telemetry()
-    if deleted:
-        log.info("pruned %d old GPU samples", deleted)
-    return deleted
+def prepare_telemetry_partitions() -> int:
+    """Beat, every 10 minutes: the telemetry partitions of the coming hours and days exist before they fill."""
+    created = retention.prepare_partitions()
+    if created:
+        log.info("created %d telemetry partitions", created)
+    return created
+
+
+@shared_task(ignore_result=True)
+def prune_telemetry() -> bool:
+    """Beat, hourly: telemetry older than its retention goes, a partition at a time on PostgreSQL."""
+    pruned = services.prune_telemetry()
+    if pruned:
+        log.info("pruned old telemetry: %d partitions dropped, %d rows deleted", pruned.partitions, pruned.rows)
+    return bool(pruned)
+
+
+@shared_task(ignore_result=True)
+def roll_up_telemetry() -> int:
+    """Beat, every minute: the minutes that closed are rolled up (recomputed: running twice is harmless)."""
+    return rollup.roll_up_recent()
 
 
 # --- Slurm (nodes.transports.slurm): each swallows nothing but never crash-loops: Slurm being

@@ -4,7 +4,10 @@ Telemetry is the hot path — 100,000 GPUs at one sample per 10 s is 10,000 rows
 batch costs a constant handful of queries whatever its size:
 
 1. lock the node's GPU rows (serialises two batches of one node; different nodes never wait),
-2. insert every sample in one statement, duplicates of a replay skipped by the (node, gpu, time) key,
+2. store the charted readings in one statement: a row per (node, time) with a value per GPU
+   (``NodeGpuSample``); GPUs already in the row — a replay — are counted as duplicates, others
+   merged into it. Samples older than the raw retention are not stored (retention would drop
+   them within the hour); a late batch re-rolls the minute rollups it covers,
 3. update each GPU's latest sample and health in one statement — only with samples newer than
    the stored one, so a replay of old spooled samples cannot turn the clock back,
 4. judge the node (``nodes.health``) and, when the verdict changed, ``set_health``.
@@ -17,8 +20,9 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import zip_longest
 
-from django.db import connection, models, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from agents.protocol import agent as wire
@@ -26,10 +30,12 @@ from agents.protocol import dump
 from nodes import health as rules
 from nodes import signals
 from nodes.choices import Health
-from nodes.models import GPU, AgentEventRecord, GpuSample, Node, NodePairBandwidth
+from nodes.models import GPU, AgentEventRecord, Node, NodeGpuSample, NodePairBandwidth
+from nodes.services import retention, rollup
 from nodes.services.fleet import (
     BIGINT_MAX,
     FRESH_SAMPLE_S,
+    INT_MAX,
     check_range,
     finish_drain,
     set_health,
@@ -38,11 +44,40 @@ from nodes.services.fleet import (
 from nodes.workload import workload
 
 log = logging.getLogger(__name__)
-#: Sample columns in wire order; ``node`` comes from the URL's (authenticated) node instead.
-SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(wire.GpuSample) if f.name != "node")
-#: Counter columns (bigint): the protocol bounds them from below only.
-INT_FIELDS = tuple(name for name in SAMPLE_FIELDS
-                   if isinstance(GpuSample._meta.get_field(name), models.BigIntegerField))
+#: Wire integers: the protocol bounds them from below only, the latest reading (JSON) must hold them.
+INT_FIELDS = tuple(f.name for f in dataclasses.fields(wire.GpuSample) if f.type in ("int", "int | None"))
+SMALLINT_MAX = 2**15 - 1
+NVLINK_FIELDS = ("nvlink_replay_errors", "nvlink_recovery_errors", "nvlink_crc_flit_errors", "nvlink_crc_data_errors")
+
+
+@dataclass(frozen=True)
+class RawColumn:
+    """How one ``NodeGpuSample`` column is made from wire fields: their sum (``None`` if all are),
+    rounded, shifted right by ``shift`` bits (bytes to MiB), clamped to the column type's range.
+    A ``sparse`` column is NULL when no GPU of the row counted anything (error counters)."""
+
+    fields: tuple[str, ...]
+    high: int
+    shift: int = 0
+    sparse: bool = False
+
+    def value(self, sample: wire.GpuSample) -> int | None:
+        readings = [getattr(sample, name) for name in self.fields]
+        if all(v is None for v in readings):
+            return None
+        return max(-self.high - 1, min(self.high, round(sum(v or 0 for v in readings)) >> self.shift))
+
+
+RAW_COLUMNS = {
+    "temperature_c": RawColumn(("temperature_c",), SMALLINT_MAX),
+    "utilization_pct": RawColumn(("utilization_pct",), SMALLINT_MAX),
+    "memory_used_mib": RawColumn(("memory_used",), INT_MAX, shift=20),
+    "power_w": RawColumn(("power_w",), SMALLINT_MAX),
+    "sm_clock_mhz": RawColumn(("sm_clock_mhz",), SMALLINT_MAX),
+    "xid_total": RawColumn(("xid_total",), INT_MAX, sparse=True),
+    "ecc_uncorrected": RawColumn(("ecc_uncorrected_aggregate",), INT_MAX, sparse=True),
+    "nvlink_errors": RawColumn(NVLINK_FIELDS, INT_MAX, sparse=True),
+}
 #: An Xid event older than this is history (the telemetry window judges it), not news.
 FRESH_XID_S = 600
 
@@ -64,21 +99,24 @@ def ingest_telemetry(node: Node, batch: wire.TelemetryBatch) -> Ingested:
     samples = batch.samples
     if not samples:
         return Ingested(0, 0)
-    columns = {name: [getattr(s, name) for s in samples] for name in SAMPLE_FIELDS}
     for name in INT_FIELDS:
-        values = [v for v in columns[name] if v is not None]
+        values = [v for s in samples if (v := getattr(s, name)) is not None]
         if values and max(values) > BIGINT_MAX:
-            i = next(i for i, v in enumerate(columns[name]) if v is not None and v > BIGINT_MAX)
-            check_range(columns[name][i], f"samples.{i}.{name}")
+            i = next(i for i, s in enumerate(samples) if (getattr(s, name) or 0) > BIGINT_MAX)
+            check_range(getattr(samples[i], name), f"samples.{i}.{name}")
     latest: dict[int, wire.GpuSample] = {}
     for sample in samples:
         seen = latest.get(sample.gpu)
         if seen is None or sample.time > seen.time:
             latest[sample.gpu] = sample
+    now = timezone.now()
     with transaction.atomic():
         gpus = {g.index: g for g in GPU.objects.select_for_update().filter(node=node)}
-        inserted = _insert_samples(node, samples, columns)
+        rows, expired = raw_rows(samples, since=retention.retention().raw_cutoff(now))
+        inserted = _insert_samples(node, rows) + expired
         verdict = _update_latest(node, gpus, latest)
+        if rows and rows[0].time < now - rollup.LOOKBACK:  # beat has rolled these minutes up already
+            rollup.roll_up(rows[0].time, rows[-1].time + rollup.MINUTE, node_id=node.pk)
     if verdict.health != rules.UNKNOWN and verdict.health != node.health and node.health != Health.UNREACHABLE:
         set_health(node, verdict.health, actor=f"node:{node.hostname}", evidence=verdict.evidence,
                    reason="; ".join(verdict.reasons) or "every GPU within limits")
@@ -150,75 +188,145 @@ def _save_latest(gpus: list[GPU]) -> None:
         )
 
 
-def _insert_samples(node: Node, samples: list[wire.GpuSample], columns: dict[str, list]) -> int:
-    """Insert, skipping (node, gpu, time) already stored; returns how many rows were new."""
-    if connection.vendor == "postgresql":
-        return _insert_unnest(node, columns)
-    return _insert_orm(node, samples)
+@dataclass
+class RawRow:
+    """One ``NodeGpuSample`` row in the making: the readings of the GPUs in ``gpus`` (a bitmask)."""
+
+    time: datetime
+    gpus: int = 0
+    values: dict[str, list] = dataclasses.field(default_factory=dict)
+
+    def add(self, sample: wire.GpuSample) -> None:
+        self.gpus |= 1 << sample.gpu
+        for name, column in RAW_COLUMNS.items():
+            values = self.values.setdefault(name, [])
+            values.extend([None] * (sample.gpu + 1 - len(values)))
+            values[sample.gpu] = column.value(sample)
+
+    def merge(self, stored: RawRow) -> None:
+        """Add ``stored`` (the row already in the table): its GPUs keep their stored readings."""
+        for name in RAW_COLUMNS:
+            pairs = zip_longest(stored.values.get(name) or [], self.values.get(name) or [])
+            self.values[name] = [old if stored.gpus >> i & 1 else new for i, (old, new) in enumerate(pairs)]
+        self.gpus |= stored.gpus
+
+    def column(self, name: str) -> list | None:
+        values = self.values.get(name) or []
+        if RAW_COLUMNS[name].sparse and not any(values):
+            return None
+        return values
 
 
-def _insert_orm(node: Node, samples: list[wire.GpuSample]) -> int:
-    """Any database: ``bulk_create``, counting what existed before (exact under the GPU lock)."""
-    keys = {(s.gpu, _utc(s.time)) for s in samples}
-    times = [t for _, t in keys]
-    before = GpuSample.objects.filter(node=node, time__gte=min(times), time__lte=max(times)).count()
-    rows = [GpuSample(node=node, **{name: getattr(s, name) for name in SAMPLE_FIELDS} | {"time": _utc(s.time)})
-            for s in samples]
-    GpuSample.objects.bulk_create(rows, ignore_conflicts=True, batch_size=200)
-    after = GpuSample.objects.filter(node=node, time__gte=min(times), time__lte=max(times)).count()
-    return after - before
+def raw_rows(samples: list[wire.GpuSample], *, since: datetime) -> tuple[list[RawRow], int]:
+    """The batch as raw rows, oldest first, and how many samples were older than ``since`` (not stored).
+
+    A (gpu, time) the batch repeats is stored once; its copies count as duplicates.
+    """
+    rows: dict[float, RawRow] = {}
+    expired = 0
+    for sample in samples:
+        at = _utc(sample.time)
+        if at < since:
+            expired += 1
+        elif sample.time not in rows or not rows[sample.time].gpus >> sample.gpu & 1:
+            rows.setdefault(sample.time, RawRow(at)).add(sample)
+    return sorted(rows.values(), key=lambda row: row.time), expired
 
 
-def _unnest_sql() -> str:
-    meta = GpuSample._meta
-    columns, selects, arrays = ["node_id"], ["%s"], []
-    for name in SAMPLE_FIELDS:
-        field = meta.get_field(name)
-        columns.append(connection.ops.quote_name(field.column))
-        arrays.append(f"%s::{field.db_type(connection)}[]")
-        selects.append(f"u.{name}")
+def _insert_samples(node: Node, rows: list[RawRow]) -> int:
+    """Store ``rows``, merging GPUs into rows already stored; returns how many GPU samples were new."""
+    if not rows:
+        return 0
+    upsert = _upsert_unnest if connection.vendor == "postgresql" else _upsert_orm
+    return new_samples(rows, upsert(node, rows))
+
+
+def new_samples(rows: list[RawRow], before: dict[datetime, int]) -> int:
+    """GPU samples of ``rows`` that were not stored yet, given the stored rows' GPU masks ``before``."""
+    return sum((row.gpus & ~before.get(row.time, 0)).bit_count() for row in rows)
+
+
+def _upsert_orm(node: Node, rows: list[RawRow]) -> dict[datetime, int]:
+    """Any database: read the rows already stored (exact under the GPU lock), merge, write."""
+    existing = {r.time: r for r in NodeGpuSample.objects.filter(node=node, time__in=[row.time for row in rows])}
+    before = {time: old.gpus for time, old in existing.items()}
+    fresh, merged = [], []
+    for row in rows:
+        old = existing.get(row.time)
+        if old is None:
+            fresh.append(NodeGpuSample(node=node, time=row.time, gpus=row.gpus,
+                                       **{name: row.column(name) for name in RAW_COLUMNS}))
+        elif row.gpus & ~old.gpus:
+            row.merge(RawRow(old.time, old.gpus, {name: getattr(old, name) for name in RAW_COLUMNS}))
+            old.gpus = row.gpus
+            for name in RAW_COLUMNS:
+                setattr(old, name, row.column(name))
+            merged.append(old)
+    NodeGpuSample.objects.bulk_create(fresh, batch_size=200)
+    for row in merged:
+        row.save(update_fields=["gpus", *RAW_COLUMNS])
+    return before
+
+
+def _merge_sql(column: str) -> str:
+    """Per GPU, the stored reading if the stored row holds that GPU, else the new one (the shorter
+    array pads with NULL); NULL stays NULL (a sparse column with nothing counted)."""
+    # ``column`` is a name from RAW_COLUMNS, never from a request.
+    return (f"{column} = CASE WHEN t.{column} IS NULL AND EXCLUDED.{column} IS NULL THEN NULL "  # noqa: S608
+            f"ELSE ARRAY(SELECT CASE WHEN t.gpus & (1::bigint << (i - 1)::int) <> 0 THEN o ELSE n END "
+            f"FROM unnest(t.{column}, EXCLUDED.{column}) WITH ORDINALITY AS m(o, n, i) ORDER BY i) END")
+
+
+def _upsert_sql() -> str:
+    meta = NodeGpuSample._meta
     table = connection.ops.quote_name(meta.db_table)
+    names = list(RAW_COLUMNS)
+    casts = [f"u.{name}::{meta.get_field(name).db_type(connection)}" for name in names]
     # Identifiers come from the model's metadata, never from a request; values travel as parameters.
-    sql = (f"INSERT INTO {table} ({', '.join(columns)}) SELECT {', '.join(selects)} "  # noqa: S608
-           f"FROM unnest({', '.join(arrays)}) AS u({', '.join(SAMPLE_FIELDS)}) ON CONFLICT DO NOTHING")
-    return sql
+    # ``old`` reads the rows as they were before the insert (one snapshot for the whole statement):
+    # their GPU masks say which samples were replays.
+    return (
+        f"WITH new AS (SELECT * FROM unnest(%s::timestamptz[], %s::bigint[], "  # noqa: S608
+        f"{', '.join(['%s::text[]'] * len(names))}) AS u(time, gpus, {', '.join(names)})), "
+        f"old AS (SELECT time, gpus FROM {table} WHERE node_id = %s AND time IN (SELECT time FROM new)), "
+        f"written AS (INSERT INTO {table} AS t (node_id, time, gpus, {', '.join(names)}) "
+        f"SELECT %s, u.time, u.gpus, {', '.join(casts)} FROM new u "
+        f"ON CONFLICT (node_id, time) DO UPDATE SET gpus = t.gpus | EXCLUDED.gpus, "
+        f"{', '.join(_merge_sql(name) for name in names)} WHERE EXCLUDED.gpus & ~t.gpus <> 0) "
+        f"SELECT time, gpus FROM old"
+    )
 
 
-_UNNEST_SQL: str | None = None
-_BOOL = {True: "t", False: "f", None: "NULL"}
+_UPSERT_SQL: str | None = None
 
 
 def _array_literal(values: list) -> str:
-    """A PostgreSQL array literal of one column: ``{1,NULL,2.5}``, built with one C-level join.
+    """A PostgreSQL array literal of one column: ``{1,NULL,2}``, built with one C-level join.
 
     Django's psycopg cursor binds parameters client-side, dumping arrays element by element in
-    Python; one string per column is several times cheaper. Only numbers, booleans and JSON lists
-    of integers get here (validated by the protocol), none of which needs escaping.
+    Python; one string per column is several times cheaper. Only integers (clamped above) and
+    timestamps in ISO form get here, none of which needs escaping.
     """
-    first = next((v for v in values if v is not None), None)
-    if isinstance(first, bool):
-        return "{" + ",".join([_BOOL[v] for v in values]) + "}"
-    if isinstance(first, list):  # recent_xid_codes: each element is a quoted JSON text
-        return "{" + ",".join(['"' + json.dumps(v) + '"' if v else '"[]"' for v in values]) + "}"
     return "{" + ",".join(["NULL" if v is None else str(v) for v in values]) + "}"
 
 
-def _insert_unnest(node: Node, columns: dict[str, list]) -> int:
-    """PostgreSQL: one ``INSERT … SELECT FROM unnest(column arrays)``, no model instance per row.
+def _nested_literal(rows: list[list | None]) -> str:
+    """A text[] literal whose elements are the per-GPU array literals of each row (cast in SQL)."""
+    return "{" + ",".join(["NULL" if r is None else '"' + _array_literal(r) + '"' for r in rows]) + "}"
 
-    One parameter per column instead of one per value keeps the statement small and cheap to
-    build; ``ON CONFLICT DO NOTHING`` skips replayed rows and the row count says how many were new.
-    """
-    global _UNNEST_SQL
-    if _UNNEST_SQL is None:
-        _UNNEST_SQL = _unnest_sql()
+
+def _upsert_unnest(node: Node, rows: list[RawRow]) -> dict[datetime, int]:
+    """PostgreSQL: one statement that merges ``rows`` into the table and returns the GPU masks stored before."""
+    global _UPSERT_SQL
+    if _UPSERT_SQL is None:
+        _UPSERT_SQL = _upsert_sql()
     # Times as ISO text converted by Python, exactly as the GPU's ``last_sample_at`` and the ORM
     # path convert them (PostgreSQL's to_timestamp() rounds some microseconds the other way).
-    arrays = [_array_literal([_utc(t).isoformat() for t in columns[name]] if name == "time" else columns[name])
-              for name in SAMPLE_FIELDS]
+    params = [_array_literal([row.time.isoformat() for row in rows]), _array_literal([row.gpus for row in rows]),
+              *[_nested_literal([row.column(name) for row in rows]) for name in RAW_COLUMNS], node.pk, node.pk]
     with connection.cursor() as cursor:
-        cursor.execute(_UNNEST_SQL, [node.pk, *arrays])
-        return cursor.rowcount
+        cursor.execute(_UPSERT_SQL, params)
+        return dict(cursor.fetchall())
 
 
 # --- events ---------------------------------------------------------------------------------------

@@ -111,14 +111,15 @@ def test_a_slowdown_raises_the_mfu_alert_and_recovering_resolves_it(job, channel
 
 
 def test_low_gpu_utilisation_while_running_alerts(job, cast, django_capture_on_commit_callbacks):
-    from nodes.models import GpuSample
+    from nodes.models import NodeGpuSample
 
     Job.objects.filter(pk=job.pk).update(accelerator="gpu")
     job.refresh_from_db()
     report(job, range(1, 6), 0.25)
     now = timezone.now()
     for seconds, pct in ((5, 20.0), (15, 30.0)):
-        GpuSample.objects.create(node=cast.node1, gpu=0, time=now - timedelta(seconds=seconds), utilization_pct=pct)
+        NodeGpuSample.objects.create(node=cast.node1, time=now - timedelta(seconds=seconds), gpus=1,
+                                     utilization_pct=[pct])
     job.refresh_from_db()
     assert job.state == JobState.RUNNING
     assert efficiency.snapshot(job)["gpu_utilization_pct"] == pytest.approx(25.0)

@@ -18,7 +18,7 @@ from core.models import ApiToken
 from jobs.models import Event
 from nodes import services
 from nodes.choices import CommandState, Health, Schedulability
-from nodes.models import AgentEventRecord, GpuSample, Node, NodeCommand
+from nodes.models import AgentEventRecord, Node, NodeCommand, NodeGpuSample
 from tests.waiting import wait_for
 
 POLL_S = 0.05  # the timing asserts below allow a fraction of a second: poll often
@@ -66,7 +66,7 @@ def node_state():
 def test_a_scripted_xid_makes_the_node_unhealthy_and_drains_it_within_two_heartbeats(running_agent):
     node = wait_for(lambda: (n := node_state()) and n.health == Health.HEALTHY and n,
                     timeout=15, what="a healthy node", interval=POLL_S)
-    assert GpuSample.objects.filter(node=node).exists()
+    assert NodeGpuSample.objects.filter(node=node).exists()
     assert AgentEventRecord.objects.filter(node=node, kind="agent_started").exists()
 
     xid = wait_for(lambda: AgentEventRecord.objects.filter(node=node, kind="xid").first(),

@@ -9,13 +9,13 @@ from rest_framework.test import APIClient
 
 from core.models import ApiToken
 from jobs.models import Event, Generation
-from nodes.models import GPU, AgentEventRecord, GpuSample, Node, NodeCommand
+from nodes.models import GPU, AgentEventRecord, Node, NodeCommand, NodeGpuSample
 from tests.nodes.conftest import batch_of, event, heartbeat, sample
 
 
 def nothing_stored(node) -> bool:
     node = Node.objects.get(pk=node.pk)
-    return (not GpuSample.objects.exists() and not AgentEventRecord.objects.exists() and not GPU.objects.exists()
+    return (not NodeGpuSample.objects.exists() and not AgentEventRecord.objects.exists() and not GPU.objects.exists()
             and not Event.objects.exists() and not NodeCommand.objects.exists() and node.last_heartbeat_at is None)
 
 

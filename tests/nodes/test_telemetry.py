@@ -14,9 +14,15 @@ from agents.protocol.agent import TelemetryBatch
 from jobs.models import Event
 from nodes import services, signals
 from nodes.choices import CommandKind, Health, Schedulability
-from nodes.models import GPU, GpuSample, Node, NodeCommand
+from nodes.models import GPU, Node, NodeCommand, NodeGpuSample
 from nodes.services import ingest
 from tests.nodes.conftest import batch_of, sample
+
+
+def stored(node, gpu=None) -> list[tuple[int, float]]:
+    """The (gpu, time) of every raw GPU sample of ``node`` (of one ``gpu``), in order."""
+    return sorted((g, row.time.timestamp()) for row in NodeGpuSample.objects.filter(node=node)
+                  for g in range(row.gpus.bit_length()) if row.gpus >> g & 1 and gpu in (None, g))
 
 
 @pytest.mark.django_db
@@ -27,9 +33,10 @@ def test_a_batch_is_stored_once_and_a_replay_is_counted_as_duplicates(cast, post
     assert first.json() == {"accepted": 20, "duplicates": 0}
     again = post("telemetry", body)
     assert again.json() == {"accepted": 0, "duplicates": 20}
-    assert GpuSample.objects.filter(node=cast.node1).count() == 20
-    row = GpuSample.objects.filter(node=cast.node1, gpu=3).order_by("time").last()
-    assert (row.temperature_c, row.memory_free, row.recent_xid_codes, row.reachable) == (55.0, 78 * 2**30, [], True)
+    assert len(stored(cast.node1)) == 20
+    assert NodeGpuSample.objects.filter(node=cast.node1).count() == 5  # a row per moment, a value per GPU
+    row = NodeGpuSample.objects.filter(node=cast.node1).order_by("time").last()
+    assert (row.gpus, row.temperature_c, row.memory_used_mib, row.xid_total) == (0b1111, [55] * 4, [2048] * 4, None)
     assert abs(row.time.timestamp() - body["samples"][-1]["time"]) < 1e-5
 
 
@@ -44,7 +51,7 @@ def test_every_gpu_keeps_its_newest_sample_and_an_old_replay_does_not_turn_the_c
     assert gpus[0].health == gpus[1].health == Health.HEALTHY
     post("telemetry", {"samples": [sample(cast.node1, 0, now - 60, temperature_c=40.0)]})  # spooled, replayed late
     assert GPU.objects.get(node=cast.node1, index=0).last_sample["temperature_c"] == 61.0
-    assert GpuSample.objects.filter(node=cast.node1, gpu=0).count() == 3
+    assert len(stored(cast.node1, gpu=0)) == 3
 
 
 @pytest.mark.django_db
@@ -137,42 +144,35 @@ def test_ingest_takes_a_small_constant_number_of_queries(cast, post, django_asse
     assert response.json()["accepted"] == 1024
 
 
-def test_every_wire_field_of_a_sample_has_a_column():
-    wire = {f.name for f in dataclasses.fields(WireSample)} - {"node"}
-    columns = {f.name for f in GpuSample._meta.get_fields()}
-    assert wire <= columns, f"add columns (and a migration) for {sorted(wire - columns)}"
+def test_every_raw_column_is_made_of_wire_fields_and_stored():
+    wire = {f.name for f in dataclasses.fields(WireSample)}
+    assert {name for column in ingest.RAW_COLUMNS.values() for name in column.fields} <= wire
+    per_gpu = {f.name for f in NodeGpuSample._meta.get_fields() if f.__class__.__name__ == "PerGpuField"}
+    assert per_gpu == set(ingest.RAW_COLUMNS)
 
 
 @pytest.mark.django_db
 def test_the_portable_insert_stores_exactly_what_the_postgresql_one_does(cast):
-    """SQLite (embedded mode) takes the bulk_create path: same rows, same duplicate count."""
+    """SQLite (embedded mode) takes the ORM path: same rows, same duplicate count, same merges."""
     # Many fractional times: a rounding difference between the paths would show in the key.
-    body = batch_of(cast.node1, gpus=2, per_gpu=300, start=time.time() + 0.1234567, recent_xid_codes=[13, 31],
-                    xid_recent=2)
-    body["samples"] = [{**s, "time": s["time"] + i * 0.0000013} for i, s in enumerate(body["samples"])]
+    body = batch_of(cast.node1, gpus=3, per_gpu=300, start=time.time() + 0.1234567, xid_total=2,
+                    nvlink_replay_errors=1, memory_used=5 * 2**30 + 123)
+    body["samples"] = [{**s, "time": s["time"] + (i // 3) * 0.0000013} for i, s in enumerate(body["samples"])]
     samples = parse(TelemetryBatch, body).samples
-    columns = {name: [getattr(s, name) for s in samples] for name in ingest.SAMPLE_FIELDS}
-    fast = ingest._insert_unnest(cast.node1, columns) if ingest.connection.vendor == "postgresql" else None
-    rows = list(GpuSample.objects.filter(node=cast.node1).order_by("gpu", "time").values())
-    GpuSample.objects.filter(node=cast.node1).delete()
-    assert ingest._insert_orm(cast.node1, samples) == 600
-    assert ingest._insert_orm(cast.node1, samples) == 0
-    if fast is not None:
-        assert fast == 600
-        assert list(GpuSample.objects.filter(node=cast.node1).order_by("gpu", "time").values()) == rows
+    first, rest = ([s for s in samples if s.gpu != 2], [s for s in samples if s.gpu == 2])  # a split batch
 
+    def store(upsert) -> list[dict]:
+        batches = [ingest.raw_rows(part, since=ingest._utc(0))[0] for part in (first, rest, samples)]
+        assert [ingest.new_samples(rows, upsert(cast.node1, rows)) for rows in batches] == [600, 300, 0]
+        return list(NodeGpuSample.objects.filter(node=cast.node1).order_by("time").values())
 
-@pytest.mark.django_db
-def test_old_samples_are_pruned_per_gpu_and_recent_ones_kept(cast, post, settings):
-    from nodes import tasks
-
-    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "TELEMETRY_RETENTION_DAYS": 7}
-    now = time.time()
-    post("telemetry", {"samples": [sample(cast.node1, gpu, at) for gpu in (0, 1)
-                                   for at in (now - 8 * 86400, now - 6 * 86400, now)]})
-    assert tasks.prune_telemetry() == 2
-    assert sorted(GpuSample.objects.values_list("gpu", flat=True)) == [0, 0, 1, 1]
-    assert tasks.prune_telemetry() == 0
+    portable = store(ingest._upsert_orm)
+    first_row = portable[0]
+    assert (first_row["gpus"], first_row["xid_total"], first_row["nvlink_errors"], first_row["memory_used_mib"]) == (
+        0b111, [2] * 3, [1] * 3, [5120] * 3)
+    if ingest.connection.vendor == "postgresql":
+        NodeGpuSample.objects.filter(node=cast.node1).delete()
+        assert store(ingest._upsert_unnest) == portable
 
 
 @pytest.mark.django_db
