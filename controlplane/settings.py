@@ -401,6 +401,17 @@ NIGHTWATCH = {
     "FLEET_SILENCE_FRACTION": env_float("NIGHTWATCH_FLEET_SILENCE_FRACTION", 0.55),
     "FLEET_SILENCE_MIN_NODES": env_int("NIGHTWATCH_FLEET_SILENCE_MIN_NODES", 2),
     "FLEET_SILENCE_HOLD_S": env_int("NIGHTWATCH_FLEET_SILENCE_HOLD_S", 120),
+    # Overload hold (nodes/services/overload.py): while, within the last heartbeat timeout, every web
+    # process together refused at least HEARTBEAT_REFUSALS heartbeats (or registrations), or REFUSALS
+    # requests of any kind, or answered LATE_HEARTBEATS heartbeats HEARTBEAT_LAG_S or more after they
+    # arrived, or QUEUE_DEPTH Celery messages wait, the control plane did not keep up: no node turns
+    # unreachable and no job is declared hung, for up to HOLD_S (0 turns the hold off).
+    "OVERLOAD_HEARTBEAT_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_HEARTBEAT_REFUSALS", 1),
+    "OVERLOAD_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_REFUSALS", 100),
+    "OVERLOAD_HEARTBEAT_LAG_S": env_float("NIGHTWATCH_OVERLOAD_HEARTBEAT_LAG_S", 2.0),
+    "OVERLOAD_LATE_HEARTBEATS": env_int("NIGHTWATCH_OVERLOAD_LATE_HEARTBEATS", 10),
+    "OVERLOAD_QUEUE_DEPTH": env_int("NIGHTWATCH_OVERLOAD_QUEUE_DEPTH", 1000),
+    "OVERLOAD_HOLD_S": env_int("NIGHTWATCH_OVERLOAD_HOLD_S", 300),
     # Blamed this many times within the window, a node is a lemon: drained until cleared.
     "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),
     "LEMON_WINDOW_S": env_int("NIGHTWATCH_LEMON_WINDOW_S", 7 * 24 * 3600),

@@ -16,18 +16,31 @@ orchestrator must not restart a process for being busy.
 ASGI middleware, in front of Django: it counts on the event loop, before a request queues for
 Django's thread, so "in flight" includes the requests waiting for it. One event loop per process,
 so a plain integer is the counter.
+
+What it refused, and the heartbeats it answered late (``late_s`` after they arrived: queued behind
+other work), are also added to counts every web process shares (``core.shared_counts``): the
+heartbeat sweeper reads them to tell a silent node from a control plane that could not keep up
+(``nodes.services.overload``), and ``/metrics`` exports them. They are batched in memory and
+handed to Redis from a thread at most once per ``FLUSH_S``, so a 503 never waits on Redis and
+never fails because of it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.urls import Resolver404, resolve
 
+from core import shared_counts
 from core.problems import CONTENT_TYPE, problem
 
 log = logging.getLogger(__name__)
@@ -39,6 +52,8 @@ Send = Callable[[dict], Awaitable[None]]
 PRIORITY = "priority"
 EXEMPT = "exempt"
 OTHER = "other"
+#: Shared counts are handed to Redis at most this often per process.
+FLUSH_S = 1.0
 
 
 @dataclass
@@ -49,13 +64,40 @@ class Counters:
     peak: int = 0
     admitted: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, EXEMPT: 0, OTHER: 0})
     refused: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, OTHER: 0})
+    late: int = 0  # priority requests answered ``late_s`` or more after they arrived
+
+
+class SharedTally:
+    """Counts waiting to be added to ``core.shared_counts``: the event loop adds to them, a thread
+    hands them over (one at a time; a batch Redis did not take is dropped, and logged there)."""
+
+    def __init__(self):
+        self.pending: Counter[str] = Counter()
+        self.since = 0.0  # wall time of the oldest pending count: the second they are filed under
+        self.flushed_at = 0.0
+        self.flushing: asyncio.Future | None = None
+
+    def add(self, name: str) -> None:
+        if not self.pending:
+            self.since = time.time()
+        self.pending[name] += 1
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        now = time.monotonic()
+        if not self.pending or (self.flushing and not self.flushing.done()) or now - self.flushed_at < FLUSH_S:
+            return
+        batch, self.pending = dict(self.pending), Counter()
+        self.flushed_at = now
+        self.flushing = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(shared_counts.add, batch, at=self.since))
 
 
 class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
 
     def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int,
-                 priority: Collection[str] = (), exempt: Collection[str] = ()):
+                 priority: Collection[str] = (), exempt: Collection[str] = (), late_s: float | None = None):
         if limit < 0 or reserve < 0 or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= reserve < limit (or limit 0: off), got limit={limit} "
                              f"reserve={reserve}")
@@ -68,6 +110,8 @@ class Admission:
         self.priority = frozenset(priority)
         self.exempt = frozenset(exempt)
         self.counters = Counters()
+        self.late_s = settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] if late_s is None else late_s
+        self.shared = SharedTally()
 
     def classify(self, path: str) -> str:
         """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)."""
@@ -93,15 +137,22 @@ class Admission:
         counters = self.counters
         if not self.admits(kind):
             counters.refused[kind] += 1
+            self.shared.add(f"refused:{kind}")
             await self._refuse(scope, send, kind)
             return
         counters.admitted[kind] += 1
         counters.in_flight += 1
         counters.peak = max(counters.peak, counters.in_flight)
+        arrived = time.monotonic()
         try:
             await self.app(scope, receive, send)
         finally:
             counters.in_flight -= 1
+            if kind == PRIORITY and 0 < self.late_s <= time.monotonic() - arrived:
+                counters.late += 1
+                self.shared.add("late:priority")
+            else:
+                self.shared.flush_if_due()  # counts left over from a burst that ended
 
     async def _refuse(self, scope: Scope, send: Send, kind: str) -> None:
         refused = sum(self.counters.refused.values())

@@ -37,6 +37,7 @@ class EventKind(models.TextChoices):
     NODE_BLAME = "node.blame"
     NODE_LEMON_CLEARED = "node.lemon_cleared"
     FLEET_SILENCE = "fleet.silence"
+    FLEET_OVERLOAD = "fleet.overload"
     SLURM_REACHABLE = "slurm.reachable"
     SLURM_UNREACHABLE = "slurm.unreachable"
     SLURM_SUBMIT = "slurm.submit"
@@ -149,6 +150,16 @@ class FleetSilenceEvidence(TypedDict, total=False):
     deadlines_reset: dict[str, int]
 
 
+class FleetOverloadEvidence(TypedDict, total=False):
+    window_s: float
+    heartbeats_refused: int | None
+    refused: int | None
+    late_heartbeats: int | None
+    queue_depth: int | None
+    since: str
+    deadlines_reset: dict[str, int]
+
+
 class SlurmControllerEvidence(TypedDict, total=False):
     cluster: str
     last_error: str
@@ -241,6 +252,7 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.NODE_BLAME: NodeBlameEvidence,
     EventKind.NODE_LEMON_CLEARED: NoEvidence,
     EventKind.FLEET_SILENCE: FleetSilenceEvidence,
+    EventKind.FLEET_OVERLOAD: FleetOverloadEvidence,
     EventKind.SLURM_REACHABLE: SlurmControllerEvidence,
     EventKind.SLURM_UNREACHABLE: SlurmControllerEvidence,
     EventKind.SLURM_SUBMIT: SlurmSubmitEvidence,
@@ -306,3 +318,19 @@ def record_event(kind: EventKind, *, actor: str, reason: str = "", job: models.M
     return Event.objects.create(kind=kind, actor=actor, reason=reason, node=node, generation=generation,
                                 old_state=old_state, new_state=new_state, evidence=evidence,
                                 created_at=created_at or timezone.now(), **job_ref)
+
+
+def record_events(kind: EventKind, rows: list[dict[str, Any]]) -> list[Event]:
+    """Append one row per item of ``rows`` (``record_event``'s keyword arguments, ``kind`` aside) in
+    one INSERT: the same fact about many nodes at once (the heartbeat sweeper's batch). A bulk
+    insert sends no ``post_save``, so it is for kinds no receiver watches row by row."""
+    kind = EventKind(kind)
+    events = []
+    for row in rows:
+        evidence = row.get("evidence") or {}
+        check_evidence(kind, evidence)
+        events.append(Event(kind=kind, actor=row["actor"], reason=row.get("reason", ""), node=row.get("node"),
+                            job_id=row.get("job"), generation=row.get("generation"),
+                            old_state=row.get("old_state", ""), new_state=row.get("new_state", ""),
+                            evidence=evidence, created_at=row.get("created_at") or timezone.now()))
+    return Event.objects.bulk_create(events)

@@ -33,7 +33,7 @@ from rest_framework.request import Request
 
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from core import roles
+from core import roles, shared_counts
 from core.auth import TokenAuthentication, capabilities, client_address
 from core.problems import CONTENT_TYPE, problem
 from jobs import efficiency
@@ -43,6 +43,8 @@ from jobs.goodput_math import KINDS
 from jobs.models import Incident, Job
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node
+from nodes.services import overload, silence
+from nodes.services.sweeper import BATCH_BUCKETS
 
 METRICS_FINISHED_JOBS_S = 24 * 3600
 METRICS_MAX_JOBS = 200
@@ -79,6 +81,7 @@ class NightwatchCollector:
         yield from self._fleet(now)
         yield from self._checkpoints(now)
         yield from self._queues()
+        yield from self._overload()
         scrape = GaugeMetricFamily("nightwatch_scrape_duration_seconds", "Time this scrape spent reading the "
                                    "database.")
         scrape.add_metric([], time.monotonic() - started)
@@ -266,6 +269,39 @@ class NightwatchCollector:
             up.add_metric([], 0)
         yield up
         yield depth
+
+    # --- overload ---------------------------------------------------------------------------------
+    def _overload(self):
+        """The sweepers' holds (two indexed queries), and what every web process refused and the
+        sweeper expired (``core.shared_counts``: only with Redis)."""
+        for name, documentation, holding in (
+                ("nightwatch_overload_hold", "1 while the heartbeat and progress sweeps hold because the control "
+                 "plane did not keep up (fleet.overload events).", overload.held()),
+                ("nightwatch_fleet_silence_hold", "1 while the heartbeat and progress sweeps hold because the "
+                 "whole fleet went silent at once (fleet.silence events).", silence.held())):
+            gauge = GaugeMetricFamily(name, documentation)
+            gauge.add_metric([], 1 if holding else 0)
+            yield gauge
+        counts = shared_counts.totals()
+        if counts is None:
+            return
+        refused = CounterMetricFamily("nightwatch_admission_refused", "Requests admission control answered with "
+                                      "503, every web process together, by class (priority: heartbeats and "
+                                      "registration).", labels=["class"])
+        for kind in ("priority", "other"):
+            refused.add_metric([kind], counts.get(f"refused:{kind}", 0))
+        late = CounterMetricFamily("nightwatch_admission_late_heartbeats", "Heartbeats and registrations answered "
+                                   "OVERLOAD_HEARTBEAT_LAG_S or more after they arrived.")
+        late.add_metric([], counts.get("late:priority", 0))
+        batches = HistogramMetricFamily("nightwatch_heartbeat_expiry_batch_nodes", "Nodes each heartbeat sweep "
+                                        "marked unreachable (sweeps that expired none are not counted).")
+        cumulative, buckets = 0, []
+        for bound in BATCH_BUCKETS:
+            cumulative += counts.get(f"expiry:le:{bound}", 0)
+            buckets.append((str(float(bound)), cumulative))
+        buckets.append(("+Inf", cumulative + counts.get("expiry:le:+Inf", 0)))
+        batches.add_metric([], buckets, sum_value=counts.get("expiry:nodes", 0))
+        yield from (refused, late, batches)
 
 
 def _queue_names() -> list[str]:

@@ -27,7 +27,7 @@ from jobs.models import Generation, Job
 from jobs.orchestrator import record_first_step, report_fault
 from jobs.policies import RecoveryPolicy
 from jobs.steps import recent_step_seconds
-from nodes.services import silence
+from nodes.services import overload, silence
 
 #: A generation whose ranks report no step for this long (when the policy sets no timeout and
 #: there is no step history yet) is considered hung.
@@ -121,9 +121,9 @@ def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
 
 def expire_one_progress_deadline() -> bool:
     """The first job past its progress deadline is reported as hung; returns whether one was.
-    Nothing is while the fleet is silent: the reports may be stuck on our side (see
-    ``nodes.services.silence``)."""
-    if silence.held():
+    Nothing is while the fleet is silent or the control plane overloaded: the reports may be stuck
+    on our side (see ``nodes.services.silence`` and ``nodes.services.overload``)."""
+    if silence.held() or overload.held():
         return False
     job = (Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=timezone.now())
            .order_by("progress_deadline").first())

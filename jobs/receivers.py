@@ -17,7 +17,7 @@ from django.dispatch import receiver
 from jobs import progress
 from jobs.choices import JobState
 from jobs.models import Generation, Job
-from jobs.tasks import confirm_stopped, handle_exit, handle_launch_refused, handle_node_health
+from jobs.tasks import confirm_stopped, handle_exit, handle_launch_refused, handle_node_health, handle_nodes_health
 from nodes import signals
 from nodes.models import Node
 
@@ -50,6 +50,12 @@ def on_launch_refused(sender, node, job_id, generation, reason, **kwargs):
 @receiver(signals.node_health_changed, dispatch_uid="jobs.node_health_changed")
 def on_node_health_changed(sender, node, old, new, reasons, **kwargs):
     handle_node_health.delay(node.hostname, new, list(reasons))
+
+
+@receiver(signals.nodes_health_changed, dispatch_uid="jobs.nodes_health_changed")
+def on_nodes_health_changed(sender, new, changes, **kwargs):
+    """A batch (the heartbeat sweeper's): one task for all of its nodes."""
+    handle_nodes_health.delay(new, {change["node"].hostname: list(change["reasons"]) for change in changes})
 
 
 @receiver(signals.fleet_contact_restored, dispatch_uid="jobs.fleet_contact_restored")

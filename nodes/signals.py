@@ -53,12 +53,19 @@ drain_acked = Signal()
 #: values), ``reasons`` (list of str), ``evidence`` (dict), ``event_id`` (the ``core.Event`` pk).
 node_health_changed = Signal()
 
-#: Contact is back after a fleet-wide silence (``nodes.services.silence``): deadlines that ran out
-#: while no node could reach us start over. The one signal sent *inside* the transaction that
-#: records the restore, with ``send``: a receiver restarts the deadlines of its own work in the same
-#: transaction (both start over, or neither) and returns how many it moved (an int), which the
-#: ``fleet.silence`` event counts as the job deadlines. ``now`` (datetime); ``grace`` (timedelta,
-#: one heartbeat timeout: restart no deadline sooner than this); ``silent_since`` (datetime).
+#: Nodes turned unreachable together (the heartbeat sweeper's batch, ``nodes.services.sweeper``),
+#: sent instead of ``node_health_changed`` for each so that a receiver queues one task for the
+#: batch. ``new`` (``Health.UNREACHABLE``); ``changes`` (list of dicts: ``node``, ``old``,
+#: ``reasons`` and ``event_id`` as in ``node_health_changed``).
+nodes_health_changed = Signal()
+
+#: Contact is back after a fleet-wide silence (``nodes.services.silence``) or an overload hold
+#: (``nodes.services.overload``): deadlines that ran out while no node could reach us start over.
+#: The one signal sent *inside* the transaction that records the restore, with ``send``: a receiver
+#: restarts the deadlines of its own work in the same transaction (both start over, or neither) and
+#: returns how many it moved (an int), which the ``fleet.silence`` or ``fleet.overload`` event
+#: counts as the job deadlines. ``now`` (datetime); ``grace`` (timedelta, one heartbeat timeout:
+#: restart no deadline sooner than this); ``silent_since`` (datetime: when the silence or the hold began).
 fleet_contact_restored = Signal()
 
 #: The agent acknowledged a command for the first time (``nodes.services.ack_command``).

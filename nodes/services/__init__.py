@@ -31,14 +31,15 @@ from nodes.services.fleet import (
 )
 from nodes.services.ingest import Ingested, ingest_telemetry, record_agent_events
 from nodes.services.retention import prune_telemetry
-from nodes.services.sweeper import expire_heartbeats, expire_one_heartbeat
+from nodes.services.sweeper import expire_batch, expire_heartbeats, expire_one_heartbeat
 
 __all__ = [
     "probe_peers_for",
     "request_health_check",
     "StaleCommand",
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
-    "drain_node", "enqueue_command", "expire_commands", "expire_heartbeats", "expire_one_heartbeat", "finish_drain",
+    "drain_node", "enqueue_command", "expire_batch", "expire_commands", "expire_heartbeats", "expire_one_heartbeat",
+    "finish_drain",
     "ingest_telemetry", "issue_bootstrap_token", "pending_commands_for", "prune_telemetry", "record_agent_events",
     "record_heartbeat",
     "register_agent", "set_health", "thresholds", "undrain_node",

@@ -3,7 +3,9 @@
 ``set_health`` is the only code that changes ``Node.health``; ``drain_node``, ``finish_drain``
 and ``undrain_node`` are the only code that changes ``Node.schedulability``. Each is a
 compare-and-set that appends one ``core.models.Event`` row (who, old, new, why, evidence).
-The heartbeat sweeper that turns silent nodes unreachable is ``nodes.services.sweeper``.
+The heartbeat sweeper that turns silent nodes unreachable is ``nodes.services.sweeper``: the one
+other writer of ``Node.health``, which does for a batch of nodes in three queries what
+``set_health`` does for one.
 """
 
 from __future__ import annotations

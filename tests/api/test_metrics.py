@@ -66,7 +66,8 @@ def test_labels_are_bounded_and_carry_no_free_text(world, scraped):
     for text in (world.incident.classification, world.paused_job.pause_reason, world.cast.job.name):
         assert text not in label_values
     label_names = set(re.findall(r'[{,]([a-z_]+)="', scraped))
-    assert label_names <= {"job", "state", "kind", "decision", "node", "gpu", "health", "le", "queue"}, label_names
+    assert label_names <= {"job", "state", "kind", "decision", "node", "gpu", "health", "le", "queue",
+                           "class"}, label_names
 
 
 def test_who_may_scrape(world, api, settings):

@@ -84,3 +84,19 @@ def only_test_receivers():
         with signal.lock:
             signal.receivers = receivers
             signal.sender_receivers_cache.clear()
+
+
+@pytest.fixture
+def redis_counts():
+    """``core.shared_counts`` starting empty (the test run's own Redis database) and left empty."""
+    from core import shared_counts
+
+    redis = shared_counts.client()  # this one, even if the test points REDIS_URL elsewhere
+
+    def clear():
+        for key in redis.scan_iter(f"{shared_counts.PREFIX}*"):
+            redis.delete(key)
+
+    clear()
+    yield shared_counts
+    clear()

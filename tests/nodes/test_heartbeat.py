@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 import time_machine
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.test import TestCase
 from django.utils import timezone
 
@@ -35,8 +36,9 @@ def test_a_heartbeat_moves_the_deadline_by_interval_times_misses(cast, post):
 def test_a_silent_node_becomes_unreachable_after_the_deadline_and_not_before(cast, post, settings):
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 2, "HEARTBEAT_MISSES": 3}
     seen = []
-    signals.node_health_changed.connect(lambda **kw: seen.append((kw["old"], kw["new"])), weak=False,
-                                        dispatch_uid="test-seen")
+    signals.nodes_health_changed.connect(
+        lambda **kw: seen.extend((c["node"].hostname, c["old"], kw["new"]) for c in kw["changes"]), weak=False,
+        dispatch_uid="test-seen")
     try:
         with time_machine.travel("2026-11-30 12:00:00Z", tick=False) as clock:
             post("heartbeat", heartbeat(cast.node1))
@@ -47,13 +49,13 @@ def test_a_silent_node_becomes_unreachable_after_the_deadline_and_not_before(cas
                 assert services.expire_one_heartbeat() is True
             assert services.expire_one_heartbeat() is False  # one-shot: nothing left to do
     finally:
-        signals.node_health_changed.disconnect(dispatch_uid="test-seen")
+        signals.nodes_health_changed.disconnect(dispatch_uid="test-seen")
     node = Node.objects.get(pk=cast.node1.pk)
     assert (node.health, node.heartbeat_deadline) == (Health.UNREACHABLE, None)
     event = Event.objects.get(kind="node.health", node=node)
     assert (event.old_state, event.new_state, event.actor) == ("healthy", "unreachable", "system:heartbeat-sweeper")
     assert "no heartbeat since 2026-11-30T12:00:00" in event.reason
-    assert seen == [("healthy", "unreachable")]
+    assert seen == [(node.hostname, "healthy", "unreachable")]
     # Unreachable is not unhealthy: the drain policy leaves the decision to the orchestrator.
     assert node.schedulability == Schedulability.ACTIVE
 
@@ -99,18 +101,26 @@ def test_a_node_without_gpu_telemetry_is_healthy_on_its_heartbeat_and_says_why(c
     assert (node.gpu_telemetry, node.gpu_telemetry_reason) == (False, "NVML library not found")
 
 
-@pytest.mark.django_db
-def test_a_heartbeat_racing_the_sweeper_keeps_the_node_reachable(cast, post):
-    """The sweeper read the node past its deadline, then a heartbeat moved the deadline."""
-    from nodes.services import sweeper
-
-    Node.objects.filter(pk=cast.node1.pk).update(heartbeat_deadline=timezone.now() - timedelta(seconds=1))
-    read_by_sweeper = Node.objects.get(pk=cast.node1.pk)
-    post("heartbeat", heartbeat(cast.node1))
-    assert sweeper._mark_unreachable(read_by_sweeper) is False
-    node = Node.objects.get(pk=cast.node1.pk)
-    assert node.health == Health.HEALTHY and node.heartbeat_deadline > timezone.now()
-    assert not Event.objects.filter(kind="node.health").exists()
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_racing_the_sweeper_keeps_the_node_reachable(cast):
+    """A heartbeat is moving the deadline (its UPDATE holds the row, not yet committed) while the
+    sweep runs: the sweep skips that node, and the heartbeat's deadline stands."""
+    Node.objects.filter(pk__in=[cast.node1.pk, cast.node2.pk]).update(
+        heartbeat_deadline=timezone.now() - timedelta(seconds=1))
+    heartbeat_side = connections.create_connection(DEFAULT_DB_ALIAS)
+    try:
+        with heartbeat_side.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute("UPDATE nodes_node SET heartbeat_deadline = now() + interval '15 seconds' WHERE id = %s",
+                           [cast.node1.pk])
+            assert services.expire_batch(10) == 1  # node2 only
+            cursor.execute("COMMIT")
+    finally:
+        heartbeat_side.close()
+    node1, node2 = Node.objects.get(pk=cast.node1.pk), Node.objects.get(pk=cast.node2.pk)
+    assert node1.health == Health.HEALTHY and node1.heartbeat_deadline > timezone.now()
+    assert (node2.health, node2.heartbeat_deadline) == (Health.UNREACHABLE, None)
+    assert list(Event.objects.filter(kind="node.health").values_list("node__hostname", flat=True)) == [node2.hostname]
 
 
 @pytest.mark.django_db

@@ -1,0 +1,109 @@
+"""Counters that every process adds to and any process reads: what admission control refused, how
+late heartbeats were answered, how many nodes each heartbeat sweep expired.
+
+Each web process sees only its own 503s, but the question the heartbeat sweeper asks ("did the
+control plane keep up while this node was silent?") is about all of them together, and
+``/metrics`` must answer the same numbers whichever process Prometheus scrapes. So the counts live
+in Redis: one hash of running totals, and one hash per second of wall time (kept an hour) so that
+a reader can sum any recent window.
+
+Counting must never cost a request anything or make one fail: writers batch their counts in memory
+and hand them over off the request path (``core.admission``), every Redis call has a short timeout,
+and a Redis that is down loses those counts (logged) instead of raising. Without ``REDIS_URL`` (the
+embedded demo: one web process, SQLite) there is nothing to share: adds are dropped and reads answer
+``None``, "unknown".
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nightwatch:counts:"
+TOTALS = PREFIX + "total"
+#: Window sums read this many one-second hashes; an hour covers any heartbeat timeout.
+BUCKET_S = 1
+KEEP_S = 3600
+#: A Redis that does not answer within this long counts as down (the caller goes on without it).
+TIMEOUT_S = 0.5
+
+
+@functools.cache
+def _client_for(url: str):
+    # Only a Redis deployment reaches here: the embedded demo's processes never load the client.
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+
+
+def client():
+    """The Redis client, or None without ``REDIS_URL``."""
+    return _client_for(settings.REDIS_URL) if settings.REDIS_URL else None
+
+
+def _bucket_key(second: int) -> str:
+    return f"{PREFIX}{second - second % BUCKET_S}"
+
+
+def add(counts: dict[str, int], *, at: float) -> bool:
+    """Add ``counts`` to the running totals and to the second ``at`` (a Unix time) falls in; returns
+    whether Redis took them. One round trip."""
+    redis = client()
+    if redis is None or not counts:
+        return False
+    key = _bucket_key(math.floor(at))
+    pipe = redis.pipeline(transaction=False)
+    for name, n in counts.items():
+        pipe.hincrby(TOTALS, name, n)
+        pipe.hincrby(key, name, n)
+    pipe.expire(key, KEEP_S)
+    try:
+        pipe.execute()
+    except Exception:  # any Redis failure: these counts are lost, the caller is not
+        log.warning("shared counts: Redis did not take %s", counts, exc_info=True)
+        return False
+    return True
+
+
+def totals() -> dict[str, int] | None:
+    """The running totals (None: unknown)."""
+    redis = client()
+    if redis is None:
+        return None
+    try:
+        return _decoded(redis.hgetall(TOTALS))
+    except Exception:
+        log.warning("shared counts: Redis did not answer", exc_info=True)
+        return None
+
+
+def within(seconds: float, *, now: float) -> dict[str, int] | None:
+    """The counts added during the ``seconds`` before ``now`` (whole seconds, the partial ones at
+    both ends included: a reader who must not miss a refusal would rather count one too many).
+    None: unknown. One round trip."""
+    redis = client()
+    if redis is None:
+        return None
+    first, last = math.floor(now - seconds), math.floor(now)
+    pipe = redis.pipeline(transaction=False)
+    for second in range(first - first % BUCKET_S, last + 1, BUCKET_S):
+        pipe.hgetall(_bucket_key(second))
+    try:
+        buckets = pipe.execute()
+    except Exception:
+        log.warning("shared counts: Redis did not answer", exc_info=True)
+        return None
+    summed: dict[str, int] = {}
+    for bucket in buckets:
+        for name, n in _decoded(bucket).items():
+            summed[name] = summed.get(name, 0) + n
+    return summed
+
+
+def _decoded(raw: dict) -> dict[str, int]:
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}

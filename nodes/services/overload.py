@@ -1,0 +1,183 @@
+"""Overload hold: a control plane that could not keep up does not call live nodes dead.
+
+A node turns unreachable when no heartbeat of it arrived for a heartbeat timeout. That verdict is
+only as good as our side's ability to hear: an overloaded control plane refuses heartbeats
+(admission control's 503s, ``core.admission``) or answers them late, and then a live agent looks
+exactly like a dead one. Issue 18's probe had 512 and 1,024 agents heartbeating at an overloaded
+control plane: 486 and 841 ``unreachable`` verdicts for nodes that were alive, each pausing its
+jobs and paging a human. The fleet-silence watch (``nodes.services.silence``) did not see it,
+because some heartbeats still got through.
+
+So before it expires anyone, the heartbeat sweeper asks whether the control plane kept up over
+the last heartbeat timeout, the silent period of every node whose deadline is passing now:
+
+1. admission refusals, every web process together (``core.shared_counts``): heartbeats and
+   registrations refused (``OVERLOAD_HEARTBEAT_REFUSALS``), or requests of any kind
+   (``OVERLOAD_REFUSALS``: step reports shed, so progress deadlines say nothing either);
+2. heartbeats answered ``OVERLOAD_HEARTBEAT_LAG_S`` or more after they arrived (queued behind other
+   work: their deadlines moved that much late), at least ``OVERLOAD_LATE_HEARTBEATS`` of them;
+3. messages waiting in Celery's default queue (``OVERLOAD_QUEUE_DEPTH``): the incidents a verdict
+   opens would be handled late, behind a backlog that says we are not keeping up.
+
+Any of them past its threshold is overload. The sweeper then holds: no node turns unreachable and
+no job is declared hung (the jobs' sweep asks ``held()``). When a whole window passes without
+any, the hold lifts: deadlines that ran out during it start over one heartbeat timeout from now
+(the agents' heartbeats were refused or queued, not missing), and so do the jobs' progress
+deadlines (``nodes.signals.fleet_contact_restored``, whose receivers treat it like contact coming
+back after a silence). A hold that outlasts ``OVERLOAD_HOLD_S`` is given up: a node that really
+died during a long overload is declared unreachable then, at the price of verdicts the overload
+may have made up.
+
+Each transition is one ``fleet.overload`` event (``overloaded`` → ``recovered``, or → ``given_up``
+→ ``recovered``); the newest is the state, so every process reads the same answer, and
+``/metrics`` exports it. Only the heartbeat sweeper writes them (one beat task), so transitions
+are not raced. Without Redis the refusals and late heartbeats are unknown and only the queue
+signal is left, which the embedded broker cannot count either: the embedded demo never holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from core import shared_counts
+from core.events import EventKind, record_event
+from core.models import Event
+from nodes import signals
+from nodes.models import Node
+from nodes.services.fleet import heartbeat_timeout
+
+log = logging.getLogger(__name__)
+ACTOR = "system:overload-watch"
+OVERLOADED, GIVEN_UP, RECOVERED = "overloaded", "given_up", "recovered"
+
+
+@dataclass(frozen=True)
+class Load:
+    """How the control plane fared over the last ``window_s``; None where it could not be read."""
+
+    window_s: float
+    heartbeats_refused: int | None
+    refused: int | None  # every class, heartbeats included
+    late_heartbeats: int | None
+    queue_depth: int | None
+
+    def reasons(self) -> list[str]:
+        """Each signal past its threshold, in words (empty: the control plane kept up)."""
+        config = settings.NIGHTWATCH
+        window = f"in the last {self.window_s:.0f} s"
+        checks = (
+            (self.heartbeats_refused, config["OVERLOAD_HEARTBEAT_REFUSALS"], f"heartbeats refused {window}"),
+            (self.refused, config["OVERLOAD_REFUSALS"], f"requests refused {window}"),
+            (self.late_heartbeats, config["OVERLOAD_LATE_HEARTBEATS"],
+             f"heartbeats answered {config['OVERLOAD_HEARTBEAT_LAG_S']:g} s or more late {window}"),
+            (self.queue_depth, config["OVERLOAD_QUEUE_DEPTH"], "tasks waiting in the Celery queue"),
+        )
+        return [f"{value} {what}" for value, threshold, what in checks
+                if value is not None and threshold > 0 and value >= threshold]
+
+    def evidence(self) -> dict:
+        return {"window_s": self.window_s, "heartbeats_refused": self.heartbeats_refused, "refused": self.refused,
+                "late_heartbeats": self.late_heartbeats, "queue_depth": self.queue_depth}
+
+
+def measure(now: datetime) -> Load:
+    """Two Redis round trips (the window's counts, the queue's length), no SQL."""
+    window = heartbeat_timeout().total_seconds()
+    counts = shared_counts.within(window, now=now.timestamp())
+    if counts is None:
+        refused = heartbeats_refused = late = None
+    else:
+        heartbeats_refused = counts.get("refused:priority", 0)
+        refused = heartbeats_refused + counts.get("refused:other", 0)
+        late = counts.get("late:priority", 0)
+    return Load(window_s=window, heartbeats_refused=heartbeats_refused, refused=refused, late_heartbeats=late,
+                queue_depth=_queue_depth())
+
+
+def _queue_depth() -> int | None:
+    redis = shared_counts.client()
+    if redis is None:
+        return None
+    try:
+        return int(redis.llen(current_app.conf.task_default_queue or "celery"))
+    except Exception:  # a broker that does not answer: unknown, like the other signals without Redis
+        log.warning("overload: the broker did not answer", exc_info=True)
+        return None
+
+
+def last_transition() -> Event | None:
+    return Event.objects.filter(kind=EventKind.FLEET_OVERLOAD).order_by("-created_at", "-pk").first()
+
+
+def held() -> bool:
+    """Whether the sweepers hold for overload now. Read-only: one indexed query."""
+    last = last_transition()
+    return last is not None and last.new_state == OVERLOADED
+
+
+def watch(now: datetime | None = None) -> bool:
+    """The heartbeat sweeper's overload step: record a transition if there is one; returns whether
+    the sweeper must hold (mark nobody unreachable) this round."""
+    now = now or timezone.now()
+    load = measure(now)
+    last = last_transition()
+    state = last.new_state if last is not None else RECOVERED
+    reasons = load.reasons()
+    if reasons:
+        if _hold_s() <= 0:
+            return False
+        if state == RECOVERED:
+            _record(OVERLOADED, now, load, f"control plane overloaded ({'; '.join(reasons)}): holding up to "
+                    f"{_hold_s()} s (no node unreachable, no job hung)")
+            return True
+        if state == OVERLOADED:
+            held_for = (now - last.created_at).total_seconds()
+            if held_for < _hold_s():
+                return True
+            _record(GIVEN_UP, now, load, f"overloaded for {held_for:.0f} s, longer than the {_hold_s()} s hold "
+                    f"({'; '.join(reasons)}): silent nodes turn unreachable again")
+        return False
+    if state != RECOVERED:
+        _lift(now, load, since=_hold_started(last))
+        return True
+    return False
+
+
+def _hold_s() -> int:
+    return settings.NIGHTWATCH["OVERLOAD_HOLD_S"]
+
+
+def _hold_started(last: Event) -> datetime:
+    if last.new_state == OVERLOADED:
+        return last.created_at
+    return datetime.fromisoformat(last.evidence.get("since") or last.created_at.isoformat())
+
+
+def _lift(now: datetime, load: Load, *, since: datetime) -> None:
+    """The control plane kept up for a whole window: deadlines that ran out since the hold began
+    start over, the nodes' here and the jobs' in the receivers of ``fleet_contact_restored``."""
+    grace = heartbeat_timeout()
+    with transaction.atomic():
+        nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
+        jobs = sum(moved for _, moved in signals.fleet_contact_restored.send(
+            sender=Node, now=now, grace=grace, silent_since=since))
+        _record(RECOVERED, now, load,
+                f"control plane kept up for {load.window_s:.0f} s after {(now - since).total_seconds():.0f} s of "
+                f"overload: {nodes} node and {jobs} job deadline(s) start over",
+                extra={"deadlines_reset": {"nodes": nodes, "jobs": jobs}})
+
+
+def _record(state: str, now: datetime, load: Load, reason: str, extra: dict | None = None) -> None:
+    last = last_transition()
+    since = now if state == OVERLOADED else _hold_started(last)
+    record_event(EventKind.FLEET_OVERLOAD, actor=ACTOR, created_at=now, old_state=last.new_state if last else "",
+                 new_state=state, reason=reason,
+                 evidence={**load.evidence(), "since": since.isoformat(), **(extra or {})})
+    (log.warning if state != RECOVERED else log.info)("overload: %s", reason)

@@ -1,0 +1,79 @@
+"""What admission control refused and answered late reaches the counts every web process shares
+(core.shared_counts, in this run's Redis database), and a Redis that is down costs a 503 nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from core import admission as admission_module
+from core import shared_counts
+from tests.core.test_admission import HEARTBEAT, REPORTS, admission, call, until
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Shared counts starting empty, handed over at every chance (no one-second batching)."""
+    monkeypatch.setattr(admission_module, "FLUSH_S", 0.0)
+    redis = shared_counts.client()
+
+    def clear():
+        for key in redis.scan_iter(f"{shared_counts.PREFIX}*"):
+            redis.delete(key)
+
+    clear()
+    yield
+    clear()
+
+
+async def handed_over(app) -> None:
+    """Until the middleware's last hand-over to Redis is done and nothing waits for the next."""
+    async with asyncio.timeout(5):
+        while app.shared.pending or (app.shared.flushing and not app.shared.flushing.done()):
+            app.shared.flush_if_due()
+            await asyncio.sleep(0.01)
+
+
+def test_refusals_by_class_and_late_heartbeats_reach_the_shared_counts(counts):
+    async def scenario():
+        held, app = admission(limit=2, reserve=1)
+        app.late_s = 0.05
+        bulk = asyncio.create_task(call(app, REPORTS))
+        await until(lambda: held.started == 1)
+        refused = [await call(app, REPORTS) for _ in range(3)]
+        beat = asyncio.create_task(call(app, HEARTBEAT))  # the reserved slot
+        await until(lambda: held.started == 2)
+        refused.append(await call(app, HEARTBEAT))
+        await asyncio.sleep(0.06)  # both admitted requests are now late
+        held.release.set()
+        await asyncio.gather(bulk, beat)
+        assert [r["status"] for r in refused] == [503] * 4
+        await handed_over(app)
+
+    asyncio.run(scenario())
+    assert shared_counts.totals() == {"refused:other": 3, "refused:priority": 1, "late:priority": 1}
+    window = shared_counts.within(5, now=time.time())
+    assert window == {"refused:other": 3, "refused:priority": 1, "late:priority": 1}
+    assert shared_counts.within(5, now=time.time() + 60) == {}  # a minute later the window is clean
+
+
+def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+
+    async def scenario():
+        held, app = admission(limit=1, reserve=0)
+        first = asyncio.create_task(call(app, REPORTS))
+        await until(lambda: held.started == 1)
+        started = time.monotonic()
+        answer = await call(app, REPORTS)
+        assert answer["status"] == 503 and time.monotonic() - started < 0.1  # not waiting on Redis
+        await handed_over(app)
+        assert app.shared.flushing.result() is False  # the count is lost, logged, and nothing raised
+        held.release.set()
+        await first
+
+    asyncio.run(scenario())
+    assert shared_counts.totals() is None
+

@@ -1,0 +1,169 @@
+"""The overload hold (nodes.services.overload): while the control plane refuses or queues
+heartbeats, a silent node is not declared unreachable and no job is declared hung."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import time_machine
+from django.utils import timezone
+
+from core.events import EventKind
+from dashboard.metrics import render
+from jobs import progress
+from jobs.choices import JobState
+from jobs.models import Event, Job
+from nodes import tasks
+from nodes.choices import Health
+from nodes.models import Node
+from nodes.services import overload
+
+T0 = "2026-11-30 12:00:00Z"
+
+
+@pytest.fixture
+def fleet(cast, settings, redis_counts):
+    """Three nodes heartbeating every 2 s (deadline and window 6 s); hold at most 60 s."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 2, "HEARTBEAT_MISSES": 3,
+                           "FLEET_SILENCE_FRACTION": 0.55, "FLEET_SILENCE_MIN_NODES": 2, "FLEET_SILENCE_HOLD_S": 60,
+                           "OVERLOAD_HEARTBEAT_REFUSALS": 1, "OVERLOAD_REFUSALS": 100, "OVERLOAD_LATE_HEARTBEATS": 10,
+                           "OVERLOAD_QUEUE_DEPTH": 1000, "OVERLOAD_HOLD_S": 60}
+    node3 = Node.objects.create(hostname="gpu-03", address="10.0.0.3", health="healthy")
+    return [cast.node1, cast.node2, node3]
+
+
+def beat(*nodes):
+    for node in nodes:
+        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now(),
+                                               heartbeat_deadline=timezone.now() + timedelta(seconds=6))
+
+
+def shed(counts, **refused):
+    """What the web processes would have added: 503s by class, now."""
+    counts.add({f"refused:{kind}": n for kind, n in refused.items()}, at=time.time())
+
+
+def transitions() -> list[str]:
+    return list(Event.objects.filter(kind=EventKind.FLEET_OVERLOAD).order_by("created_at", "pk")
+                .values_list("new_state", flat=True))
+
+
+def hung_job(cast) -> Job:
+    Job.objects.filter(pk=cast.job.pk).update(state=JobState.RUNNING, generation=1,
+                                              progress_deadline=timezone.now() - timedelta(seconds=1))
+    return cast.job
+
+
+def health(node) -> str:
+    return Node.objects.get(pk=node.pk).health
+
+
+@pytest.mark.django_db
+def test_refused_heartbeats_hold_the_sweeps_and_say_so_once(cast, fleet, redis_counts):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[1], fleet[2])
+        shed(redis_counts, priority=40, other=900)  # gpu-01's heartbeats may be among those refused
+        clock.shift(2)  # gpu-01 past its deadline
+        assert tasks.expire_heartbeats() == 0
+        job = hung_job(cast)
+        assert progress.expire_one_progress_deadline() is False  # the jobs' sweep holds too
+        beat(fleet[1], fleet[2])
+        clock.shift(1)
+        assert tasks.expire_heartbeats() == 0  # still overloaded within the window: one event, not two
+    assert health(fleet[0]) == Health.HEALTHY
+    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
+    assert transitions() == ["overloaded"]
+    event = Event.objects.get(kind=EventKind.FLEET_OVERLOAD)
+    assert (event.evidence["heartbeats_refused"], event.evidence["refused"]) == (40, 940)
+    assert "40 heartbeats refused in the last 6 s" in event.reason
+    assert "nightwatch_overload_hold 1.0" in render().decode()
+
+
+@pytest.mark.django_db
+def test_the_hold_lifts_after_a_clean_window_and_deadlines_start_over(cast, fleet, redis_counts):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[1], fleet[2])
+        shed(redis_counts, priority=3)
+        clock.shift(2)
+        assert tasks.expire_heartbeats() == 0
+        job = hung_job(cast)
+        for _ in range(4):  # 8 s without a refusal: a whole window in which we kept up
+            clock.shift(2)
+            beat(fleet[1], fleet[2])
+        assert tasks.expire_heartbeats() == 0  # the lift: gpu-01's deadline starts over
+        lifted_at = timezone.now()
+        assert Node.objects.get(pk=fleet[0].pk).heartbeat_deadline == lifted_at + timedelta(seconds=6)
+        assert Job.objects.get(pk=job.pk).progress_deadline >= lifted_at + timedelta(seconds=6)
+        clock.shift(4)
+        beat(fleet[1], fleet[2])
+        assert tasks.expire_heartbeats() == 0  # not all at once the moment it lifted
+        clock.shift(3)
+        beat(fleet[1], fleet[2])
+        assert tasks.expire_heartbeats() == 1  # still silent a timeout later: gone for real
+    assert [health(n) for n in fleet] == [Health.UNREACHABLE, Health.HEALTHY, Health.HEALTHY]
+    assert transitions() == ["overloaded", "recovered"]
+    recovered = Event.objects.filter(kind=EventKind.FLEET_OVERLOAD).last()
+    assert recovered.evidence["deadlines_reset"] == {"nodes": 1, "jobs": 1}
+    assert "nightwatch_overload_hold 0.0" in render().decode()
+
+
+@pytest.mark.django_db
+def test_a_hold_longer_than_its_bound_is_given_up(fleet, redis_counts, settings):
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "OVERLOAD_HOLD_S": 10}
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        for _ in range(6):  # 12 s of refused heartbeats; gpu-01 silent throughout
+            shed(redis_counts, priority=5)
+            clock.shift(2)
+            beat(fleet[1], fleet[2])
+            tasks.expire_heartbeats()
+        assert transitions() == ["overloaded", "given_up"]
+        assert health(fleet[0]) == Health.UNREACHABLE
+        assert not overload.held()
+        clock.shift(8)  # the overload ends
+        beat(fleet[1], fleet[2])
+        tasks.expire_heartbeats()
+    assert transitions() == ["overloaded", "given_up", "recovered"]
+
+
+@pytest.mark.django_db
+def test_refused_bulk_below_its_threshold_and_no_refusals_at_all_do_not_hold(fleet, redis_counts):
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[1], fleet[2])
+        shed(redis_counts, other=99)  # step reports shed, heartbeats all admitted
+        clock.shift(2)
+        assert tasks.expire_heartbeats() == 1
+    assert health(fleet[0]) == Health.UNREACHABLE
+    assert transitions() == []
+
+
+@pytest.mark.django_db
+def test_late_heartbeats_and_a_deep_queue_count_as_overload(fleet, redis_counts):
+    now = timezone.now()
+    redis_counts.add({"late:priority": 10}, at=now.timestamp())
+    assert overload.measure(now).reasons() == ["10 heartbeats answered 2 s or more late in the last 6 s"]
+    redis = redis_counts.client()
+    redis.delete("celery")  # tasks earlier tests queued in this run's own Redis database
+    redis.rpush("celery", *[b"x"] * 1000)
+    try:
+        assert "1000 tasks waiting in the Celery queue" in overload.measure(now).reasons()
+    finally:
+        redis.delete("celery")
+
+
+@pytest.mark.django_db
+def test_without_redis_the_signals_are_unknown_and_nothing_holds(fleet, settings):
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there: Redis is down
+    load = overload.measure(timezone.now())
+    assert (load.refused, load.heartbeats_refused, load.late_heartbeats, load.queue_depth) == (None, None, None, None)
+    assert load.reasons() == []
+    settings.REDIS_URL = ""  # the embedded demo: no Redis at all
+    assert overload.measure(timezone.now()).reasons() == []
