@@ -47,6 +47,10 @@ class AgentConfig:
     #: Until registration answers with the control plane's own interval.
     heartbeat_interval_s: float = 10.0
     telemetry_interval_s: float = 10.0
+    #: Samples wait up to this long to share one request with the samples after them (0: each
+    #: sample goes at once). An event or a command ack goes at once and takes them along. At the
+    #: defaults a node sends a heartbeat every 10 s and telemetry every 30 s, not every 10 s.
+    telemetry_batch_s: float = 30.0
     telemetry_source: str = DEFAULT_SOURCE
     scenario: Path | None = None
     #: Window of the Xid/ECC/NVLink rates that health rules judge.
@@ -177,6 +181,8 @@ def _validated(values: dict[str, Any]) -> AgentConfig:
     for name in ("heartbeat_interval_s", "telemetry_interval_s", "rate_window_s", "request_timeout_s"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be positive")
+    if config.telemetry_batch_s < 0:
+        raise ConfigError("telemetry_batch_s must not be negative")
     if config.spool_max_records < 100:
         raise ConfigError("spool_max_records must be at least 100")
     if not 0 <= config.probe_port <= 65535:

@@ -156,6 +156,7 @@ class Agent:
 
     def _loop(self, creds: NodeCredentials) -> None:
         next_sample = next_heartbeat = next_flush = last_heartbeat = time.monotonic()
+        samples_due = float("inf")  # when the oldest sample not yet sent must go
         flush_backoff = TICK_S
         while not self._stopping.is_set():
             now = time.monotonic()
@@ -167,6 +168,7 @@ class Agent:
                 samples = self.collector.sample(creds.node_id)
                 self.outbox.add_samples(samples)
                 self.samples_taken += len(samples)
+                samples_due = min(samples_due, now + self.config.telemetry_batch_s)
                 next_sample = now + self.config.telemetry_interval_s
             self.outbox.report_drops()
             urgent = now < self._decision_expected_until and now - last_heartbeat >= DECISION_POLL_S
@@ -174,9 +176,10 @@ class Agent:
                 self._heartbeat(creds)
                 last_heartbeat = now
                 next_heartbeat = now + creds.heartbeat_interval_s
-            if now >= next_flush and len(self.outbox):
+            if now >= next_flush and len(self.outbox) and (self.outbox.urgent or now >= samples_due):
                 try:
                     self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack)
+                    samples_due = float("inf")
                     flush_backoff = TICK_S
                     self._set_reachable(True, "")
                 except (Unreachable, AuthRejected) as exc:

@@ -45,6 +45,9 @@ class Outbox:
         self.spool = Spool(path, max_records=max_records, droppable_kinds=frozenset({TELEMETRY}))
         self.events_created = 0
         self._drops_reported = 0
+        # Something that should not wait for the next telemetry batch is held (an event, an ack, or
+        # anything a previous run left in the spool).
+        self.urgent = len(self.spool) > 0
 
     def add_samples(self, samples: list[GpuSample]) -> None:
         for sample in samples:
@@ -56,11 +59,13 @@ class Outbox:
                            generation=generation, detail=compact(detail))
         if self.spool.append(EVENT, dump(event), key=event.key):
             self.events_created += 1
+            self.urgent = True
         return event
 
     def add_ack(self, ack: CommandAck) -> None:
         # Keyed: a command re-delivered while its first ack still waits is acked once.
         self.spool.append(ACK, dump(ack), key=f"ack-{ack.command_id}")
+        self.urgent = True
 
     def report_drops(self) -> None:
         """Turn telemetry dropped by the spool's bound into a (never dropped) event."""
@@ -87,6 +92,7 @@ class Outbox:
                     break
                 run.append(record)
             delivered += self._deliver(client, node_id, kind, run, on_stale_ack)
+        self.urgent = False
         return delivered
 
     def _deliver(self, client: ControlPlaneClient, node_id: str, kind: str, run: list,

@@ -82,6 +82,7 @@ class ControlPlane:
         self.registrations: list[Register] = []
         self.heartbeats: list[Heartbeat] = []
         self.samples: list[dict[str, Any]] = []
+        self.telemetry_posts: list[int] = []  # samples per telemetry request
         self.events: dict[str, Any] = {}  # key -> (event, detail): the server deduplicates on key
         self.event_deliveries = 0
         self.acks: list[CommandAck] = []
@@ -132,7 +133,9 @@ class ControlPlane:
             self.heartbeats.append(parse(Heartbeat, body))
             return 200, {"commands": list(self.pending)}
         if parts[4:] == ["telemetry"]:
-            self.samples.extend(dump(s) for s in parse(TelemetryBatch, body).samples)
+            samples = parse(TelemetryBatch, body).samples
+            self.samples.extend(dump(s) for s in samples)
+            self.telemetry_posts.append(len(samples))
             return 202, {}
         if parts[4:] == ["events"]:
             for event, detail in parse_event_details(parse(EventBatch, body)):
@@ -206,7 +209,8 @@ def agent_config(tmp_path: Path, control_plane: ControlPlane,
         values: dict[str, Any] = dict(
             control_plane_url=control_plane.url, work_dir=tmp_path / "agent", hostname="test-node",
             address="127.0.0.1", bootstrap_token=control_plane.bootstrap_token, heartbeat_interval_s=0.2,
-            telemetry_interval_s=0.05, telemetry_source="scripted", scenario=scenario_file(SCENARIO),
+            telemetry_interval_s=0.05, telemetry_batch_s=0.2, telemetry_source="scripted",
+            scenario=scenario_file(SCENARIO),
             probe_port=0, probe_host="127.0.0.1", stop_grace_s=5.0, request_timeout_s=1.0)
         values.update(overrides)
         return AgentConfig(**values)

@@ -190,6 +190,28 @@ def test_a_launch_whose_peer_cannot_be_reached_at_the_expected_bandwidth_is_refu
     assert running.agent.supervisor.running() == []
 
 
+def test_samples_share_a_request_per_batch_and_an_event_takes_them_along(
+        control_plane: Any, agent_config: Callable[..., Any], scenario_file: Callable[[str], Path],
+        start_agent: Callable[..., Any]) -> None:
+    # Two GPUs sampled every 50 ms, batched for 1 s: each request carries many samples (the first
+    # goes at once with the agent_started event).
+    running = start_agent(agent_config(telemetry_batch_s=1.0))
+    wait_for(lambda: len(control_plane.telemetry_posts) >= 4, timeout=20, what="four telemetry requests",
+             interval=POLL_S)
+    assert min(control_plane.telemetry_posts[1:4]) >= 10, control_plane.telemetry_posts
+    assert running.stop() == 0
+
+    # Batched for 30 s, an Xid event goes at once and the samples taken before it go with it.
+    control_plane.samples.clear()
+    control_plane.telemetry_posts.clear()
+    start_agent(agent_config(telemetry_batch_s=30.0, scenario=scenario_file(
+        "gpus: 2\nevents: [{at: 500ms, gpu: 1, xid: 13}]\n")))
+    [(xid, _)] = wait_for(lambda: control_plane.events_of("xid"), timeout=10, what="the xid event",
+                          interval=POLL_S)
+    # Delivered in spool order: the samples of the 0.2 s before the event arrived with or before it.
+    assert max(s["time"] for s in control_plane.samples) >= xid.time - 0.2
+
+
 def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, agent_config: Callable[..., Any],
                                                             scenario_file: Callable[[str], Path],
                                                             start_agent: Callable[..., Any]) -> None:
@@ -246,6 +268,7 @@ telemetry_source: scripted
 scenario: {scenario_file("gpus: 1")}
 heartbeat_interval_s: 0.2
 telemetry_interval_s: 0.1
+telemetry_batch_s: 0.3
 probe_port: 0
 """)
     token = tmp_path / "bootstrap-token"

@@ -157,7 +157,8 @@ class Cluster:
             scenario_path.write_text(yaml.safe_dump(scenario or {"gpus": 1}))
         argv = [*(wrap or []), sys.executable, "-m", "agents.agent", "--control-plane-url", self.url,
                 "--work-dir", str(home), "--hostname", hostname, "--address", address, "--heartbeat-interval-s", "1",
-                "--telemetry-interval-s", "1", "--telemetry-source", "scripted", "--scenario", str(scenario_path),
+                "--telemetry-interval-s", "1", "--telemetry-batch-s", "2",
+                "--telemetry-source", "scripted", "--scenario", str(scenario_path),
                 "--probe-port", str(free_port()), "--stop-grace-s", "5", "--code-dir", str(ROOT), *(extra or [])]
         if bootstrap_token:
             token_file = home / "bootstrap-token"

@@ -47,6 +47,7 @@ def running_agent(live_server, transactional_db, tmp_path: Path, fast_heartbeats
     scenario.write_text(SCENARIO)
     config = AgentConfig(control_plane_url=live_server.url, work_dir=tmp_path / "agent", hostname="e2e-node",
                          address="127.0.0.1", bootstrap_token=bootstrap, telemetry_interval_s=0.1,
+                         telemetry_batch_s=0.3,
                          telemetry_source="scripted", scenario=scenario, probe_port=0, probe_host="127.0.0.1",
                          stop_grace_s=2.0, request_timeout_s=2.0)
     agent = Agent(config)

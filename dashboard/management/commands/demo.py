@@ -122,7 +122,8 @@ class Command(BaseCommand):
         argv = [sys.executable, "-m", "agents.agent", "--control-plane-url", url, "--work-dir", str(home),
                 "--hostname", "demo-node", "--address", "127.0.0.1", "--telemetry-source", "scripted",
                 "--scenario", str(home / "scenario.yaml"), "--heartbeat-interval-s", "2",
-                "--telemetry-interval-s", "5", "--stop-grace-s", "5", "--code-dir", str(settings.BASE_DIR)]
+                "--telemetry-interval-s", "5", "--telemetry-batch-s", "10",
+                "--stop-grace-s", "5", "--code-dir", str(settings.BASE_DIR)]
         if not (home / "node-token.json").exists():
             _, raw = issue_bootstrap_token(name="demo-bootstrap", hostname="demo-node", actor="system:demo",
                                            node=Node.objects.filter(hostname="demo-node").first())
