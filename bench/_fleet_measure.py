@@ -1,0 +1,96 @@
+"""What the fleet benchmark reads from outside the control plane: PostgreSQL, /proc and Redis.
+
+Nothing here asks the control plane how it is doing: rows and bytes come from PostgreSQL's own
+statistics (rows inserted per table, ``pg_total_relation_size`` with indexes and TOAST), CPU from
+``/proc/<pid>/stat`` of the server processes and of the database's backends, queue depth from
+Redis ``LLEN``, and detection times from the rows the control plane wrote (an incident's
+``detected_at``, a node's ``node.health`` event), so a slow poll never adds to a latency.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """user + system CPU seconds of each process that still exists."""
+    found = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return found
+
+
+def backend_pids(conn, database: str) -> list[int]:
+    """PostgreSQL backends serving ``database`` (the web processes' pools, the workers)."""
+    return [row[0] for row in conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> "
+                                           "pg_backend_pid()", (database,))]
+
+
+def tables(conn) -> dict[str, dict[str, int]]:
+    """Rows inserted so far and bytes on disk (with indexes and TOAST), per table."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    rows = conn.execute("SELECT relname, n_tup_ins, pg_total_relation_size(relid) FROM pg_stat_user_tables").fetchall()
+    return {name: {"rows": inserted, "bytes": size} for name, inserted, size in rows}
+
+
+def growth(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], seconds: float,
+           top: int = 12) -> dict[str, dict[str, float]]:
+    """Rows and bytes per hour per table between two ``tables`` readings, the busiest first, with
+    the day and week they extrapolate to."""
+    per_table = {}
+    for name, now in after.items():
+        then = before.get(name, {"rows": 0, "bytes": 0})
+        rows, size = now["rows"] - then["rows"], now["bytes"] - then["bytes"]
+        if rows <= 0 and size <= 0:
+            continue
+        hour = 3600.0 / seconds
+        per_table[name] = {"rows_per_hour": round(rows * hour), "mb_per_hour": round(size * hour / 2**20, 2),
+                           "gb_per_day": round(size * hour * 24 / 2**30, 3),
+                           "gb_per_week": round(size * hour * 24 * 7 / 2**30, 2)}
+    busiest = sorted(per_table.items(), key=lambda item: -item[1]["mb_per_hour"])[:top]
+    return dict(busiest)
+
+
+def detection(conn, fault: dict[str, Any]) -> float | None:
+    """Seconds from the fault landing to the control plane's record of it; None if never seen."""
+    at = datetime.fromtimestamp(fault["at"]).astimezone()
+    kind = fault["kind"]
+    if kind in ("node_death", "xid"):
+        states = ("unreachable",) if kind == "node_death" else ("unhealthy", "degraded")
+        row = conn.execute(
+            "SELECT min(e.created_at) FROM jobs_event e JOIN nodes_node n ON n.id = e.node_id WHERE n.hostname = %s "
+            "AND e.kind = 'node.health' AND e.new_state = ANY(%s) AND e.created_at >= %s",
+            (fault["hostname"], list(states), at)).fetchone()
+    else:
+        incident = {"rank_exit": "crash", "hang": "hang", "slow_rank": "straggler"}[kind]
+        row = conn.execute("SELECT min(detected_at) FROM jobs_incident WHERE job_id = %s AND kind = %s "
+                           "AND detected_at >= %s", (int(fault["job"]), incident, at)).fetchone()
+    return None if row[0] is None else (row[0] - at).total_seconds()
+
+
+def unreachable_events(conn, since: float, until: float, killed: set[str]) -> int:
+    """Nodes declared unreachable in [since, until] that were alive (not killed by the benchmark)."""
+    rows = conn.execute(
+        "SELECT n.hostname FROM jobs_event e JOIN nodes_node n ON n.id = e.node_id WHERE e.kind = 'node.health' "
+        "AND e.new_state = 'unreachable' AND e.created_at BETWEEN %s AND %s",
+        (datetime.fromtimestamp(since).astimezone(), datetime.fromtimestamp(until).astimezone())).fetchall()
+    return sum(1 for (hostname,) in rows if hostname not in killed)
+
+
+def incidents_between(conn, since: float, until: float) -> list[str]:
+    rows = conn.execute("SELECT kind FROM jobs_incident WHERE detected_at BETWEEN %s AND %s",
+                        (datetime.fromtimestamp(since).astimezone(), datetime.fromtimestamp(until).astimezone()))
+    return [kind for (kind,) in rows.fetchall()]
+
+
+def queue_depth(redis_client) -> int:
+    return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints"))

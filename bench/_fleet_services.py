@@ -1,0 +1,173 @@
+"""The real control plane the fleet benchmark runs against, started and stopped as production runs it.
+
+Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a
+load balancer would), the Celery worker with beat on the default queue and the checkpoint worker
+on ``checkpoints`` (docker-compose.yml's services), on a PostgreSQL database made for the run from
+a migrated template and a Redis database of its own. Every process runs in a session of its own
+(``tests.e2e.cluster.Proc``) so ``close()`` takes its children too; ``bench.fleet`` calls it in a
+``finally`` and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import free_port
+from tests.e2e.cluster import Proc, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+POSTGRES = "postgres://postgres@127.0.0.1:5432"
+WEB_PROCESSES = 2
+DB_POOL_MAX_SIZE = 8  # docker-compose.yml's setting: connections per web process
+
+
+def require_bench_name(name: str) -> str:
+    if "bench" not in name:
+        raise SystemExit(f"refusing to use database {name!r}: the benchmark's database names must contain 'bench'")
+    return name
+
+
+def admin(sql: str, *params: object) -> list[tuple]:
+    import psycopg
+
+    with psycopg.connect(f"{POSTGRES}/postgres", autocommit=True) as conn:
+        cursor = conn.execute(sql, params or None)
+        return cursor.fetchall() if cursor.description else []
+
+
+def base_env(database: str, redis_db: int, var_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS_URL", "NIGHTWATCH", "DB_"))}
+    env.update(DATABASE_URL=f"{POSTGRES}/{require_bench_name(database)}", REDIS_URL=f"redis://127.0.0.1:6379/{redis_db}",
+               NIGHTWATCH_VAR_DIR=str(var_dir), NIGHTWATCH_CHECKPOINT_ROOT=str(var_dir / "checkpoints"),
+               DEBUG="0", LOG_LEVEL="WARNING", DJANGO_SETTINGS_MODULE="controlplane.settings", PYTHONPATH=str(ROOT),
+               PYTHONUNBUFFERED="1", DB_POOL_MAX_SIZE=str(DB_POOL_MAX_SIZE))
+    return env
+
+
+def fresh_database(name: str, template_prefix: str) -> None:
+    """``name`` recreated as a copy of a migrated template; the template is named after the
+    migrations it holds, so it is made again (once) whenever a migration is added or changed."""
+    require_bench_name(name)
+    template = require_bench_name(f"{template_prefix}_{_migrations_digest()}")
+    if not admin("SELECT 1 FROM pg_database WHERE datname = %s", template):
+        building = f"{template}_building"
+        admin(f'DROP DATABASE IF EXISTS "{building}" WITH (FORCE)')
+        admin(f'CREATE DATABASE "{building}"')
+        env = base_env(building, 0, Path(tempfile.mkdtemp(prefix="nw-fleet-migrate-")))
+        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+        admin(f'ALTER DATABASE "{building}" RENAME TO "{template}"')
+    admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+
+
+class ControlPlane:
+    def __init__(self, work: Path, *, database: str, redis_db: int):
+        self.work = work
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.database = database
+        self.ports = [free_port() for _ in range(WEB_PROCESSES)]
+        self.env = base_env(database, redis_db, work / "var")
+        self.env["NIGHTWATCH_PUBLIC_URL"] = f"http://127.0.0.1:{self.ports[0]}"
+        # One key for every process: sessions made by the setup step are valid in the web processes.
+        self.env["SECRET_KEY"] = "fleet-bench-" + os.urandom(16).hex()
+        self.procs: dict[str, Proc] = {}
+        import redis
+
+        self.redis = redis.Redis.from_url(self.env["REDIS_URL"])
+        self.redis.flushdb()
+
+    def start(self) -> None:
+        for i, port in enumerate(self.ports):
+            self.procs[f"web{i}"] = Proc(f"web{i}", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                                                     "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+        self.start_worker()
+        self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
+        for port in self.ports:
+            wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
+        wait_for(lambda: "ready." in self.procs["checkpoints"].log(), timeout=90, what="the checkpoint worker")
+
+    def start_worker(self) -> Proc:
+        proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery"])
+        self.procs["worker"] = proc
+        wait_for(lambda: "ready." in proc.log() or not proc.alive, timeout=90, what="the celery worker")
+        return proc
+
+    def restart_worker(self) -> float:
+        """A control-plane worker restart (deploy, OOM kill): SIGTERM, start again; seconds it was away."""
+        import time
+
+        started = time.monotonic()
+        self.procs["worker"].stop()
+        self.start_worker()
+        return time.monotonic() - started
+
+    def _celery(self, name: str, options: list[str]) -> Proc:
+        argv = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--loglevel=INFO",
+                "-n", f"fleet-{name}@%h", *options]
+        return Proc(name, argv, env=self.env, log_dir=self.logs)
+
+    @staticmethod
+    def _healthy(port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:  # noqa: S310
+                return response.status == 200
+        except OSError:
+            return False
+
+    def web_pids(self) -> list[int]:
+        return [p.popen.pid for name, p in self.procs.items() if name.startswith("web")]
+
+    def pids(self) -> dict[str, list[int]]:
+        """The control plane's processes by role, children included (celery's beat thread is in-process)."""
+        return {name: [p.popen.pid, *_children(p.popen.pid)] for name, p in self.procs.items() if p.alive}
+
+    def pause_web(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or resume the web processes: the control plane stops answering, connections stay."""
+        for pid in self.web_pids():
+            os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def close(self) -> None:
+        for pid in self.web_pids():
+            try:
+                os.kill(pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            except ProcessLookupError:
+                pass
+        for proc in self.procs.values():
+            proc.stop()
+
+    def dump_logs(self, limit: int = 3000) -> str:
+        return "\n".join(f"===== {n} =====\n{p.log()[-limit:]}" for n, p in self.procs.items())
+
+
+def _migrations_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(ROOT.glob("*/migrations/*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+            found.extend(_children(int(entry.name)))
+    return found
+
+
+def database_url(name: str) -> str:
+    return f"{POSTGRES}/{urllib.parse.quote(require_bench_name(name))}"

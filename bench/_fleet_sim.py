@@ -1,0 +1,559 @@
+"""One process of the fleet simulator: many node agents and their training ranks on one event loop.
+
+Started by ``bench.fleet`` as ``python -m bench._fleet_sim PLAN.json``, a few per run. Each node
+does what ``agents.agent.daemon.Agent`` does, over real HTTP with real tokens: registers with its
+bootstrap token, heartbeats at the interval registration answers, samples 8 GPUs at the agent's
+default telemetry interval into an outbox it flushes in order (telemetry, events, command acks),
+runs the commands heartbeat answers carry (a launch "starts" a generation, a stop ends it) and
+reports exits. Each rank of a started generation trains one step a second and delivers its
+spool as ``agents.hooks.reporter.Reporter`` does, with the generation's job token; rank 0 also
+polls control and commits tiny but real checkpoints (a DCP directory with a manifest and commit
+marker, copied from a template) on the job's interval, which the checkpoint worker verifies.
+
+Faults arrive on stdin as JSON lines and are acted on at once; the process prints one JSON status
+line a second (registered nodes, undelivered records, the moment each fault landed, its request
+book so far) until stdin closes or SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from agents import __version__
+from agents.agent.config import AgentConfig
+from agents.hooks.manifest import checkpoint_dirname, write_manifest
+from agents.http import Unreachable, retry_delay
+from agents.protocol import dump, parse
+from agents.protocol.agent import (
+    ACK_PATH,
+    EVENTS_PATH,
+    HEARTBEAT_PATH,
+    MAX_EVENTS_PER_BATCH,
+    MAX_SAMPLES_PER_BATCH,
+    REGISTER_PATH,
+    TELEMETRY_PATH,
+    AgentStarted,
+    Command,
+    CommandAck,
+    ExitReport,
+    GpuInfo,
+    GpuSample,
+    HealthReport,
+    Heartbeat,
+    LaunchedDetail,
+    LaunchPayload,
+    RankExit,
+    Register,
+    RegisterResponse,
+    RunningGeneration,
+    XidDetail,
+    compact,
+)
+from agents.protocol.hooks import CHECKPOINTS_PATH, CONTROL_PATH, REPORTS_PATH
+from bench import _fleet_ranks as ranks_wire
+from bench._fleet_http import Book, Client
+
+GPUS = 8
+
+
+def _agent_default(name: str, otherwise: float) -> float:
+    """The real agent's default for a setting (``AgentConfig``), so the simulator follows it."""
+    found = {f.name: f.default for f in dataclasses.fields(AgentConfig)}
+    return float(found.get(name, otherwise))
+
+
+TELEMETRY_INTERVAL_S = _agent_default("telemetry_interval_s", 10.0)
+#: Samples wait up to this long to share a request with later ones (0: each batch goes at once);
+#: an event or an ack goes at once and takes them along.
+TELEMETRY_BATCH_S = _agent_default("telemetry_batch_s", 0.0)
+FLUSH_INTERVAL_S = 1.0  # Reporter's flush_interval
+CONTROL_INTERVAL_S = 5.0  # Reporter's control_interval
+MAX_BACKOFF_S = 10.0  # Reporter's max_backoff
+DECISION_POLL_S, DECISION_WINDOW_S = 0.2, 20.0  # agents.agent.daemon
+XID_CODE = 79  # "GPU has fallen off the bus": critical (agents.health.CRITICAL_XIDS)
+CONFIG_HASH = "fleet-bench"
+STEP_S = 1.0
+#: A node whose agent and ranks hold more undelivered records than this is behind: in steady state
+#: each rank holds at most a second or two of steps and the outbox one telemetry sample per GPU.
+BEHIND = 64
+
+
+class Rank:
+    """One training process's reporter: a spool delivered oldest first, backing off on refusal."""
+
+    def __init__(self, gen: Generation, local: int):
+        self.gen, self.local = gen, local
+        self.rank = gen.node_rank * gen.nproc + local
+        self.spool: deque[tuple[str, dict[str, Any]]] = deque()
+        self.failures = 0
+        self.retry_at = 0.0
+        self.control_seen = float("-inf")
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self.gen.ended:
+            try:  # a reporter with nothing spooled sends nothing: only rank 0 (control) wakes regardless
+                idle = not self.spool and self.rank != 0
+                await asyncio.wait_for(self.wake.wait(), None if idle else FLUSH_INTERVAL_S)
+            except TimeoutError:
+                pass
+            self.wake.clear()
+            if time.monotonic() >= self.retry_at and not self.gen.stale:
+                try:
+                    await self.deliver()
+                    if self.rank == 0 and time.monotonic() - self.control_seen >= CONTROL_INTERVAL_S:
+                        await self.fetch_control()
+                except Unreachable as error:
+                    self.failures += 1
+                    self.retry_at = time.monotonic() + retry_delay(self.failures, cap=MAX_BACKOFF_S,
+                                                                   retry_after=error.retry_after)
+
+    async def deliver(self) -> None:
+        client, gen = self.gen.agent.client, self.gen
+        while self.spool and not gen.stale:
+            head = list(self.spool)[:2 * ranks_wire.BATCH_LIMIT] if len(self.spool) > 1 else [self.spool[0]]
+            if head[0][0] == ranks_wire.CHECKPOINT:
+                status, answer = await client.request("checkpoints", "POST", CHECKPOINTS_PATH.format(job=gen.job_path),
+                                                      gen.token, head[0][1])
+                taken = 1
+            else:
+                taken, batch = ranks_wire.next_batch(gen.job, head)
+                status, answer = await client.request("reports", "POST", REPORTS_PATH.format(job=gen.job_path),
+                                                      gen.token, batch)
+                if status == 202 and isinstance(answer.get("control"), dict):
+                    self.apply_control(answer["control"])
+            if status == 409:
+                gen.stale = True
+                return
+            for _ in range(taken):
+                kind, _body = self.spool.popleft()
+                gen.agent.sim.delivered[kind] = gen.agent.sim.delivered.get(kind, 0) + 1
+            self.failures = 0
+
+    async def fetch_control(self) -> None:
+        gen = self.gen
+        path = CONTROL_PATH.format(job=gen.job_path) + f"?generation={gen.generation}&rank={self.rank}"
+        status, answer = await gen.agent.client.request("control", "GET", path, gen.token)
+        if status == 409:
+            gen.stale = True
+        elif status == 200:
+            self.apply_control(answer)
+
+    def apply_control(self, control: dict[str, Any]) -> None:
+        self.control_seen = time.monotonic()
+        if control.get("stale"):
+            self.gen.stale = True
+        if control.get("checkpoint_interval_steps"):
+            self.gen.checkpoint_every = int(control["checkpoint_interval_steps"])
+
+
+class Generation:
+    """A job's generation on one node: ``nproc`` ranks stepping together once a second."""
+
+    def __init__(self, agent: Agent, command: Command, payload: LaunchPayload):
+        self.agent = agent
+        self.job = command.job or ""
+        self.job_path = quote(self.job, safe="")
+        self.generation = command.generation or 0
+        self.node_rank, self.nproc, self.nnodes = payload.node_rank, payload.nproc_per_node, payload.nnodes
+        self.world_size = self.nnodes * self.nproc
+        self.token = payload.hooks_token or ""
+        self.ckpt_dir = payload.ckpt_dir
+        self.step = _resumed_step(payload.resume_from)
+        self.checkpoint_every = agent.sim.checkpoint_every
+        self.started_at = time.time()
+        self.ended = self.stale = self.hung = False
+        self.slow_rank: int | None = None
+        self.ranks = [Rank(self, local) for local in range(self.nproc)]
+        self.tasks = [asyncio.create_task(r.run()) for r in self.ranks] + [asyncio.create_task(self.train())]
+
+    async def train(self) -> None:
+        if self.node_rank == 0:
+            self.ranks[0].spool.extend(ranks_wire.start_records(job=self.job, generation=self.generation,
+                                                                step=self.step))
+        while not self.ended and not self.stale:
+            slow = self.slow_rank is not None
+            await asyncio.sleep(STEP_S * (ranks_wire.SLOW_FACTOR if slow else 1.0) * random.uniform(0.98, 1.02))
+            if self.hung or self.ended or self.stale:
+                continue
+            self.step += 1
+            self.agent.sim.made += len(self.ranks)
+            for rank in self.ranks:
+                phases = ranks_wire.phases(rank.rank, self.slow_rank)
+                rank.spool.extend(ranks_wire.step_records(job=self.job, generation=self.generation, rank=rank.rank,
+                                                          world_size=self.world_size, step=self.step, phases=phases))
+            if self.node_rank == 0:
+                self.ranks[0].spool.extend(ranks_wire.window_records(
+                    job=self.job, generation=self.generation, step=self.step, world_size=self.world_size,
+                    nproc=self.nproc, slow_rank=self.slow_rank))
+            if self.node_rank == 0 and self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        template = self.agent.sim.templates.get(str(self.world_size))
+        if not template or not self.ckpt_dir:
+            return
+        run_id = f"{random.getrandbits(24):06x}"
+        directory = Path(self.ckpt_dir) / checkpoint_dirname(self.step, self.generation, run_id)
+        fields = {"loss": ranks_wire.loss_at(self.step), "config_hash": CONFIG_HASH, "world_size": self.world_size,
+                  "data_cursor": self.step * self.world_size * ranks_wire.SAMPLES_PER_RANK,
+                  "generation": self.generation, "job": self.job,
+                  "parts": ["model", "optim", "progress", "rng", "scheduler"], "amp": False, "step": self.step}
+        manifest = await asyncio.to_thread(_write_checkpoint, Path(template), directory, fields)
+        self.ranks[0].spool.extend(ranks_wire.checkpoint_records(
+            job=self.job, generation=self.generation, step=self.step, path=str(directory),
+            world_size=self.world_size, manifest=manifest, config_hash=CONFIG_HASH))
+        self.ranks[0].wake.set()
+
+    def end(self) -> None:
+        self.ended = True
+        for task in self.tasks:
+            task.cancel()
+
+    def backlog(self) -> int:
+        return sum(len(r.spool) for r in self.ranks)
+
+
+def _write_checkpoint(template: Path, directory: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    directory.mkdir(parents=True)
+    for source in template.iterdir():
+        shutil.copyfile(source, directory / source.name)
+    return write_manifest(directory, fields)
+
+
+def _resumed_step(resume_from: str | None) -> int:
+    """The step a relaunch resumes at: the checkpoint directory's name says it (``step-00000040-…``)."""
+    if not resume_from:
+        return 0
+    name = Path(resume_from).name
+    return int(name.split("-")[1]) if name.startswith("step-") else 0
+
+
+class Agent:
+    """One node's agent (``agents.agent.daemon.Agent``) without the processes it would start."""
+
+    def __init__(self, sim: Sim, hostname: str, bootstrap: str, client: Client):
+        self.sim, self.hostname, self.bootstrap, self.client = sim, hostname, bootstrap, client
+        self.node_id = self.token = ""
+        self.interval = 5.0
+        self.outbox: deque[tuple[str, Any]] = deque()
+        self.generations: dict[str, Generation] = {}
+        self.ledger: dict[str, tuple[str, str]] = {}
+        self.seq = 0
+        self.decision_until = 0.0
+        self.xid_gpu: int | None = None
+        self.flush_wake = asyncio.Event()
+        self.beat_wake = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.dead = False
+
+    # --- life --------------------------------------------------------------------------------
+
+    async def run(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.register()
+        self.add_event("agent_started", AgentStarted(agent_version=__version__, gpu_telemetry=True))
+        self.tasks = [asyncio.create_task(self.heartbeats()), asyncio.create_task(self.telemetry()),
+                      asyncio.create_task(self.flusher())]
+
+    async def register(self) -> None:
+        gpus = [GpuInfo(index=i, uuid=f"GPU-{self.hostname}-{i}", name="NVIDIA H100 80GB HBM3",
+                        memory_total=80 * 2**30) for i in range(GPUS)]
+        message = Register(bootstrap_token=self.bootstrap, hostname=self.hostname, address="127.0.0.1",
+                           agent_version=__version__, labels={"rack": self.hostname[-6:-3]}, gpus=gpus)
+        failures = 0
+        while True:
+            try:
+                status, body = await self.client.request("register", "POST", REGISTER_PATH, None, dump(message))
+            except Unreachable as error:
+                failures += 1
+                await asyncio.sleep(retry_delay(failures, cap=30.0, retry_after=error.retry_after))
+                continue
+            if status != 201:
+                raise RuntimeError(f"{self.hostname}: registration refused ({status}): {body}")
+            answer = parse(RegisterResponse, body)
+            self.node_id, self.token, self.interval = answer.node_id, answer.node_token, answer.heartbeat_interval_s
+            self.sim.registered += 1
+            return
+
+    def die(self) -> None:
+        """The node is gone: agent and ranks stop, nothing more is sent."""
+        self.dead = True
+        for task in self.tasks:
+            task.cancel()
+        for gen in self.generations.values():
+            gen.end()
+
+    # --- heartbeats and commands ---------------------------------------------------------------
+
+    async def heartbeats(self) -> None:
+        await asyncio.sleep(random.uniform(0, self.interval))
+        while True:
+            await self.heartbeat()
+            wait = DECISION_POLL_S if time.monotonic() < self.decision_until else self.interval
+            try:
+                await asyncio.wait_for(self.beat_wake.wait(), wait)
+            except TimeoutError:
+                pass
+            self.beat_wake.clear()
+
+    async def heartbeat(self) -> None:
+        self.seq += 1
+        running = [RunningGeneration(job=g.job, generation=g.generation, pids=[4242 + g.node_rank],
+                                     started_at=g.started_at) for g in self.generations.values() if not g.ended]
+        message = Heartbeat(node_id=self.node_id, seq=self.seq, time=time.time(), running=running,
+                            spooled=len(self.outbox))
+        try:
+            status, body = await self.client.request("heartbeat", "POST", HEARTBEAT_PATH.format(node_id=self.node_id),
+                                                     self.token, dump(message))
+        except Unreachable:
+            return
+        if status != 200:
+            return
+        for raw in body.get("commands", []):
+            self.execute(parse(Command, raw))
+
+    def execute(self, command: Command) -> None:
+        """``CommandRunner`` + the daemon's handlers: each idempotency key runs once, is acked every time."""
+        if command.idempotency_key not in self.ledger:
+            self.ledger[command.idempotency_key] = self.run_command(command)
+        status, detail = self.ledger[command.idempotency_key]
+        self.outbox.append(("ack", CommandAck(command_id=command.id, idempotency_key=command.idempotency_key,
+                                              status=status, time=time.time(), job=command.job,
+                                              generation=command.generation, detail=detail)))
+        self.flush_wake.set()
+
+    def run_command(self, command: Command) -> tuple[str, str]:
+        if command.kind == "launch":
+            payload = parse(LaunchPayload, command.payload)
+            current = self.generations.get(command.job or "")
+            if current is not None and not current.ended and current.generation == command.generation:
+                return "done", "already running"
+            if current is not None and not current.ended:
+                self.stop(current)
+            gen = Generation(self, command, payload)
+            self.generations[gen.job] = gen
+            self.add_event("launched", LaunchedDetail(pid=4242 + gen.node_rank, log_path=f"/sim/{gen.job}.log",
+                                                      command=["torchrun"]), job=gen.job, generation=gen.generation)
+            return "done", "torchrun started (simulated)"
+        if command.kind == "stop":
+            gen = self.generations.get(command.job or "")
+            if gen is None or gen.ended or gen.generation != command.generation:
+                return "done", "not running on this node"
+            self.stop(gen)
+            return "done", "stopped"
+        if command.kind == "drain":
+            self.add_event("drain_ack", {"reason": command.payload.get("reason", ""), "running": []})
+            return "done", "draining: no new launches"
+        self.add_event("health_check", HealthReport(ok=self.xid_gpu is None,
+                                                    reason="" if self.xid_gpu is None else "Xid 79"),
+                       job=command.job, generation=command.generation)
+        return "done", "healthy" if self.xid_gpu is None else "Xid 79"
+
+    def stop(self, gen: Generation) -> None:
+        gen.end()
+        self.add_event("stopped", ExitReport(exit_code=0, requested_stop=True, runtime_s=time.time() - gen.started_at),
+                       job=gen.job, generation=gen.generation)
+
+    # --- telemetry and the outbox ----------------------------------------------------------------
+
+    async def telemetry(self) -> None:
+        await asyncio.sleep(random.uniform(0, TELEMETRY_INTERVAL_S))
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.time()
+            waiting = any(kind == "telemetry" for kind, _ in self.outbox)
+            self.outbox.extend(("telemetry", self.sample(gpu, now)) for gpu in range(GPUS))
+            if not TELEMETRY_BATCH_S:
+                self.flush_wake.set()
+            elif not waiting:  # the oldest unsent sample sets when the batch goes
+                loop.call_later(TELEMETRY_BATCH_S, self.flush_wake.set)
+            await asyncio.sleep(TELEMETRY_INTERVAL_S)
+
+    def sample(self, gpu: int, now: float) -> dict[str, Any]:
+        busy = any(not g.ended for g in self.generations.values())
+        xid = gpu == self.xid_gpu
+        return dump(GpuSample(
+            node=self.node_id, gpu=gpu, time=now, temperature_c=62.0 + gpu, memory_used=(60 if busy else 1) * 2**30,
+            memory_free=(20 if busy else 79) * 2**30, utilization_pct=95.0 if busy else 0.0, power_w=650.0,
+            sm_clock_mhz=1980, throttle_reasons=0, ecc_corrected_volatile=0, ecc_uncorrected_volatile=0,
+            ecc_corrected_aggregate=0, ecc_uncorrected_aggregate=0, ecc_corrected_recent=0,
+            ecc_uncorrected_recent=0, retired_pages=0, retired_pages_pending=False, remapped_rows_correctable=0,
+            remapped_rows_uncorrectable=0, remap_pending=False, remap_failed=False, xid_total=int(xid),
+            xid_recent=int(xid), recent_xid_codes=[XID_CODE] if xid else [], nvlink_replay_errors=0,
+            nvlink_recovery_errors=0, nvlink_crc_flit_errors=0, nvlink_crc_data_errors=0, nvlink_errors_recent=0,
+            pcie_replays=0))
+
+    def add_event(self, kind: str, detail: Any, *, job: str | None = None, generation: int | None = None) -> None:
+        self.sim.events += 1
+        body = {"key": f"{self.hostname}-{self.sim.events}", "kind": kind, "time": time.time(),
+                "detail": detail if isinstance(detail, dict) else compact(detail)}
+        if job is not None:
+            body.update(job=job, generation=generation)
+        self.outbox.append(("event", body))
+        self.flush_wake.set()
+
+    async def flusher(self) -> None:
+        backoff = 0.1
+        while True:
+            await self.flush_wake.wait()
+            self.flush_wake.clear()
+            while self.outbox:
+                try:
+                    await self.flush_one()
+                    backoff = 0.1
+                except Unreachable as error:
+                    backoff = min(backoff * 2, self.interval)
+                    await asyncio.sleep(retry_delay(1, base=backoff, cap=backoff, retry_after=error.retry_after))
+
+    async def flush_one(self) -> None:
+        """The head run of one kind, as ``Outbox.flush`` sends it."""
+        kind = self.outbox[0][0]
+        limit = {"telemetry": MAX_SAMPLES_PER_BATCH, "event": MAX_EVENTS_PER_BATCH, "ack": 1}[kind]
+        run = []
+        for record_kind, body in self.outbox:
+            if record_kind != kind or len(run) == limit:
+                break
+            run.append(body)
+        if kind == "telemetry":
+            status, _ = await self.client.request("telemetry", "POST", TELEMETRY_PATH.format(node_id=self.node_id),
+                                                  self.token, {"samples": run})
+        elif kind == "event":
+            status, _ = await self.client.request("events", "POST", EVENTS_PATH.format(node_id=self.node_id),
+                                                  self.token, {"events": run})
+        else:
+            ack = run[0]
+            status, _ = await self.client.request("ack", "POST", ACK_PATH.format(node_id=self.node_id,
+                                                                                  command_id=ack.command_id),
+                                                  self.token, dump(ack))
+            if status == 409 and ack.job in self.generations:
+                self.generations[ack.job].end()
+        for _ in run:
+            self.outbox.popleft()
+
+    def backlog(self) -> int:
+        return len(self.outbox) + sum(g.backlog() for g in self.generations.values() if not g.ended)
+
+    # --- faults --------------------------------------------------------------------------------
+
+    def rank_exit(self, job: str) -> bool:
+        gen = self.generations.get(job)
+        if gen is None or gen.ended:
+            return False
+        gen.end()
+        local = 3 % gen.nproc
+        rank = gen.node_rank * gen.nproc + local
+        self.add_event("exited", ExitReport(
+            exit_code=1, ranks=[RankExit(rank=rank, local_rank=local, exit_code=1, pid=5000 + local)],
+            root_cause_rank=rank, signature="traceback", error_line="RuntimeError: simulated rank failure",
+            log_tail=["Traceback (most recent call last):", "RuntimeError: simulated rank failure"],
+            runtime_s=time.time() - gen.started_at), job=gen.job, generation=gen.generation)
+        self.decision_until = time.monotonic() + DECISION_WINDOW_S
+        self.beat_wake.set()
+        return True
+
+    def xid(self, gpu: int) -> None:
+        self.xid_gpu = gpu
+        self.add_event("xid", XidDetail(gpu=gpu, code=XID_CODE))
+        now = time.time()
+        self.outbox.extend(("telemetry", self.sample(g, now)) for g in range(GPUS))
+
+
+class Sim:
+    def __init__(self, plan: dict[str, Any]):
+        self.plan = plan
+        self.book = Book()
+        self.registered = self.events = 0
+        #: Rank records (step reports, events, checkpoint commits) the control plane answered 2xx for.
+        self.delivered: dict[str, int] = {}
+        self.made = 0  # rank-steps trained
+        self.checkpoint_every = int(plan.get("checkpoint_every", 0))
+        self.templates: dict[str, str] = plan.get("templates", {})
+        self.faults: list[dict[str, Any]] = []
+        self.agents: dict[str, Agent] = {}
+        #: The event loop holds tasks weakly: one nobody references may be collected mid-await.
+        self.tasks: list[asyncio.Task] = []
+
+    async def main(self) -> None:
+        ports = self.plan["ports"]
+        per_port = max(1, self.plan["connections"] // len(ports))
+        clients = [Client(port, self.book, connections=per_port, timeout=self.plan.get("timeout", 5.0))
+                   for port in ports]
+        spread = self.plan.get("start_spread_s", 5.0)
+        for i, node in enumerate(self.plan["nodes"]):
+            agent = Agent(self, node["hostname"], node["bootstrap"], clients[i % len(clients)])
+            self.agents[agent.hostname] = agent
+            self.tasks.append(asyncio.create_task(agent.run(random.uniform(0, spread))))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        self.tasks.append(asyncio.create_task(self.read_faults(stop)))
+        while not stop.is_set():
+            self.status()
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+        self.status()
+
+    def status(self) -> None:
+        alive = [a for a in self.agents.values() if not a.dead]
+        backlogs = [a.backlog() for a in alive]
+        print(json.dumps({"t": time.time(), "registered": self.registered, "backlog": sum(backlogs),
+                          "behind": sum(1 for b in backlogs if b > BEHIND),
+                          "delivered": self.delivered, "made": self.made,
+                          "faults": self.faults, "book": self.book.as_json()}), flush=True)
+
+    async def read_faults(self, stop: asyncio.Event) -> None:
+        reader = asyncio.StreamReader()
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            fault = json.loads(line)
+            landed = self.inject(fault)
+            if landed:
+                self.faults.append({**fault, "at": time.time()})
+        stop.set()
+
+    def inject(self, fault: dict[str, Any]) -> bool:
+        kind, agent = fault["kind"], self.agents.get(fault.get("hostname", ""))
+        if kind == "node_death" and agent is not None:
+            agent.die()
+            return True
+        if kind == "rank_exit" and agent is not None:
+            return agent.rank_exit(fault["job"])
+        if kind == "xid" and agent is not None:
+            agent.xid(fault.get("gpu", 0))
+            return True
+        if kind in ("hang", "slow_rank"):
+            hit = False
+            for a in self.agents.values():
+                gen = a.generations.get(fault["job"])
+                if gen is not None and not gen.ended:
+                    if kind == "hang":
+                        gen.hung = True
+                    else:
+                        gen.slow_rank = fault["rank"]
+                    hit = True
+            return hit
+        return False
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    random.seed(plan.get("seed", 0))
+    asyncio.run(Sim(plan).main())
+
+
+if __name__ == "__main__":
+    main()

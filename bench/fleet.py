@@ -1,0 +1,523 @@
+"""Fleet scale: hundreds of simulated nodes and thousands of ranks through the real control plane.
+
+For each fleet size (64, 256, 1,024 nodes x 8 GPUs) the benchmark starts the control plane as
+production runs it (``bench._fleet_services``: 2 daphne processes with pooled database connections,
+the Celery worker with beat, the checkpoint worker, PostgreSQL, Redis), then simulated node agents
+and training ranks in a few processes (``bench._fleet_sim``) that speak the real wire protocol over
+real HTTP with real tokens. Jobs are submitted through the API with an operator token: one of half
+the fleet, 64-node jobs while they fit in three eighths, 8-node jobs for the rest, a sixteenth of
+the fleet left free for restarts. Once every job trains, a steady window runs with seeded faults —
+node death, rank exit, hang, Xid on one GPU, a slow rank, a Celery worker restart — and then a
+reconnect storm (the web processes stopped for ``--outage`` seconds, then every spool replayed).
+
+Reported per size: detection latency per fault kind (fault -> the incident or node-health row),
+HTTP p50/p99 and errors per endpoint class, 503s, accepted requests per second against offered,
+rows and bytes per hour per table (extrapolated to a day and a week), control-plane CPU seconds
+per node per minute (daphne, Celery and the database's backends, from /proc), the Celery queue's
+deepest point, dashboard server time (overview, /nodes/, the biggest job's page) and the storm's
+flush time. The alternative a user would otherwise have at this scale is no control plane at
+all, so the ratios are against the fleet's own offered load: accepted / offered, and at the
+largest size accepted / the capacity measured at the smaller ones (the plateau). Live push to
+browsers is measured by ``bench.live_push``, not here: this run already saturates both cores.
+
+    python -m bench.fleet [--quick] [--nodes 64,256,1024] [--duration S] [--seed N]
+
+Needs PostgreSQL and Redis: databases ``nightwatch_fleet_bench_<nodes>`` (recreated from a migrated
+``nightwatch_fleet_bench_template``; names must contain "bench") and Redis database
+``BENCH_REDIS_DB`` (default 9, flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench import _fleet_measure as measure
+from bench import _fleet_report as report
+from bench._common import RESULTS, emit
+from bench._fleet_http import merge, percentile
+from bench._fleet_services import ControlPlane, database_url, fresh_database
+from tests.e2e.cluster import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_DB = "nightwatch_fleet_bench_template"
+REDIS_DB = int(os.environ.get("BENCH_REDIS_DB", "9"))
+GPUS = 8
+PROGRESS_TIMEOUT_S = 20  # the jobs' recovery policy: a hang is declared after this long without a step
+CHECKPOINT_EVERY = 60  # steps
+HEARTBEAT_TIMEOUT_S = 15  # NIGHTWATCH heartbeat interval 5 s x 3 misses (the production defaults)
+SLACK_S = 2.0
+FAULT_KINDS = ("node_death", "rank_exit", "hang", "xid", "slow_rank", "worker_restart")
+#: The issue's targets: detection p95 per fault kind, seconds.
+DETECTION_TARGET_S = {"node_death": HEARTBEAT_TIMEOUT_S + SLACK_S, "rank_exit": 2.0, "xid": 2.0,
+                      "hang": PROGRESS_TIMEOUT_S + SLACK_S}
+
+
+# --- the job mix --------------------------------------------------------------------------------
+
+def job_mix(nodes: int) -> list[int]:
+    """Nodes per job: one of half the fleet, 64-node jobs in the next 3/8, 8-node jobs for the rest,
+    1/16 of the fleet left free so restarts have somewhere to go."""
+    sizes = [nodes // 2]
+    left = nodes - nodes // 2 - nodes // 16
+    while left - 64 >= nodes // 8 and sum(s for s in sizes if s == 64) + 64 <= nodes * 3 // 8:
+        sizes.append(64)
+        left -= 64
+    sizes += [8] * (left // 8)
+    return sizes
+
+
+def submit_jobs(port: int, token: str, sizes: list[int]) -> list[int]:
+    ids = []
+    for i, nnodes in enumerate(sizes):
+        body = {"name": f"fleet-{i}-{nnodes}n", "entrypoint": "examples/train.py", "nnodes": nnodes,
+                "nproc_per_node": GPUS, "accelerator": "gpu", "rdzv_port": 29400 + i,
+                "checkpoint_policy": {"interval": "fixed", "interval_steps": CHECKPOINT_EVERY, "keep_last": 2},
+                "recovery_policy": {"backoff_seconds": 0, "progress_timeout_s": PROGRESS_TIMEOUT_S,
+                                    "max_restarts": 20}}
+        status, answer = call(port, token, "POST", "/api/v1/jobs", body)
+        if status != 201:
+            raise RuntimeError(f"job {i} refused ({status}): {answer}")
+        ids.append(answer["id"])
+    return ids
+
+
+def call(port: int, token: str, method: str, path: str, body: Any = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,  # noqa: S310
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    for attempt in range(20):
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            if error.code == 503 and attempt < 19:
+                time.sleep(float(error.headers.get("Retry-After") or 1) * random.uniform(1, 1.5))
+                continue
+            return error.code, json.loads(error.read() or b"{}")
+    raise AssertionError("unreachable")
+
+
+# --- setup inside Django (a subprocess: each fleet size has its own database) --------------------
+
+def setup(nodes: int) -> None:
+    """Print the operator's token and session and one bootstrap token per node (``--setup N``)."""
+    import django
+
+    django.setup()
+    from django.contrib.auth.models import Group, User
+    from django.test import Client
+
+    from core.models import ApiToken
+    from nodes.services.fleet import issue_bootstrap_token
+
+    user = User.objects.create_user("fleet-operator")
+    user.groups.add(Group.objects.get(name="operator"))
+    _, operator = ApiToken.issue(name="fleet-ops", scope="operator", user=user)
+    browser = Client()
+    browser.force_login(user)
+    hosts = [f"gpu-{i // 32:03d}-{i % 32:03d}" for i in range(nodes)]
+    boot = [issue_bootstrap_token(name=f"boot-{h}", actor="bench.fleet", hostname=h)[1] for h in hosts]
+    print(json.dumps({"operator": operator, "session": browser.cookies["sessionid"].value,
+                      "nodes": [{"hostname": h, "bootstrap": b} for h, b in zip(hosts, boot)]}))
+
+
+def checkpoint_templates(directory: Path, world_sizes: set[int]) -> dict[str, str]:
+    """A tiny real DCP checkpoint per world size (every required part, an RNG state per rank)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    found = {}
+    for world in sorted(world_sizes):
+        path = directory / f"dcp-{world}"
+        if not path.exists():
+            state = {"model": {"w": torch.zeros(4)}, "optim": {"m": torch.zeros(4)}, "scheduler": {"n": torch.zeros(1)},
+                     "progress": {"step": torch.zeros(1)}, **{f"rng.rank{r}": torch.zeros(1) for r in range(world)}}
+            dcp.save(state, checkpoint_id=str(path))
+        found[str(world)] = str(path)
+    return found
+
+
+# --- the simulator processes --------------------------------------------------------------------
+
+class Simulators:
+    """The simulator processes and the last status line of each."""
+
+    def __init__(self, work: Path, ports: list[int], fleet: list[dict], processes: int, *, templates: dict,
+                 seed: int, checkpoint_every: int = CHECKPOINT_EVERY):
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        self.status: list[dict] = [{} for _ in range(processes)]
+        self.owner: dict[str, int] = {}
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        for p in range(processes):
+            mine = fleet[p::processes]
+            for node in mine:
+                self.owner[node["hostname"]] = p
+            plan = {"ports": ports, "nodes": mine, "seed": seed + p, "templates": templates,
+                    "checkpoint_every": checkpoint_every, "connections": max(32, min(512, 4 * len(mine))),
+                    "start_spread_s": min(20.0, 2.0 + len(fleet) / 100)}
+            path = work / f"sim-{p}.json"
+            path.write_text(json.dumps(plan))
+            with (work / "logs" / f"sim-{p}.err").open("wb") as errors:
+                proc = subprocess.Popen([sys.executable, "-m", "bench._fleet_sim", str(path)], cwd=ROOT,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
+                                        start_new_session=True)
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(p, proc), daemon=True)
+            reader.start()
+            self.readers.append(reader)
+
+    def _read(self, index: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                log(f"simulator {index}: {line.strip()[:300]}")
+                continue
+            self.status[index] = message
+
+    def send(self, fault: dict, hostname: str | None = None) -> None:
+        targets = [self.procs[self.owner[hostname]]] if hostname else self.procs
+        for proc in targets:
+            proc.stdin.write(json.dumps(fault) + "\n")
+            proc.stdin.flush()
+
+    def total(self, key: str) -> int:
+        return sum(s.get(key, 0) for s in self.status)
+
+    def delivered(self, kind: str) -> int:
+        return sum(s.get("delivered", {}).get(kind, 0) for s in self.status)
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    def landed(self) -> list[dict]:
+        seen: dict[int, dict] = {}
+        for s in self.status:
+            for fault in s.get("faults", []):
+                seen.setdefault(fault["id"], fault)  # a job-wide fault lands in several processes: the first
+        return list(seen.values())
+
+    def book(self) -> dict[str, dict[str, Counter[int]]]:
+        """Every process's request book as of its last status line, added up."""
+        return merge([s["book"] for s in self.status if s])
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for reader in self.readers:
+            reader.join(10)
+
+
+# --- one fleet size -----------------------------------------------------------------------------
+
+def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import psycopg
+
+    database = f"nightwatch_fleet_bench_{nodes}"
+    fresh_database(database, TEMPLATE_DB)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
+    sims: Simulators | None = None
+    try:
+        plane.start()
+        made = subprocess.run([sys.executable, "-m", "bench.fleet", "--setup", str(nodes)], cwd=ROOT, env=plane.env,
+                              check=True, capture_output=True, text=True)
+        cast = json.loads(made.stdout.strip().splitlines()[-1])
+        sizes = job_mix(nodes)
+        templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
+        processes = opts.processes or (1 if nodes <= 16 else 2 if nodes <= 256 else 3)
+        sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed)
+        conn = psycopg.connect(database_url(database), autocommit=True)
+        log(f"{nodes} nodes: registering")
+        wait_for(lambda: sims.total("registered") == nodes, timeout=120 + nodes / 10, what="every node to register")
+        healthy = "SELECT count(*) FROM nodes_node WHERE health = 'healthy'"
+        wait_for(lambda: conn.execute(healthy).fetchone()[0] == nodes, timeout=60, what="every node healthy")
+        port = plane.ports[0]
+        jobs = submit_jobs(port, cast["operator"], sizes)
+        log(f"{nodes} nodes: {len(jobs)} jobs ({sizes}) submitted")
+        wait_for(lambda: conn.execute("SELECT count(*) FROM jobs_job WHERE state = 'running' AND last_step >= 3")
+                 .fetchone()[0] == len(jobs), timeout=180 + nodes / 8, what="every job training")
+        result = steady(nodes, opts, plane, sims, conn, cast, jobs, sizes)
+        result["storm"] = storm(opts, plane, sims, conn, result["killed"])
+        for fault in result["faults"]:  # read last: a detection delayed past the window still counts, late
+            if fault.get("at") is not None:
+                latency = measure.detection(conn, fault)
+                fault["detected_s"] = None if latency is None else round(latency, 2)
+        sims.close()
+        result["nodes"], result["ranks"], result["jobs"] = nodes, sum(sizes) * GPUS, sizes
+        conn.close()
+        return result
+    except BaseException:
+        print(plane.dump_logs(), file=sys.stderr)
+        raise
+    finally:
+        if sims is not None:
+            sims.close()
+        plane.close()
+
+
+def fault_plan(rng: random.Random, jobs: list[int], sizes: list[int], placement: dict[int, list[str]],
+               window: float) -> list[dict]:
+    """One fault of each kind at seeded moments in the first 55% of the window; node death, rank exit,
+    Xid and hang each on a job of their own where the mix has enough (the biggest job takes the hang
+    otherwise), the slow rank in the biggest job. The rest of the window is for detection and recovery."""
+    others = jobs[1:] or jobs
+    victims = {kind: others[i % len(others)] for i, kind in enumerate(("node_death", "rank_exit", "xid"))}
+    victims["hang"] = others[3] if len(others) > 3 else jobs[0]
+    kinds = list(FAULT_KINDS)
+    rng.shuffle(kinds)
+    plan = []
+    for i, kind in enumerate(kinds):
+        fault: dict[str, Any] = {"id": i, "kind": kind, "offset": round(window * (0.05 + 0.5 * i / len(kinds)), 1)}
+        if kind in ("node_death", "rank_exit", "xid"):
+            fault.update(job=str(victims[kind]), hostname=rng.choice(placement[victims[kind]]))
+            if kind == "xid":
+                fault["gpu"] = rng.randrange(GPUS)
+        elif kind == "hang":
+            fault["job"] = str(victims["hang"])
+        elif kind == "slow_rank":
+            fault.update(job=str(jobs[0]), rank=rng.randrange(sizes[0] * GPUS))
+        plan.append(fault)
+    return plan
+
+
+def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
+    placement = {job: [h for (h,) in conn.execute(
+        "SELECT n.hostname FROM jobs_generation g JOIN jobs_generation_nodes gn ON gn.generation_id = g.id "
+        "JOIN nodes_node n ON n.id = gn.node_id JOIN jobs_job j ON j.id = g.job_id "
+        "WHERE g.job_id = %s AND g.number = j.generation", (job,))] for job in jobs}
+    plan = fault_plan(random.Random(opts.seed), jobs, sizes, placement, opts.duration)
+    database = plane.database
+    before = measure.tables(conn)
+    watched = [pid for pids in plane.pids().values() for pid in pids] + measure.backend_pids(conn, database)
+    cpu_before = measure.cpu_seconds(watched)
+    sim_cpu_before = sum(measure.cpu_seconds(sims.pids()).values())
+    made_before, delivered_before = sims.total("made"), sims.delivered("report")
+    book_before = sims.book()
+    started = time.time()
+    log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
+    depth, worker_away, pages = 0, None, {}
+    pending = list(plan)
+    backends = set(watched)
+    while time.time() - started < opts.duration:
+        elapsed = time.time() - started
+        while pending and pending[0]["offset"] <= elapsed:
+            fault = pending.pop(0)
+            if fault["kind"] == "worker_restart":
+                worker_away = plane.restart_worker()
+                new = [pid for pid in plane.pids().get("worker", [])]
+                backends.update(new)
+                cpu_before.update({pid: 0.0 for pid in new})
+            else:
+                sims.send(fault, fault.get("hostname") if fault["kind"] in ("node_death", "rank_exit", "xid") else None)
+        if not pages and elapsed > opts.duration * 0.7:
+            pages = dashboard(plane.ports[1], cast["session"], jobs[0])
+        for pid in measure.backend_pids(conn, database):
+            if pid not in backends:  # a backend opened during the window: counted from 0
+                backends.add(pid)
+                cpu_before.setdefault(pid, 0.0)
+        depth = max(depth, measure.queue_depth(plane.redis))
+        time.sleep(0.5)
+    window = time.time() - started
+    cpu_after = measure.cpu_seconds(list(backends))
+    cpu = sum(cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after)
+    sim_cpu = sum(measure.cpu_seconds(sims.pids()).values()) - sim_cpu_before
+    made, delivered = sims.total("made") - made_before, sims.delivered("report") - delivered_before
+    after = measure.tables(conn)
+    book = since(book_before, sims.book())
+    landed = {f["id"]: f for f in sims.landed()}
+    faults = []
+    for fault in plan:
+        if fault["kind"] == "worker_restart":
+            faults.append({**fault, "landed": True, "away_s": round(worker_away or 0, 1)})
+            continue
+        hit = landed.get(fault["id"])
+        faults.append({**fault, "landed": bool(hit), "at": hit and hit["at"], "detected_s": None})
+    killed = {f["hostname"] for f in plan if f["kind"] == "node_death"}
+    offered = sum(sum(codes.values()) for codes in book["status"].values())
+    accepted = sum(n for codes in book["status"].values() for code, n in codes.items() if 200 <= code < 300)
+    return {"window_s": round(window, 1), "faults": faults, "killed": sorted(killed),
+            "cpu_s_per_node_minute": round(cpu / nodes / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
+            "simulator_cores": round(sim_cpu / window, 2),
+            "step_reports_made_per_s": round(made / window, 1),
+            "step_reports_stored_per_s": round(delivered / window, 1),
+            "queue_depth_max": depth, "dashboard_s": pages,
+            "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
+            "false_unreachable": measure.unreachable_events(conn, started, time.time(), killed),
+            "http": http_figures(book),
+            "tables": measure.growth(before, after, window)}
+
+
+def dashboard(port: int, session: str, job: int) -> dict[str, float]:
+    """Server time of each page (median of 3, loopback: the wall time of the whole answer)."""
+    timings = {}
+    for name, path in (("overview", "/"), ("nodes", "/nodes/"), ("biggest_job", f"/jobs/{job}/")):
+        runs = []
+        for _ in range(3):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",  # noqa: S310
+                                             headers={"Cookie": f"sessionid={session}"})
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+                    size = len(response.read())
+            except urllib.error.HTTPError as error:
+                size = -error.code
+            runs.append(time.perf_counter() - started)
+        timings[name] = round(statistics.median(runs), 3)
+        timings[f"{name}_kb"] = round(size / 1024, 1)
+    return timings
+
+
+def storm(opts, plane: ControlPlane, sims: Simulators, conn, killed: list[str]) -> dict[str, Any]:
+    """The web processes stop answering for ``opts.outage`` s; then: how long until no node is behind
+    (or, on a fleet that was already behind, until the backlog is back where it was before)."""
+    log(f"reconnect storm: web processes paused for {opts.outage:.0f} s")
+    before = sims.book()
+    backlog_before = sims.total("backlog")
+    started = time.time()
+    plane.pause_web(True)
+    time.sleep(opts.outage)
+    plane.pause_web(False)
+    resumed = time.time()
+    peak = sims.total("backlog")
+    flushed = None
+    while time.time() - resumed < opts.storm_limit:
+        time.sleep(1.0)
+        peak = max(peak, sims.total("backlog"))
+        if sims.total("behind") == 0 or sims.total("backlog") <= backlog_before:  # back where it was
+            flushed = time.time() - resumed
+            break
+    time.sleep(2.0)
+    book = since(before, sims.book())
+    server_errors = sum(n for codes in book["status"].values() for code, n in codes.items()
+                        if code >= 500 and code != 503)
+    return {"outage_s": opts.outage, "flush_s": None if flushed is None else round(flushed, 1),
+            "backlog_before_records": backlog_before, "backlog_peak_records": peak, "server_errors": server_errors,
+            "incidents": measure.incidents_between(conn, started, time.time()),
+            "false_unreachable": measure.unreachable_events(conn, started, time.time(), set(killed))}
+
+
+def since(before: dict, after: dict) -> dict[str, dict[str, Counter[int]]]:
+    """What a merged book gained between two readings."""
+    return {part: {endpoint: counts - before[part].get(endpoint, Counter()) for endpoint, counts in after[part].items()}
+            for part in ("latency", "status")}
+
+
+def http_figures(book: dict) -> dict[str, dict[str, Any]]:
+    figures = {}
+    for endpoint, histogram in sorted(book["latency"].items()):
+        status = book["status"][endpoint]
+        if not status:
+            continue
+        p50, p99 = percentile(histogram, 0.5), percentile(histogram, 0.99)
+        figures[endpoint] = {"requests": sum(status.values()), "p50_ms": p50 and round(p50 * 1000, 1),
+                             "p99_ms": p99 and round(p99 * 1000, 1), "503": status.get(503, 0),
+                             "errors": sum(n for code, n in status.items() if code == 0 or (code >= 400 and code
+                                                                                           not in (409, 503)))}
+    return figures
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    per_kind: dict[str, list[float]] = {}
+    missed: dict[str, int] = {}
+    for r in results:
+        for f in r["faults"]:
+            if f["kind"] == "worker_restart":
+                continue
+            if f.get("detected_s") is None:
+                missed[f["kind"]] = missed.get(f["kind"], 0) + 1
+            else:
+                per_kind.setdefault(f["kind"], []).append(f["detected_s"])
+    detection = {k: {"p50_s": round(statistics.median(v), 2), "p95_s": round(_p95(v), 2), "n": len(v),
+                     "target_p95_s": DETECTION_TARGET_S.get(k), "missed": missed.get(k, 0)}
+                 for k, v in per_kind.items()}
+    for kind, n in missed.items():
+        detection.setdefault(kind, {"p50_s": None, "p95_s": None, "n": 0, "missed": n,
+                                    "target_p95_s": DETECTION_TARGET_S.get(kind)})
+    capacity = max(r["accepted_rps"] for r in results)
+    largest = max(results, key=lambda r: r["nodes"])
+    return {"detection": detection, "capacity_rps": capacity,
+            "plateau": round(largest["accepted_rps"] / capacity, 3),
+            "exponents": {name: report.exponent(points) for name, points in report.series(results).items()}}
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 nodes and a 90 s window: under 5 minutes")
+    parser.add_argument("--nodes", help="comma-separated fleet sizes (default 64,256,1024; --quick: 64)")
+    parser.add_argument("--duration", type=float, help="steady window per size, seconds (default 180; --quick 90)")
+    parser.add_argument("--outage", type=float, default=30.0, help="reconnect storm: seconds the web processes pause")
+    parser.add_argument("--storm-limit", type=float, default=120.0, help="how long to wait for the spools to empty")
+    parser.add_argument("--processes", type=int, help="simulator processes (default: 1-3 by fleet size)")
+    parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, plans) for a post-mortem")
+    parser.add_argument("--report", action="store_true", help="only regenerate docs/benchmarks/fleet.md from "
+                        "bench/results/fleet.json")
+    parser.add_argument("--setup", type=int, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.report:
+        report.write(json.loads((RESULTS / "fleet.json").read_text()))
+        return
+    if opts.setup:
+        setup(opts.setup)
+        return
+    sizes = [int(n) for n in (opts.nodes or ("64" if opts.quick else "64,256,1024")).split(",")]
+    opts.duration = opts.duration or (90.0 if opts.quick else 180.0)
+    results = []
+    tmp = Path(tempfile.mkdtemp(prefix="nw-fleet-"))
+    try:
+        for nodes in sizes:
+            results.append(run_size(nodes, opts, tmp / f"n{nodes}"))
+            log(f"{nodes} nodes: {json.dumps({k: v for k, v in results[-1].items() if k != 'tables'})}")
+    finally:
+        if opts.keep:
+            log(f"the run's files are in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    summary = summarise(results)
+    largest = max(results, key=lambda r: r["nodes"])
+    result = emit("fleet", metric="cpu_s_per_node_minute", value=largest["cpu_s_per_node_minute"], target=None,
+         better="lower", unit="CPU s per node per minute", runs=1, spread=None,
+         details={"nodes": largest["nodes"], "ranks": largest["ranks"], **summary,
+                  "targets": {"detection_p95_s": DETECTION_TARGET_S, "plateau": 0.9, "dashboard_s": 1.0,
+                              "cpu_exponent": 1.0, "false_unreachable": 0, "server_errors": 0},
+                  "sizes": results})
+    report.write(result)
+
+
+if __name__ == "__main__":
+    main()
