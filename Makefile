@@ -12,7 +12,7 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nightwatch
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint system-deps services clean bench bench-quick bench-chaos
+.PHONY: demo test lint system-deps services clean bench bench-quick bench-chaos bench-fleet
 
 $(INSTALLED): pyproject.toml dashboard/frontend/package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ bench-quick:
 
 bench-chaos: $(INSTALLED) services
 	$(BIN)/python -m bench.chaos --runs 3
+	$(BIN)/python -m bench.report
+
+# The fleet scale benchmark (issue 18): 64, 256 and 1,024 simulated nodes through the real control
+# plane, then docs/benchmarks/fleet.md. Not part of `make bench` (about 30 minutes); FLEET_ARGS=--quick
+# runs 64 nodes in under 5.
+FLEET_ARGS ?=
+bench-fleet: $(INSTALLED) services
+	$(BIN)/python -m bench.fleet $(FLEET_ARGS)
 	$(BIN)/python -m bench.report
 
 clean:
