@@ -116,7 +116,7 @@ class NodeGpuSample(models.Model):
 
     Only what an operator charts is kept here (the full reading of each GPU, which the health
     rules judge, is ``GPU.last_sample``); ``NodeGpuMinute`` keeps it longer, a minute at a time.
-    One row per (node, time) with a value per GPU (``PerGpuField``): ~38 bytes per GPU sample
+    One row per (node, time) with a value per GPU (``PerGpuField``): ~44 bytes per GPU sample
     where a row per GPU cost ~136 (docs/architecture.md, "Telemetry storage"). ``gpus`` is the
     bitmask of the GPUs the row holds, so that a batch split between GPUs, or replayed, merges
     into the row and is counted once.
@@ -153,7 +153,7 @@ class NodeGpuMinute(models.Model):
     """The GPUs of one node over one closed minute: the rollup of their raw samples, kept for months.
 
     Laid out like ``NodeGpuSample`` (a value per GPU, ``gpus`` the bitmask of those present), for
-    the same reason: a row per GPU and minute cost ~168 bytes a GPU-minute, this ~80 (docs/
+    the same reason: a row per GPU and minute cost ~168 bytes a GPU-minute, this ~94 (docs/
     architecture.md, "Telemetry storage"). Written by ``nodes.services.rollup``, always recomputed
     from the raw rows, so writing a minute twice gives the same row. ``samples``: how many samples
     each GPU had in the minute; means are over the samples that had the value; error counters are

@@ -1,9 +1,9 @@
 """Telemetry in time partitions with minute rollups (issue 18, docs/architecture.md "Telemetry storage").
 
-The per-GPU sample table (``GpuSample``, ~136 bytes a GPU sample, deleted row by row) is replaced
-by ``NodeGpuSample`` (a row per node and moment, a value per GPU, ~38 bytes a GPU sample) and
-``NodeGpuMinute`` (1-minute rollups, laid out the same way). The old rows are not carried over: they are raw history the new
-retention (48 h) would drop within two days anyway.
+The per-GPU sample table (``GpuSample``, ~359 bytes a GPU sample, deleted row by row) is replaced
+by ``NodeGpuSample`` (a row per node and moment, a value per GPU, ~44 bytes a GPU sample) and
+``NodeGpuMinute`` (1-minute rollups, laid out the same way). The old rows are not carried over:
+they are raw history that the new retention (48 h) would drop within two days anyway.
 
 On PostgreSQL both tables are range-partitioned (raw by the hour, rollups by the day) with a
 DEFAULT partition, and this migration creates the partition holding "now"; beat creates the rest

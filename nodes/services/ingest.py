@@ -288,7 +288,9 @@ def _upsert_sql() -> str:
     return (
         f"WITH new AS (SELECT * FROM unnest(%s::timestamptz[], %s::bigint[], "  # noqa: S608
         f"{', '.join(['%s::text[]'] * len(names))}) AS u(time, gpus, {', '.join(names)})), "
-        f"old AS (SELECT time, gpus FROM {table} WHERE node_id = %s AND time IN (SELECT time FROM new)), "
+        # The times again as a literal, not from ``new``: the planner then prunes to their partitions
+        # (with ~55 of them, planning the lookup through all cost ~10 ms, executing it under 1 ms).
+        f"old AS (SELECT time, gpus FROM {table} WHERE node_id = %s AND time = ANY(%s::timestamptz[])), "
         f"written AS (INSERT INTO {table} AS t (node_id, time, gpus, {', '.join(names)}) "
         f"SELECT %s, u.time, u.gpus, {', '.join(casts)} FROM new u "
         f"ON CONFLICT (node_id, time) DO UPDATE SET gpus = t.gpus | EXCLUDED.gpus, "
@@ -322,8 +324,9 @@ def _upsert_unnest(node: Node, rows: list[RawRow]) -> dict[datetime, int]:
         _UPSERT_SQL = _upsert_sql()
     # Times as ISO text converted by Python, exactly as the GPU's ``last_sample_at`` and the ORM
     # path convert them (PostgreSQL's to_timestamp() rounds some microseconds the other way).
-    params = [_array_literal([row.time.isoformat() for row in rows]), _array_literal([row.gpus for row in rows]),
-              *[_nested_literal([row.column(name) for row in rows]) for name in RAW_COLUMNS], node.pk, node.pk]
+    times = _array_literal([row.time.isoformat() for row in rows])
+    params = [times, _array_literal([row.gpus for row in rows]),
+              *[_nested_literal([row.column(name) for row in rows]) for name in RAW_COLUMNS], node.pk, times, node.pk]
     with connection.cursor() as cursor:
         cursor.execute(_UPSERT_SQL, params)
         return dict(cursor.fetchall())

@@ -3,7 +3,7 @@
 Raw samples (``NodeGpuSample``) are partitioned by the hour and kept 48 h by default, so
 retention drops a whole hour at a time (a catalogue change, no dead rows, no vacuum) and keeps
 at most one hour more than asked for; the rollups (``NodeGpuMinute``) by the day, kept 90 days.
-An hour of raw samples of 1,024 nodes is ~100 MB, small enough that the newest partition and
+An hour of raw samples of 1,024 nodes is ~130 MB, small enough that the newest partition and
 its key index stay in memory while agents write into it; ~55 hourly partitions are well within
 what the planner prunes cheaply.
 
@@ -102,7 +102,8 @@ def _create(scheme: Scheme, start: datetime) -> bool:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
             cursor.execute(f"LOCK TABLE {default} IN ACCESS EXCLUSIVE MODE")
-            cursor.execute(f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS)")
+            # Constraints too: ATTACH requires the parent's CHECKs (a positive integer column has one).
+            cursor.execute(f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)")
             cursor.execute(f"WITH moved AS (DELETE FROM {default} WHERE {column} >= {low} AND {column} < {high} "  # noqa: S608
                            f"RETURNING *) INSERT INTO {name} SELECT * FROM moved")
             if cursor.rowcount:
