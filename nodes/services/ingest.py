@@ -115,7 +115,7 @@ def ingest_telemetry(node: Node, batch: wire.TelemetryBatch) -> Ingested:
         rows, expired = raw_rows(samples, since=retention.retention().raw_cutoff(now))
         inserted = _insert_samples(node, rows) + expired
         verdict = _update_latest(node, gpus, latest)
-        if rows and rows[0].time < now - rollup.LOOKBACK:  # beat has rolled these minutes up already
+        if rows and rows[0].time < now - rollup.LATE:  # beat may not roll these minutes up again
             rollup.roll_up(rows[0].time, rows[-1].time + rollup.MINUTE, node_id=node.pk)
     if verdict.health != rules.UNKNOWN and verdict.health != node.health and node.health != Health.UNREACHABLE:
         set_health(node, verdict.health, actor=f"node:{node.hostname}", evidence=verdict.evidence,

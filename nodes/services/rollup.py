@@ -4,9 +4,9 @@ Raw samples are kept for hours, rollups for months. A minute is always recompute
 rows and upserted on the (node, minute) key, never added to, so writing it again — beat
 running twice, a late batch — gives the same rows.
 
-1. Beat (every minute) rolls up the ``LOOKBACK`` that closed: a batch that arrives up to that
-   late is still counted.
-2. A batch older than that (an agent replaying its spool after an outage) re-rolls the minutes
+1. Beat (every minute) rolls up the ``LOOKBACK`` that closed: a batch that arrives up to ``LATE``
+   late is counted by a later run.
+2. A batch later than that (an agent replaying its spool after an outage) re-rolls the minutes
    it covers, for its own node only (``ingest`` calls ``roll_up``).
 
 PostgreSQL rolls up in one ``INSERT … SELECT`` over the unnested per-GPU arrays; SQLite (the
@@ -24,9 +24,12 @@ from django.utils import timezone
 
 from nodes.models import NodeGpuMinute, NodeGpuSample
 
-#: How far back each beat run recomputes closed minutes.
-LOOKBACK = timedelta(minutes=10)
 MINUTE = timedelta(minutes=1)
+#: How far back each beat run recomputes closed minutes (agents send every 10 s: a few minutes is ample).
+LOOKBACK = timedelta(minutes=5)
+#: A batch with samples older than this re-rolls its minutes itself: beat, a minute apart, may not
+#: cover them again after the batch commits (two runs of margin).
+LATE = LOOKBACK - 2 * MINUTE
 #: Rolled-up gauges: raw column -> rollup column prefix (each gets _min, _mean, _max).
 GAUGES = {"temperature_c": "temperature", "utilization_pct": "utilization", "memory_used_mib": "memory_used_mib",
           "power_w": "power"}

@@ -115,11 +115,11 @@ def test_retention_also_removes_old_rollups(cast, frozen):
 
 
 def known_minute(cast, post) -> None:
-    """Six samples of GPUs 0 and 1 in the minute 13:30, GPU 1 only in the second half; one in 13:31."""
-    samples = [sample(cast.node1, 0, at(-7.5) + 10 * i, temperature_c=50.0 + i, utilization_pct=10.0 * i,
+    """Six samples of GPUs 0 and 1 in the minute 13:35, GPU 1 only in the second half; one in 13:36."""
+    samples = [sample(cast.node1, 0, at(-2.5) + 10 * i, temperature_c=50.0 + i, utilization_pct=10.0 * i,
                       power_w=300.0, memory_used=i * 2**30, xid_total=1 if i == 5 else 0) for i in range(6)]
-    samples += [sample(cast.node1, 1, at(-7.5) + 10 * i, temperature_c=70.0, utilization_pct=100.0) for i in (3, 4, 5)]
-    samples.append(sample(cast.node1, 0, at(-6.5), temperature_c=90.0))
+    samples += [sample(cast.node1, 1, at(-2.5) + 10 * i, temperature_c=70.0, utilization_pct=100.0) for i in (3, 4, 5)]
+    samples.append(sample(cast.node1, 0, at(-1.5), temperature_c=90.0))
     post("telemetry", {"samples": samples})
 
 
@@ -132,7 +132,7 @@ def test_a_minute_rolls_up_to_min_mean_max_per_gpu_and_again_to_the_same_rows(ca
     known_minute(cast, post)
     assert tasks.roll_up_telemetry() == 2
     first, second = rollups()
-    assert (first["minute"], first["gpus"], first["samples"]) == (datetime(2026, 6, 15, 13, 30, tzinfo=UTC), 0b11,
+    assert (first["minute"], first["gpus"], first["samples"]) == (datetime(2026, 6, 15, 13, 35, tzinfo=UTC), 0b11,
                                                                   [6, 3])
     assert (first["temperature_min"], first["temperature_mean"], first["temperature_max"]) == ([50, 70], [52.5, 70],
                                                                                                [55, 70])
@@ -147,7 +147,7 @@ def test_a_minute_rolls_up_to_min_mean_max_per_gpu_and_again_to_the_same_rows(ca
 
 @pytest.mark.django_db
 def test_a_gpu_silent_for_a_minute_keeps_its_place_in_the_rollup(cast, post, frozen):
-    post("telemetry", {"samples": [sample(cast.node1, gpu, at(-7.5), temperature_c=40.0 + gpu) for gpu in (0, 2)]})
+    post("telemetry", {"samples": [sample(cast.node1, gpu, at(-2.5), temperature_c=40.0 + gpu) for gpu in (0, 2)]})
     rollup.roll_up_recent()
     minute = NodeGpuMinute.objects.get()
     assert (minute.gpus, minute.samples, minute.temperature_max) == (0b101, [1, None, 1], [40, None, 42])
