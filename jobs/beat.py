@@ -3,7 +3,8 @@
 
 - checkpoint interval push every 5 minutes (``jobs.checkpoint_interval``): failure rates and save
   costs change slowly, and the hooks pick the new value up on their next control poll.
-- node-window retention hourly (``jobs.steps.prune_node_windows``).
+- node-window partitions and retention hourly (``jobs.windows``): six hours of partitions are
+  made ahead, so a missed run costs nothing.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ BEAT_SCHEDULE: dict = {
         "schedule": 300.0,
         "options": {"expires": 300},
     },
-    "jobs-node-window-retention": {
-        "task": "jobs.tasks.prune_node_windows",
+    "jobs-node-windows": {
+        "task": "jobs.tasks.maintain_node_windows",
         "schedule": 3600.0,
         "options": {"expires": 3600},
     },

@@ -21,6 +21,7 @@ from django.utils import timezone
 from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
 from jobs import policy, progress, state
+from jobs import windows as node_windows
 from jobs.choices import JobState
 from jobs.models import Job, NodeWindow, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
@@ -105,7 +106,10 @@ def _flagged(report: hooks_protocol.StepReport) -> bool:
 
 
 def _store_windows(job: Job, windows: list[hooks_protocol.NodeWindow], now: datetime) -> None:
-    """Insert the node windows not stored yet (a replay's are skipped by the unique key)."""
+    """Insert the node windows not stored yet (a replay's are skipped by the key), except those
+    already past their retention (``jobs.windows``)."""
+    oldest = node_windows.cutoff(now).timestamp()
+    windows = [w for w in windows if w.time >= oldest]
     if windows:
         NodeWindow.objects.bulk_create(
             [NodeWindow(job=job, generation=w.generation, node=w.node, first_step=w.first_step,

@@ -1,5 +1,4 @@
-"""Reading the step reports back: the one query for a job's recent step times; and how long the
-rank timings (``NodeWindow``) are kept.
+"""Reading the step reports back: the one query for a job's recent step times.
 
 A step's time is the sum of the phases its rank reported (``agents.protocol.hooks.PHASES``), or of
 the ``phases`` named. Rank 0 speaks for the job: the ranks of a synchronous job step together.
@@ -8,15 +7,8 @@ the ``phases`` named. Rank 0 speaks for the job: the ranks of a synchronous job 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import timedelta
 
-from django.conf import settings
-from django.utils import timezone
-
-from jobs.models import Job, NodeWindow, StepMetric
-
-#: Hours node windows are kept unless ``NIGHTWATCH["NODE_WINDOW_RETENTION_HOURS"]`` says otherwise.
-NODE_WINDOW_RETENTION_HOURS = 48
+from jobs.models import Job, StepMetric
 
 #: How many of the newest steps a median of "recent step times" reads, unless told otherwise.
 RECENT_STEPS = 50
@@ -38,10 +30,3 @@ def recent_step_seconds(job: Job | int, *, generation: int | None = None, limit:
     names = tuple(phases)
     return [sum(float(p.get(name, 0.0)) for name in names) for p in recent if p]
 
-
-def prune_node_windows() -> int:
-    """Delete node windows received before the retention period; returns how many. One DELETE on
-    the ``received_at`` index (nothing refers to a window, so Django does not load them first)."""
-    hours = settings.NIGHTWATCH.get("NODE_WINDOW_RETENTION_HOURS", NODE_WINDOW_RETENTION_HOURS)
-    deleted, _ = NodeWindow.objects.filter(received_at__lt=timezone.now() - timedelta(hours=hours)).delete()
-    return deleted

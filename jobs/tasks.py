@@ -11,7 +11,7 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator, progress, services, steps
+from jobs import checkpoint_interval, orchestrator, progress, services, windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job
 
@@ -84,9 +84,11 @@ def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: s
 
 
 @shared_task(ignore_result=True)
-def prune_node_windows() -> int:
-    """Beat, hourly: rank timings older than their retention go, in one bulk delete."""
-    return steps.prune_node_windows()
+def maintain_node_windows() -> None:
+    """Beat, hourly: node-window partitions made ahead, and those past the retention dropped."""
+    done = windows.maintain()
+    log.info("node windows: %d partitions created, %d dropped, %d rows deleted", done.created, done.dropped,
+             done.deleted)
 
 
 @shared_task(ignore_result=True)

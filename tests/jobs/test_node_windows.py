@@ -1,31 +1,108 @@
-"""Node windows (rank timings per node and window) are kept for their retention, then go in one delete."""
+"""Node windows (rank timings per node and window): hourly partitions on PostgreSQL, dropped whole
+past their retention; a window already past it is not stored; without partitions, a bulk delete."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.utils import timezone
+from django.db import connection
+
+from jobs import ingest, windows
+from jobs.models import NodeWindow
+from nodes.services import partitions
+from tests.dashboard.test_queries import _started
 
 pytestmark = pytest.mark.django_db
+NOW = datetime(2026, 6, 15, 13, 37, 30, tzinfo=UTC)
 
 
-def _window(job, last_step, received_at):
-    from jobs.models import NodeWindow
-
-    return NodeWindow(job=job, generation=1, node=0, first_step=last_step - 9, last_step=last_step, ranks=8,
-                      step_median_s=0.1, step_max_s=0.2, slowest_rank=3, slowest_s=0.15,
-                      reported_at=received_at, received_at=received_at)
+@pytest.fixture
+def frozen(time_machine):
+    time_machine.move_to(NOW, tick=False)
 
 
-def test_windows_older_than_the_retention_go_in_one_delete(cast, settings, django_assert_max_num_queries):
-    from jobs.models import NodeWindow
-    from jobs.steps import prune_node_windows
+def window_partitions() -> list[str]:
+    """The partitions of NOW's day (the migration also made one for the real "now")."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                       "WHERE i.inhparent = 'jobs_nodewindow'::regclass AND c.relname LIKE %s ORDER BY 1",
+                       [f"jobs_nodewindow_p{NOW:%Y%m%d}%"])
+        return [name for (name,) in cursor.fetchall()]
 
-    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "NODE_WINDOW_RETENTION_HOURS": 48}
-    now = timezone.now()
-    NodeWindow.objects.bulk_create([_window(cast.job, 10 * i, now - timedelta(hours=60 - i, minutes=30))
-                                    for i in range(1, 21)])
+
+def report(job, hours_ago: list[float]) -> None:
+    """Rank 0's windows, one per exchange ``hours_ago`` (each its own last step), through the ingest."""
+    from agents.protocol import hooks as wire
+
+    batch = wire.ReportBatch(job=str(job.pk), generation=job.generation, windows=[
+        wire.NodeWindow(job=str(job.pk), generation=job.generation, node=0, first_step=10 * i + 1,
+                        last_step=10 * i + 10, ranks=8, step_median_s=0.1, step_max_s=0.2, slowest_rank=3,
+                        slowest_s=0.15, time=(NOW - timedelta(hours=h)).timestamp())
+        for i, h in enumerate(hours_ago)])
+    ingest.record_reports(job, batch, actor="node:gpu-01")
+
+
+def maintain() -> windows.Maintained:
+    """The hourly task, as in its own transaction: PostgreSQL drops no table with the test's
+    deferred foreign-key checks still pending."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    return windows.maintain()
+
+
+def test_partitions_are_made_ahead_and_dropped_whole_past_the_retention(cast, frozen, settings):
+    assert connection.vendor == "postgresql"
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "NODE_WINDOW_RETENTION_HOURS": 3}
+    job = _started(cast.job)
+    done = maintain()
+    # From the hour holding the cutoff (10:37:30) to six hours past now's.
+    assert window_partitions()[0] == "jobs_nodewindow_p2026061510"
+    assert window_partitions()[-1] == "jobs_nodewindow_p2026061519" and done.created >= 9
+    report(job, [2.5, 1.5, 0.5, 0.0, 4.0])  # the last one is past the retention: not stored
+    assert sorted(NodeWindow.objects.values_list("last_step", flat=True)) == [10, 20, 30, 40]
+
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "NODE_WINDOW_RETENTION_HOURS": 1}
+    done = maintain()
+    # Every hour wholly older than 12:37:30 went, rows and all, without a row deleted.
+    assert done.dropped == 2 and window_partitions()[0] == "jobs_nodewindow_p2026061512"
+    assert sorted(NodeWindow.objects.values_list("last_step", flat=True)) == [20, 30, 40]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT coalesce(sum(n_tup_del), 0) FROM pg_stat_xact_user_tables "
+                       "WHERE relname LIKE 'jobs_nodewindow%%'")
+        assert cursor.fetchone()[0] == 0
+
+
+def test_a_replayed_window_is_stored_once(cast, frozen):
+    job = _started(cast.job)
+    report(job, [0.5, 0.0])
+    report(job, [0.5, 0.0])
+    assert NodeWindow.objects.count() == 2
+
+
+def test_without_partitions_old_windows_are_deleted_in_one_query(cast, frozen, monkeypatch, settings,
+                                                                 django_assert_max_num_queries):
+    job = _started(cast.job)
+    report(job, [40.0, 30.0, 0.5])
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "NODE_WINDOW_RETENTION_HOURS": 24}
+    monkeypatch.setattr(partitions, "partitioned", lambda: False)  # as on SQLite
+    with django_assert_max_num_queries(1):
+        assert windows.maintain().deleted == 2
+    assert list(NodeWindow.objects.values_list("last_step", flat=True)) == [30]
+
+
+def test_the_skew_view_reads_the_newest_windows_of_a_long_job(cast, django_assert_max_num_queries):
+    """A day of 10-step windows of 16 nodes: the view still reads two queries' worth."""
+    from dashboard.queries import SKEW_WINDOWS, rank_skew
+
+    job = _started(cast.job)
+    now = time.time()
+    NodeWindow.objects.bulk_create([
+        NodeWindow(job=job, generation=job.generation, node=node, first_step=step - 9, last_step=step, ranks=8,
+                   step_median_s=0.1, step_max_s=0.2, slowest_rank=8 * node, slowest_s=0.1,
+                   reported_at=datetime.fromtimestamp(now - 8640 + step / 10, UTC))
+        for step in range(10, 86_401, 10) for node in range(16)], batch_size=5000)
     with django_assert_max_num_queries(2):
-        assert prune_node_windows() == 12  # received 59.5 ... 48.5 hours ago
-    assert sorted(NodeWindow.objects.values_list("last_step", flat=True)) == [10 * i for i in range(13, 21)]
+        skew = rank_skew(job)
+    assert skew["steps"] == list(range(86_400 - 10 * (SKEW_WINDOWS - 1), 86_401, 10))
