@@ -80,12 +80,22 @@ def spec_hash(job: Job) -> str:
 def candidates(job: Job) -> list[Node]:
     """Nodes that may take this job now: active (not drained, not a lemon), usably healthy,
     reachable by a transport that can launch, and not running another job's live generation."""
-    busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True).exclude(job=job)
-    return list(
-        Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE,
-                            transport__in=list(TRANSPORTS))
-        .exclude(pk__in=busy.values("nodes"))
-    )
+    return list(_free_nodes(exclude_job=job))
+
+
+def free_node_count() -> int:
+    """How many nodes run no live generation and may take one: the candidates of any job that is not
+    running, counted in the database (one query) instead of loaded."""
+    return _free_nodes(exclude_job=None).count()
+
+
+def _free_nodes(*, exclude_job: Job | None):
+    busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True)
+    if exclude_job is not None:
+        busy = busy.exclude(job=exclude_job)
+    return (Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE,
+                                transport__in=list(TRANSPORTS))
+            .exclude(pk__in=busy.values("nodes")))
 
 
 def one_transport(pool: list[Node], *, previous: set[str], nnodes: int) -> list[Node]:

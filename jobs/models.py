@@ -72,6 +72,13 @@ class Job(models.Model):
             ("operate_job", "Can cancel, pause and roll back jobs"),
             ("approve_resume", "Can approve resuming a paused job"),
         ]
+        indexes = [
+            # The hang sweep's "what expired" (jobs.progress.expire_one_progress_deadline, states as in
+            # its PROGRESS_WATCHED): a finished or paused job keeps its last deadline, and without the
+            # condition every sweep would walk past all of them, oldest first, to find a live one.
+            models.Index(fields=["progress_deadline"], name="job_watched_progress_deadline",
+                         condition=models.Q(state__in=[JobState.INITIALIZING, JobState.RUNNING])),
+        ]
 
     def __str__(self):
         return f"{self.name} (#{self.pk}, {self.state}, gen {self.generation})"
@@ -182,16 +189,11 @@ class NodeWindow(models.Model):
     the node's slowest rank (``agents.protocol.hooks.NodeWindow``): a row per node and window,
     whatever the number of ranks.
 
-    Keyed by (job, generation, node, last_step, reported_at): a replay after an outage carries
-    the same exchange time and is recognised. ``node`` is torchrun's node rank within the
-    generation. On PostgreSQL the table is range-partitioned by ``reported_at`` (an hour a
-    partition, as the raw telemetry) and retention drops whole partitions (``jobs.windows``); the
-    key includes ``reported_at``, as a partitioned table's key must.
+    Unique on (job, generation, node, last_step): replays are recognised. ``node`` is torchrun's
+    node rank within the generation.
     """
 
-    pk = models.CompositePrimaryKey("job", "generation", "node", "last_step", "reported_at")
-    # No index of its own: the key leads with it.
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="node_windows", db_index=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="node_windows")
     generation = models.PositiveIntegerField()
     node = models.PositiveIntegerField()
     first_step = models.BigIntegerField()
@@ -208,8 +210,11 @@ class NodeWindow(models.Model):
 
     class Meta:
         ordering = ["job", "generation", "last_step", "node"]
-        # The skew view's "newest windows of a generation".
-        indexes = [models.Index(fields=["job", "generation", "last_step"], name="nodewindow_newest")]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "generation", "node", "last_step"], name="nodewindow_unique"),
+        ]
+        indexes = [models.Index(fields=["job", "generation", "last_step"], name="nodewindow_newest"),
+                   models.Index(fields=["received_at"], name="nodewindow_received")]  # retention
 
     def __str__(self):
         return f"job {self.job_id} gen {self.generation} node {self.node} steps {self.first_step}-{self.last_step}"

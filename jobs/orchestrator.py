@@ -28,7 +28,7 @@ from core.events import EventKind, record_event
 from core.models import Event
 from jobs import policy, state
 from jobs.choices import Decision, IncidentState, JobState
-from jobs.launching import candidates, end_generations, spec_hash, start_generation
+from jobs.launching import candidates, end_generations, free_node_count, spec_hash, start_generation
 from jobs.models import Generation, Incident, Job, StepMetric
 from jobs.policies import RecoveryPolicy
 from nodes import services as node_services
@@ -292,8 +292,19 @@ def resolve_incident(incident: Incident, *, now, actor: str, reason: str, **outc
 # (the hang sweep's is jobs.progress.expire_one_progress_deadline)
 
 def start_one_pending() -> bool:
-    """Try to place the pending job that has waited longest; returns whether one was launched."""
-    for job in Job.objects.filter(state=JobState.PENDING).order_by("created_at")[:20]:
+    """Try to place the pending job that has waited longest among those the free nodes could take;
+    returns whether one was launched.
+
+    Placing loads every free node, so it is tried only for a job that enough of them could take
+    (one COUNT first): while the fleet is full, each sweep costs two queries, not a load of every
+    free node for each of up to 20 waiting jobs."""
+    pending = list(Job.objects.filter(state=JobState.PENDING).order_by("created_at")[:20])
+    if not pending:
+        return False
+    free = free_node_count()
+    for job in pending:
+        if free < job.nnodes and not (free and RecoveryPolicy.of(job).allow_shrink):
+            continue  # start_generation would find too few nodes and leave it pending
         try:
             if start_generation(job, actor=SYSTEM, reason="first launch", restart=False) is not None:
                 return True

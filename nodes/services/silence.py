@@ -25,6 +25,9 @@ newest of them is the state, so every worker and the web process read the same a
 heartbeat sweeper writes them (one beat task), so transitions are not raced. The deadlines of
 the work on the nodes are not this app's: the jobs app restarts its progress deadlines when
 ``nodes.signals.fleet_contact_restored`` tells it, by its own progress-timeout rule.
+
+A control plane that still hears some heartbeats but refuses or queues the rest is not silent by
+this rule; its hold is the overload watch's (``nodes.services.overload``), asked right after this one.
 """
 
 from __future__ import annotations
