@@ -189,11 +189,16 @@ class NodeWindow(models.Model):
     the node's slowest rank (``agents.protocol.hooks.NodeWindow``): a row per node and window,
     whatever the number of ranks.
 
-    Unique on (job, generation, node, last_step): replays are recognised. ``node`` is torchrun's
-    node rank within the generation.
+    Keyed by (job, generation, node, last_step, reported_at): a replay after an outage carries
+    the same exchange time and is recognised. ``node`` is torchrun's node rank within the
+    generation. On PostgreSQL the table is range-partitioned by ``reported_at`` (an hour a
+    partition, as the raw telemetry) and retention drops whole partitions (``jobs.windows``); the
+    key includes ``reported_at``, as a partitioned table's key must.
     """
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="node_windows")
+    pk = models.CompositePrimaryKey("job", "generation", "node", "last_step", "reported_at")
+    # No index of its own: the key leads with it.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="node_windows", db_index=False)
     generation = models.PositiveIntegerField()
     node = models.PositiveIntegerField()
     first_step = models.BigIntegerField()
@@ -210,11 +215,8 @@ class NodeWindow(models.Model):
 
     class Meta:
         ordering = ["job", "generation", "last_step", "node"]
-        constraints = [
-            models.UniqueConstraint(fields=["job", "generation", "node", "last_step"], name="nodewindow_unique"),
-        ]
-        indexes = [models.Index(fields=["job", "generation", "last_step"], name="nodewindow_newest"),
-                   models.Index(fields=["received_at"], name="nodewindow_received")]  # retention
+        # The skew view's "newest windows of a generation".
+        indexes = [models.Index(fields=["job", "generation", "last_step"], name="nodewindow_newest")]
 
     def __str__(self):
         return f"job {self.job_id} gen {self.generation} node {self.node} steps {self.first_step}-{self.last_step}"
