@@ -160,8 +160,9 @@ def _mean_of(model, time_column: str, column: str, weights: str | None, node_ids
     if connection.vendor != "postgresql":
         total = weight = 0.0
         for values, counts in rows.values_list(column, weights or column):
-            for value, count in zip(values or [], counts if weights else [1] * len(values or []), strict=True):
+            for value, count in zip(values or [], counts or [], strict=False):
                 if value is not None:
+                    count = count if weights else 1
                     total, weight = total + value * count, weight + count
         return total / weight if weight else None
     quote = connection.ops.quote_name

@@ -90,9 +90,11 @@ def test_retention_drops_whole_partitions_and_deletes_no_row(cast, post, frozen,
     retention.prepare_partitions(now=NOW - timedelta(hours=3))
     post("telemetry", {"samples": [sample(cast.node1, gpu, at(minutes)) for gpu in (0, 1)
                                    for minutes in (-150, -90, -30, 0)]})
-    assert "nodes_nodegpusample_p2026061511" in raw_partitions()
+    before = raw_partitions()
+    assert "nodes_nodegpusample_p2026061511" in before
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "TELEMETRY_RAW_RETENTION_HOURS": 1}
     assert prune() is True
+    assert len(before) - len(raw_partitions()) == 14 + 24 + 12  # 06-13 10:00 to 06-15 11:00
     # Every hour wholly older than 12:37:30 went; the 12:00 one holds the cutoff and stays.
     assert min(name for name in raw_partitions() if not name.endswith("default")) == "nodes_nodegpusample_p2026061512"
     kept = sorted(row.time for row in NodeGpuSample.objects.all())
