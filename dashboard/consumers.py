@@ -1,22 +1,24 @@
 """WebSocket consumers of the dashboard: thin — authenticate, join groups, forward, never write.
 
 Each page opens one socket: ``/ws/dashboard/overview/``, ``/ws/dashboard/jobs/<id>/`` or
-``/ws/dashboard/nodes/``. On every (re)connect the consumer sends a snapshot of the whole page,
-so a browser that lost its connection for a while shows what changed meanwhile; after that it
-forwards the relay's pushes (``dashboard.relay``), re-rendering the changed sections for its
-own person (action buttons depend on the role).
+``/ws/dashboard/nodes/`` (with the page's node filter as its query string). On every (re)connect
+the consumer sends a snapshot of the whole page, so a browser that lost its connection for a
+while shows what changed meanwhile; after that it forwards the relay's pushes
+(``dashboard.relay``), re-rendering the changed sections for its own person (action buttons
+depend on the role) and filter.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from core import roles
-from dashboard import events, queries
+from dashboard import events, fleet, queries
 from dashboard import sections as page_sections
 from dashboard.relay import RELAY
 from jobs.models import Job
@@ -42,6 +44,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=FORBIDDEN)
             return
         self.job_id = None
+        # The nodes page's filter and page number ride in the socket's query string.
+        self.filter = fleet.NodeFilter.parse(parse_qs(self.scope.get("query_string", b"").decode(errors="replace")))
         if self.page == "job":
             self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
             if not await database_sync_to_async(Job.objects.filter(pk=self.job_id).exists)():
@@ -81,8 +85,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def _rendered(self, message: dict) -> tuple[dict, dict | None]:
         """The message's sections as this person sees them: rendered once per process (the first
-        consumer renders, the others of the same page, job and role await that render)."""
-        key = (message["id"], self.page, self.job_id, self.caps)
+        consumer renders, the others of the same page, job, role and node filter await that render)."""
+        key = (message["id"], self.page, self.job_id, self.caps, self.filter)
         if key in _RENDERED:
             return _RENDERED[key]
         in_flight = _IN_FLIGHT.get(key)
@@ -109,13 +113,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     def _snapshot(self) -> dict:
         job = self._job()
-        html = page_sections.render(self.page, None, self.caps, job)
+        html = page_sections.render(self.page, None, self.caps, job, self.filter)
         return events.snapshot_frame(self.page, html, queries.chart(job) if job else None)
 
     def _render(self, message: dict) -> tuple[dict, dict | None]:
         names = [n for n in message["sections"] if n in page_sections.PAGES[self.page]]
         job = self._job()
-        html = page_sections.render(self.page, names, self.caps, job) if names else {}
+        html = page_sections.render(self.page, names, self.caps, job, self.filter) if names else {}
         chart = queries.chart(job) if job is not None and "chart" in message["sections"] else None
         return html, chart
 

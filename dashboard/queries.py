@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from datetime import timedelta
 
 from django.db.models import Count, Max, Q
 from django.utils import timezone
@@ -56,9 +55,10 @@ def overview_jobs() -> list[dict]:
 
 
 def cluster_health() -> dict:
-    nodes = Counter(Node.objects.values_list("health", flat=True))
-    schedulability = Counter(Node.objects.values_list("schedulability", flat=True))
-    gpus = Counter(GPU.objects.values_list("health", flat=True))
+    """Nodes by health and schedulability, GPUs by health: counted by the database."""
+    nodes = _counts(Node.objects, "health")
+    schedulability = _counts(Node.objects, "schedulability")
+    gpus = _counts(GPU.objects, "health")
     return {
         "nodes_total": sum(nodes.values()),
         "nodes_by_health": [(h.value, nodes.get(h.value, 0)) for h in Health],
@@ -66,6 +66,10 @@ def cluster_health() -> dict:
         "gpus_total": sum(gpus.values()),
         "gpus_by_health": [(h.value, gpus.get(h.value, 0)) for h in Health],
     }
+
+
+def _counts(rows, field: str) -> Counter:
+    return Counter(dict(rows.order_by().values_list(field).annotate(n=Count("pk"))))
 
 
 def incident_feed(job: Job | None = None) -> list[Incident]:
@@ -199,21 +203,3 @@ def timeline(job: Job) -> list[Event]:
 def lineage(job: Job):
     return lineage_tree(job)
 
-
-# --- nodes ----------------------------------------------------------------------------------------
-
-def nodes_grid() -> list[dict]:
-    now = timezone.now()
-    stale_after = timedelta(seconds=60)
-    rows = []
-    for node in Node.objects.prefetch_related("gpus").order_by("hostname"):
-        gpus = []
-        for gpu in node.gpus.all():
-            sample = gpu.last_sample or {}
-            gpus.append({"gpu": gpu, "temperature": sample.get("temperature_c"),
-                         "xid_recent": sample.get("xid_recent") or 0, "xid_codes": sample.get("recent_xid_codes") or [],
-                         "ecc_recent": sample.get("ecc_uncorrected_recent") or 0,
-                         "stale": gpu.last_sample_at is None or now - gpu.last_sample_at > stale_after})
-        rows.append({"node": node, "gpus": gpus,
-                     "heartbeat_age": now - node.last_heartbeat_at if node.last_heartbeat_at else None})
-    return rows

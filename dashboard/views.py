@@ -23,12 +23,13 @@ from core import roles
 from core.api import parse_int
 from core.auth import actor_label
 from core.problems import CONTENT_TYPE, problem
-from dashboard import sections
+from dashboard import fleet, sections
 from dashboard.relay import RELAY
 from jobs import services as job_services
 from jobs.models import Job
 from jobs.state import TransitionError
 from nodes import services as node_services
+from nodes.choices import Health, Schedulability
 from nodes.models import Node
 
 REASON_MAX = 500
@@ -47,11 +48,12 @@ def _problem(request, status: int, code: str, detail: str) -> JsonResponse:
 
 # --- pages ----------------------------------------------------------------------------------------
 
-def _page(request, page: str, template: str, job: Job | None = None, **extra):
+def _page(request, page: str, template: str, job: Job | None = None, flt: fleet.NodeFilter | None = None,
+          **extra):
     caps = sections.capabilities_of(request.user)
     if roles.VIEW not in caps:
         return HttpResponseForbidden("Your role does not include viewing the dashboard.")
-    html = sections.render(page, None, caps, job)
+    html = sections.render(page, None, caps, job, flt)
     return render(request, template, {"html": html, "page": page, "job": job, "can": sections.can(caps), **extra})
 
 
@@ -67,7 +69,9 @@ def job_detail(request, pk: int):
 
 @login_required
 def nodes(request):
-    return _page(request, "nodes", "dashboard/nodes.html")
+    flt = fleet.NodeFilter.parse(request.GET)
+    return _page(request, "nodes", "dashboard/nodes.html", flt=flt, filter=flt, query=flt.query(),
+                 healths=Health.values, schedulabilities=Schedulability.values)
 
 
 # --- actions --------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""The nodes page at fleet size: the GPU heat map of every node, the filtered and paged table,
+and the live socket rendering the same filter."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from dashboard import fleet
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def fleet_of(cast):
+    """``fleet_of(n)``: n more nodes gpu-0000.. with 8 healthy GPUs each; returns them."""
+    from nodes.models import GPU, Node
+
+    def make(n: int, **fields):
+        now = timezone.now()
+        nodes = Node.objects.bulk_create([Node(hostname=f"gpu-{i:04d}", address=f"10.0.{i // 250}.{i % 250}",
+                                               health="healthy", last_heartbeat_at=now, **fields) for i in range(n)])
+        GPU.objects.bulk_create([GPU(node=node, index=g, health="healthy", last_sample_at=now,
+                                     last_sample={"temperature_c": 50.0}) for node in nodes for g in range(8)])
+        return nodes
+
+    return make
+
+
+def test_a_thousand_nodes_render_every_gpu_in_the_heat_map_and_one_page_of_the_table(
+        signed_in, cast, fleet_of, django_assert_max_num_queries):
+    from nodes.models import Node
+
+    nodes = fleet_of(1024)
+    Node.objects.filter(pk=nodes[700].pk).update(health="unhealthy")
+    client = signed_in(cast.viewer)
+    client.get("/nodes/")  # the session and the user's permissions are loaded once
+    with django_assert_max_num_queries(16):
+        body = client.get("/nodes/").content.decode()
+    assert body.count('class="hm-node') == Node.objects.count()
+    assert body.count("<i class=") == 8 * 1024 + 2  # cast's two nodes have no GPU: a grey cell each
+    assert body.count('<tr data-node="') == fleet.PAGE_NODES
+    # The node that wants attention comes first, on page 1 of 21.
+    assert body.index('<tr data-node="gpu-0700"') < body.index('<tr data-node="gpu-0000"')
+    assert "page 1 of 21" in body and 'href="?page=2"' in body
+    assert len(body) < 600_000
+
+
+def test_search_health_lemon_label_and_paging_narrow_the_table(signed_in, cast, fleet_of):
+    from nodes.models import Node
+
+    nodes = fleet_of(120)
+    Node.objects.filter(pk=nodes[3].pk).update(lemon_count=2, labels={"rack": "r7"})
+    Node.objects.filter(pk__in=[nodes[5].pk, nodes[6].pk]).update(health="unreachable")
+    client = signed_in(cast.viewer)
+
+    def rows(query: str) -> list[str]:
+        body = client.get(f"/nodes/?{query}").content.decode()
+        return [part.split('"')[0] for part in body.split('<tr data-node="')[1:]]
+
+    assert rows("q=gpu-011") == [f"gpu-{i:04d}" for i in range(110, 120)]
+    assert rows("health=unreachable") == ["gpu-0005", "gpu-0006"]
+    assert rows("lemon=1") == ["gpu-0003"] == rows("label=rack%3Dr7")
+    assert rows("label=rack%3Dr8") == [] and "No node matches." in client.get("/nodes/?q=nothing").content.decode()
+    assert len(rows("page=3")) == 120 + 2 - 2 * fleet.PAGE_NODES  # cast's two nodes too
+    assert rows("page=99") == rows("page=3")  # past the end: the last page
+    # Nonsense is ignored, not an error.
+    assert client.get("/nodes/?health=purple&page=-4&label=x").status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_socket_renders_the_filter_of_its_page(cast, fleet_of):
+    from asgiref.sync import async_to_sync
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.routing import websocket_urlpatterns
+    from dashboard.relay import RELAY
+
+    fleet_of(60)
+
+    async def snapshot(path: str) -> dict:
+        communicator = WebsocketCommunicator(URLRouter(websocket_urlpatterns), path)
+        communicator.scope["user"] = cast.viewer
+        assert (await communicator.connect())[0]
+        frame = await communicator.receive_json_from(timeout=10)
+        await communicator.disconnect()
+        await RELAY.stop()  # the connect started it: it must not outlive the test
+        return frame
+
+    frame = async_to_sync(snapshot)("/ws/dashboard/nodes/?q=gpu-004&health=healthy")
+    assert set(frame["html"]) == {"health", "heatmap", "grid"}
+    assert frame["html"]["grid"].count('<tr data-node="') == 10
+    assert frame["html"]["heatmap"].count('class="hm-node') == 62
