@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 
 from django.db import transaction
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from core import shared_counts
@@ -61,9 +62,8 @@ def expire_batch(limit: int) -> int:
                      .order_by("heartbeat_deadline")[:limit])
         if not nodes:
             return 0
-        changes = [_mark_unreachable(node, now) for node in nodes]
-        Node.objects.bulk_update(nodes, ["heartbeat_deadline", "health", "health_reason", "health_changed_at"])
-        changes = [change for change in changes if change is not None]
+        changes = [change for node in nodes if (change := _mark_unreachable(node, now)) is not None]
+        _update(nodes, changes, now)
         events = record_events(EventKind.NODE_HEALTH, changes)
         signals.send_on_commit(signals.nodes_health_changed, new=Health.UNREACHABLE, changes=[
             {"node": change["node"], "old": change["old_state"], "reasons": [change["reason"]], "event_id": event.pk}
@@ -73,8 +73,8 @@ def expire_batch(limit: int) -> int:
 
 
 def _mark_unreachable(node: Node, now) -> dict | None:
-    """Set ``node``'s fields for the batch UPDATE; returns its ``node.health`` event's fields, or
-    None when it already was unreachable (its deadline is cleared all the same)."""
+    """``node`` as the batch UPDATE leaves it; returns its ``node.health`` event's fields, or None
+    when it already was unreachable (its deadline is cleared all the same)."""
     since = node.last_heartbeat_at.isoformat() if node.last_heartbeat_at else "never"
     deadline = node.heartbeat_deadline.isoformat()
     old, node.heartbeat_deadline = node.health, None
@@ -84,6 +84,23 @@ def _mark_unreachable(node: Node, now) -> dict | None:
     node.health, node.health_reason, node.health_changed_at = Health.UNREACHABLE, reason, now
     return {"node": node, "actor": SWEEPER, "old_state": old, "new_state": Health.UNREACHABLE, "reason": reason,
             "evidence": {"last_heartbeat_at": since, "deadline": deadline}, "created_at": now}
+
+
+def _update(nodes: list[Node], changes: list[dict], now) -> None:
+    """One UPDATE (two when some node already was unreachable): the health, its time, each node's
+    reason, and no deadline. The reasons are one CASE written out: Django's ``bulk_update`` (and
+    ``Case(When(...))``) resolve an expression object per node, 0.7 s of Python for 1,000 nodes."""
+    if changes:
+        pk = Node._meta.pk.column
+        # Only placeholders and the key column's name are SQL here; every value is a parameter.
+        reasons = RawSQL(f"CASE {pk} {' '.join(['WHEN %s THEN %s'] * len(changes))} END",  # noqa: S611
+                         [value for change in changes for value in (change["node"].pk, change["reason"])])
+        Node.objects.filter(pk__in=[change["node"].pk for change in changes]).update(
+            heartbeat_deadline=None, health=Health.UNREACHABLE, health_changed_at=now, health_reason=reasons)
+    if len(changes) < len(nodes):
+        changed = {change["node"].pk for change in changes}
+        Node.objects.filter(pk__in=[node.pk for node in nodes if node.pk not in changed]).update(
+            heartbeat_deadline=None)
 
 
 def _count_batch(size: int, now) -> None:
