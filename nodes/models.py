@@ -116,7 +116,7 @@ class NodeGpuSample(models.Model):
 
     Only what an operator charts is kept here (the full reading of each GPU, which the health
     rules judge, is ``GPU.last_sample``); ``NodeGpuMinute`` keeps it longer, a minute at a time.
-    One row per (node, time) with a value per GPU (``PerGpuField``): ~44 bytes per GPU sample
+    One row per (node, time) with a value per GPU (``PerGpuField``): ~40 bytes per GPU sample
     where a row per GPU cost ~136 (docs/architecture.md, "Telemetry storage"). ``gpus`` is the
     bitmask of the GPUs the row holds, so that a batch split between GPUs, or replayed, merges
     into the row and is counted once.
@@ -137,9 +137,10 @@ class NodeGpuSample(models.Model):
     memory_used_mib = PerGpuField(base_type="integer", null=True)
     power_w = PerGpuField(null=True)
     sm_clock_mhz = PerGpuField(null=True)
-    # Lifetime error counters; NULL when every GPU of the row counted none (a NULL costs a bit).
-    xid_total = PerGpuField(base_type="integer", null=True)
-    ecc_uncorrected = PerGpuField(base_type="integer", null=True)
+    # New errors since the GPU's sample before (Xids, uncorrected ECC, NVLink); NULL when no GPU of
+    # the row counted one, which costs a bit instead of an array.
+    xid_errors = PerGpuField(base_type="integer", null=True)
+    ecc_uncorrected_errors = PerGpuField(base_type="integer", null=True)
     nvlink_errors = PerGpuField(base_type="integer", null=True)
 
     class Meta:
@@ -153,12 +154,11 @@ class NodeGpuMinute(models.Model):
     """The GPUs of one node over one closed minute: the rollup of their raw samples, kept for months.
 
     Laid out like ``NodeGpuSample`` (a value per GPU, ``gpus`` the bitmask of those present), for
-    the same reason: a row per GPU and minute cost ~168 bytes a GPU-minute, this ~94 (docs/
+    the same reason: a row per GPU and minute cost ~168 bytes a GPU-minute, this ~91 (docs/
     architecture.md, "Telemetry storage"). Written by ``nodes.services.rollup``, always recomputed
     from the raw rows, so writing a minute twice gives the same row. ``samples``: how many samples
-    each GPU had in the minute; means are over the samples that had the value; error counters are
-    the minute's highest lifetime count, NULL when no GPU counted any. Partitioned by day on
-    PostgreSQL.
+    each GPU had in the minute; means are over the samples that had the value; error counts are
+    the errors counted in the minute, NULL when no GPU counted any. Partitioned by day on PostgreSQL.
     """
 
     pk = models.CompositePrimaryKey("node", "minute")
@@ -178,8 +178,8 @@ class NodeGpuMinute(models.Model):
     power_min = PerGpuField(null=True)
     power_mean = PerGpuField(base_type="real", null=True)
     power_max = PerGpuField(null=True)
-    xid_total = PerGpuField(base_type="integer", null=True)
-    ecc_uncorrected = PerGpuField(base_type="integer", null=True)
+    xid_errors = PerGpuField(base_type="integer", null=True)
+    ecc_uncorrected_errors = PerGpuField(base_type="integer", null=True)
     nvlink_errors = PerGpuField(base_type="integer", null=True)
 
     class Meta:

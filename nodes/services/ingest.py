@@ -18,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from itertools import zip_longest
+from typing import Any
 
 from django.db import connection, transaction
 from django.utils import timezone
@@ -54,18 +57,26 @@ NVLINK_FIELDS = ("nvlink_replay_errors", "nvlink_recovery_errors", "nvlink_crc_f
 class RawColumn:
     """How one ``NodeGpuSample`` column is made from wire fields: their sum (``None`` if all are),
     rounded, shifted right by ``shift`` bits (bytes to MiB), clamped to the column type's range.
-    A ``sparse`` column is NULL when no GPU of the row counted anything (error counters)."""
+
+    A ``counter`` column (lifetime error counts) stores how much the count rose since the GPU's
+    sample before, and is NULL when no GPU of the row counted a new error: a healthy fleet pays
+    nothing for it, where the lifetime totals, nonzero on many GPUs for ever, would cost every row.
+    """
 
     fields: tuple[str, ...]
     high: int
     shift: int = 0
-    sparse: bool = False
+    counter: bool = False
 
-    def value(self, sample: wire.GpuSample) -> int | None:
-        readings = [getattr(sample, name) for name in self.fields]
+    def total(self, get: Callable[[str], Any]) -> int | None:
+        """The sum of the fields as ``get`` reads them (a wire sample's attributes, a stored reading's keys)."""
+        readings = [get(name) for name in self.fields]
         if all(v is None for v in readings):
             return None
-        return max(-self.high - 1, min(self.high, round(sum(v or 0 for v in readings)) >> self.shift))
+        return round(sum(v or 0 for v in readings))
+
+    def stored(self, value: int | None) -> int | None:
+        return None if value is None else max(-self.high - 1, min(self.high, value >> self.shift))
 
 
 RAW_COLUMNS = {
@@ -74,10 +85,11 @@ RAW_COLUMNS = {
     "memory_used_mib": RawColumn(("memory_used",), INT_MAX, shift=20),
     "power_w": RawColumn(("power_w",), SMALLINT_MAX),
     "sm_clock_mhz": RawColumn(("sm_clock_mhz",), SMALLINT_MAX),
-    "xid_total": RawColumn(("xid_total",), INT_MAX, sparse=True),
-    "ecc_uncorrected": RawColumn(("ecc_uncorrected_aggregate",), INT_MAX, sparse=True),
-    "nvlink_errors": RawColumn(NVLINK_FIELDS, INT_MAX, sparse=True),
+    "xid_errors": RawColumn(("xid_total",), INT_MAX, counter=True),
+    "ecc_uncorrected_errors": RawColumn(("ecc_uncorrected_aggregate",), INT_MAX, counter=True),
+    "nvlink_errors": RawColumn(NVLINK_FIELDS, INT_MAX, counter=True),
 }
+COUNTER_COLUMNS = {name: column for name, column in RAW_COLUMNS.items() if column.counter}
 #: An Xid event older than this is history (the telemetry window judges it), not news.
 FRESH_XID_S = 600
 
@@ -112,7 +124,9 @@ def ingest_telemetry(node: Node, batch: wire.TelemetryBatch) -> Ingested:
     now = timezone.now()
     with transaction.atomic():
         gpus = {g.index: g for g in GPU.objects.select_for_update().filter(node=node)}
-        rows, expired = raw_rows(samples, since=retention.retention().raw_cutoff(now))
+        before = {index: (g.last_sample_at.timestamp(), g.last_sample) for index, g in gpus.items()
+                  if g.last_sample_at is not None}
+        rows, expired = raw_rows(samples, since=retention.retention().raw_cutoff(now), before=before)
         inserted = _insert_samples(node, rows) + expired
         verdict = _update_latest(node, gpus, latest)
         if rows and rows[0].time < now - rollup.LATE:  # beat may not roll these minutes up again
@@ -196,12 +210,13 @@ class RawRow:
     gpus: int = 0
     values: dict[str, list] = dataclasses.field(default_factory=dict)
 
-    def add(self, sample: wire.GpuSample) -> None:
+    def add(self, sample: wire.GpuSample, rises: dict[str, int | None]) -> None:
         self.gpus |= 1 << sample.gpu
+        get = partial(getattr, sample)
         for name, column in RAW_COLUMNS.items():
             values = self.values.setdefault(name, [])
             values.extend([None] * (sample.gpu + 1 - len(values)))
-            values[sample.gpu] = column.value(sample)
+            values[sample.gpu] = column.stored(rises[name] if column.counter else column.total(get))
 
     def merge(self, stored: RawRow) -> None:
         """Add ``stored`` (the row already in the table): its GPUs keep their stored readings."""
@@ -212,25 +227,59 @@ class RawRow:
 
     def column(self, name: str) -> list | None:
         values = self.values.get(name) or []
-        if RAW_COLUMNS[name].sparse and not any(values):
+        if RAW_COLUMNS[name].counter and not any(values):
             return None
         return values
 
 
-def raw_rows(samples: list[wire.GpuSample], *, since: datetime) -> tuple[list[RawRow], int]:
+def raw_rows(samples: list[wire.GpuSample], *, since: datetime,
+             before: Mapping[int, tuple[float, Mapping]]) -> tuple[list[RawRow], int]:
     """The batch as raw rows, oldest first, and how many samples were older than ``since`` (not stored).
 
-    A (gpu, time) the batch repeats is stored once; its copies count as duplicates.
+    ``before``: per GPU, the time and reading of its latest stored sample (``GPU.last_sample``),
+    from which the error counters' first rises are counted. A (gpu, time) the batch repeats is
+    stored once; its copies count as duplicates.
     """
+    rises = _rises(samples, before)
     rows: dict[float, RawRow] = {}
     expired = 0
-    for sample in samples:
+    for sample, rise in zip(samples, rises, strict=True):
         at = _utc(sample.time)
         if at < since:
             expired += 1
         elif sample.time not in rows or not rows[sample.time].gpus >> sample.gpu & 1:
-            rows.setdefault(sample.time, RawRow(at)).add(sample)
+            rows.setdefault(sample.time, RawRow(at)).add(sample, rise)
     return sorted(rows.values(), key=lambda row: row.time), expired
+
+
+def _rises(samples: list[wire.GpuSample], before: Mapping[int, tuple[float, Mapping]]) -> list[dict]:
+    """Per sample, how much each error counter rose since the same GPU's sample before it.
+
+    A count that went down was reset (the agent or the node restarted): it rose by its new value.
+    Where the sample before is unknown — a GPU's first, or a replay older than the latest stored
+    reading — the rise counts as 0: errors from before are history, not news.
+    """
+    rises: list[dict] = [{}] * len(samples)
+    previous: dict[str, int | None] | None = None
+    gpu = None
+    for i in sorted(range(len(samples)), key=lambda i: (samples[i].gpu, samples[i].time)):
+        sample = samples[i]
+        if sample.gpu != gpu:
+            gpu, stored = sample.gpu, before.get(sample.gpu)
+            previous = ({name: column.total(stored[1].get) for name, column in COUNTER_COLUMNS.items()}
+                        if stored is not None and stored[0] < sample.time else None)
+        totals = {name: column.total(partial(getattr, sample)) for name, column in COUNTER_COLUMNS.items()}
+        rises[i] = {name: _rise(None if previous is None else previous[name], total) for name, total in totals.items()}
+        previous = totals
+    return rises
+
+
+def _rise(before: int | None, now: int | None) -> int | None:
+    if now is None:
+        return None
+    if before is None:
+        return 0
+    return now - before if now >= before else now
 
 
 def _insert_samples(node: Node, rows: list[RawRow]) -> int:

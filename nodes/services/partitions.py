@@ -3,7 +3,7 @@
 Raw samples (``NodeGpuSample``) are partitioned by the hour and kept 48 h by default, so
 retention drops a whole hour at a time (a catalogue change, no dead rows, no vacuum) and keeps
 at most one hour more than asked for; the rollups (``NodeGpuMinute``) by the day, kept 90 days.
-An hour of raw samples of 1,024 nodes is ~130 MB, small enough that the newest partition and
+An hour of raw samples of 1,024 nodes is ~120 MB, small enough that the newest partition and
 its key index stay in memory while agents write into it; ~55 hourly partitions are well within
 what the planner prunes cheaply.
 

@@ -1,7 +1,7 @@
 """Telemetry retention: raw samples for hours, minute rollups for months, removed in bulk.
 
 On PostgreSQL whole partitions are dropped (``nodes.services.partitions``): no row-by-row delete,
-no dead tuples for vacuum to chase through a table that grows by ~3.1 GB a day at 1,024 nodes.
+no dead tuples for vacuum to chase through a table that grows by ~2.8 GB a day at 1,024 nodes.
 On SQLite (the embedded demo, a handful of nodes) one ``DELETE … WHERE time < cutoff`` per table.
 """
 

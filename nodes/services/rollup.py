@@ -33,8 +33,8 @@ LATE = LOOKBACK - 2 * MINUTE
 #: Rolled-up gauges: raw column -> rollup column prefix (each gets _min, _mean, _max).
 GAUGES = {"temperature_c": "temperature", "utilization_pct": "utilization", "memory_used_mib": "memory_used_mib",
           "power_w": "power"}
-#: Lifetime error counters: the minute keeps the highest (the last) count.
-COUNTERS = ("xid_total", "ecc_uncorrected", "nvlink_errors")
+#: Error counts (each raw sample holds the GPU's new errors since the sample before): summed.
+COUNTERS = ("xid_errors", "ecc_uncorrected_errors", "nvlink_errors")
 ROLLUP_FIELDS = ("samples", *(f"{prefix}_{stat}" for prefix in GAUGES.values() for stat in ("min", "mean", "max")),
                  *COUNTERS)
 
@@ -71,7 +71,7 @@ def _rollup_sql(by_node: bool) -> str:
                     f"max(r.{name}) AS {prefix}_max"]
         folded += [f"array_agg(g.{prefix}_{stat} ORDER BY pos)" for stat in ("min", "mean", "max")]
     for name, counter in zip(names[len(GAUGES):], COUNTERS, strict=True):
-        per_gpu.append(f"max(r.{name}) AS {counter}")
+        per_gpu.append(f"sum(r.{name}) AS {counter}")
         folded.append(f"CASE WHEN coalesce(max(g.{counter}), 0) = 0 THEN NULL "
                       f"ELSE array_agg(g.{counter} ORDER BY pos) END")
     columns = ["node_id", "minute", "gpus", *ROLLUP_FIELDS]
@@ -133,7 +133,7 @@ def _fold(gpus: dict[int, dict[str, list]]) -> dict:
             stats[f"{prefix}_mean"][gpu] = statistics.fmean(values) if values else None
             stats[f"{prefix}_max"][gpu] = max(values, default=None)
         for column in COUNTERS:
-            stats[column][gpu] = max(seen[column], default=None)
+            stats[column][gpu] = sum(seen[column]) if seen[column] else None
     for column in COUNTERS:
         if not any(stats[column]):
             stats[column] = None

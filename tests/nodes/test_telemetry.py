@@ -36,7 +36,7 @@ def test_a_batch_is_stored_once_and_a_replay_is_counted_as_duplicates(cast, post
     assert len(stored(cast.node1)) == 20
     assert NodeGpuSample.objects.filter(node=cast.node1).count() == 5  # a row per moment, a value per GPU
     row = NodeGpuSample.objects.filter(node=cast.node1).order_by("time").last()
-    assert (row.gpus, row.temperature_c, row.memory_used_mib, row.xid_total) == (0b1111, [55] * 4, [2048] * 4, None)
+    assert (row.gpus, row.temperature_c, row.memory_used_mib, row.xid_errors) == (0b1111, [55] * 4, [2048] * 4, None)
     assert abs(row.time.timestamp() - body["samples"][-1]["time"]) < 1e-5
 
 
@@ -155,21 +155,23 @@ def test_every_raw_column_is_made_of_wire_fields_and_stored():
 def test_the_portable_insert_stores_exactly_what_the_postgresql_one_does(cast):
     """SQLite (embedded mode) takes the ORM path: same rows, same duplicate count, same merges."""
     # Many fractional times: a rounding difference between the paths would show in the key.
-    body = batch_of(cast.node1, gpus=3, per_gpu=300, start=time.time() + 0.1234567, xid_total=2,
-                    nvlink_replay_errors=1, memory_used=5 * 2**30 + 123)
-    body["samples"] = [{**s, "time": s["time"] + (i // 3) * 0.0000013} for i, s in enumerate(body["samples"])]
+    body = batch_of(cast.node1, gpus=3, per_gpu=300, start=time.time() + 0.1234567, memory_used=5 * 2**30 + 123)
+    # Error counts rise by 1 (Xids) and 2 (NVLink) a sample: every row but the first holds the rises.
+    body["samples"] = [{**s, "time": s["time"] + (i // 3) * 0.0000013, "xid_total": i // 3,
+                        "nvlink_replay_errors": 2 * (i // 3)} for i, s in enumerate(body["samples"])]
     samples = parse(TelemetryBatch, body).samples
     first, rest = ([s for s in samples if s.gpu != 2], [s for s in samples if s.gpu == 2])  # a split batch
 
     def store(upsert) -> list[dict]:
-        batches = [ingest.raw_rows(part, since=ingest._utc(0))[0] for part in (first, rest, samples)]
+        batches = [ingest.raw_rows(part, since=ingest._utc(0), before={})[0] for part in (first, rest, samples)]
         assert [ingest.new_samples(rows, upsert(cast.node1, rows)) for rows in batches] == [600, 300, 0]
         return list(NodeGpuSample.objects.filter(node=cast.node1).order_by("time").values())
 
     portable = store(ingest._upsert_orm)
-    first_row = portable[0]
-    assert (first_row["gpus"], first_row["xid_total"], first_row["nvlink_errors"], first_row["memory_used_mib"]) == (
-        0b111, [2] * 3, [1] * 3, [5120] * 3)
+    first_row, second_row = portable[:2]
+    assert (first_row["gpus"], first_row["xid_errors"], first_row["nvlink_errors"], first_row["memory_used_mib"]) == (
+        0b111, None, None, [5120] * 3)
+    assert (second_row["xid_errors"], second_row["nvlink_errors"]) == ([1] * 3, [2] * 3)
     if ingest.connection.vendor == "postgresql":
         NodeGpuSample.objects.filter(node=cast.node1).delete()
         assert store(ingest._upsert_unnest) == portable

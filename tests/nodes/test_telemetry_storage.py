@@ -141,8 +141,8 @@ def test_a_minute_rolls_up_to_min_mean_max_per_gpu_and_again_to_the_same_rows(ca
     assert (first["utilization_min"], first["utilization_mean"], first["utilization_max"]) == ([0, 100], [25, 100],
                                                                                                [50, 100])
     assert (first["memory_used_mib_min"][0], first["memory_used_mib_max"][0], first["power_mean"][0]) == (0, 5120, 300)
-    assert (first["xid_total"], first["ecc_uncorrected"]) == ([1, 0], None)  # GPU 1: 0 beside GPU 0's 1
-    assert (second["gpus"], second["samples"], second["temperature_max"], second["xid_total"]) == (1, [1], [90], None)
+    assert (first["xid_errors"], first["ecc_uncorrected_errors"]) == ([1, 0], None)  # GPU 1: 0 beside GPU 0's 1
+    assert (second["gpus"], second["samples"], second["temperature_max"], second["xid_errors"]) == (1, [1], [90], None)
     assert tasks.roll_up_telemetry() == 2
     assert rollups() == [first, second]
 
@@ -153,6 +153,16 @@ def test_a_gpu_silent_for_a_minute_keeps_its_place_in_the_rollup(cast, post, fro
     rollup.roll_up_recent()
     minute = NodeGpuMinute.objects.get()
     assert (minute.gpus, minute.samples, minute.temperature_max) == (0b101, [1, None, 1], [40, None, 42])
+
+
+@pytest.mark.django_db
+def test_error_counts_are_stored_as_their_rise_since_the_sample_before(cast, post, frozen):
+    """Counted from the GPU's latest reading across batches; a count that fell was reset; a GPU's
+    first sample, and a replay older than the latest reading, rise by 0."""
+    for minutes, xids in ((-4, 3), (-3, 5), (-2, 1), (-3.5, 9)):
+        post("telemetry", {"samples": [sample(cast.node1, 0, at(minutes), xid_total=xids)]})
+    rises = {row.time: row.xid_errors for row in NodeGpuSample.objects.all()}
+    assert [rises[NOW + timedelta(minutes=m)] for m in (-4, -3.5, -3, -2)] == [None, None, [2], [1]]
 
 
 @postgresql_only
