@@ -404,8 +404,8 @@ NIGHTWATCH = {
     # Overload hold (nodes/services/overload.py): while, within the last heartbeat timeout, every web
     # process together refused at least HEARTBEAT_REFUSALS heartbeats (or registrations), or REFUSALS
     # requests of any kind, or answered LATE_HEARTBEATS heartbeats HEARTBEAT_LAG_S or more after they
-    # arrived, or QUEUE_DEPTH Celery messages wait, the control plane did not keep up: no node turns
-    # unreachable and no job is declared hung, for up to HOLD_S (0 turns the hold off).
+    # arrived, or QUEUE_DEPTH Celery messages wait, the control plane did not keep up: no job is declared
+    # hung and (unless only bulk was refused) no node turns unreachable, for up to HOLD_S (0: no hold).
     "OVERLOAD_HEARTBEAT_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_HEARTBEAT_REFUSALS", 1),
     "OVERLOAD_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_REFUSALS", 100),
     "OVERLOAD_HEARTBEAT_LAG_S": env_float("NIGHTWATCH_OVERLOAD_HEARTBEAT_LAG_S", 2.0),

@@ -19,8 +19,10 @@ the last heartbeat timeout, the silent period of every node whose deadline is pa
 3. messages waiting in Celery's default queue (``OVERLOAD_QUEUE_DEPTH``): the incidents a verdict
    opens would be handled late, behind a backlog that says we are not keeping up.
 
-Any of them past its threshold is overload. The sweeper then holds: no node turns unreachable and
-no job is declared hung (the jobs' sweep asks ``held()``). When a whole window passes without
+Any of them past its threshold is overload, and no job is declared hung (the jobs' sweep asks
+``held()``): their step reports may be among those refused. No node turns unreachable either while
+the overload touches heartbeats (refused, answered late, or a queue past its bound); refused bulk
+alone does not, since the heartbeats' reserve let them in. When a whole window passes without
 any, the hold lifts: deadlines that ran out during it start over one heartbeat timeout from now
 (the agents' heartbeats were refused or queued, not missing), and so do the jobs' progress
 deadlines (``nodes.signals.fleet_contact_restored``, whose receivers treat it like contact coming
@@ -70,16 +72,24 @@ class Load:
 
     def reasons(self) -> list[str]:
         """Each signal past its threshold, in words (empty: the control plane kept up)."""
+        return [text for text, _ in self._past_thresholds()]
+
+    def heartbeats_unheard(self) -> bool:
+        """Whether a signal past its threshold says heartbeats were refused, queued or answered late.
+        Refused bulk alone does not: the heartbeats' reserve (``PRIORITY_RESERVE``) let them in."""
+        return any(about_heartbeats for _, about_heartbeats in self._past_thresholds())
+
+    def _past_thresholds(self) -> list[tuple[str, bool]]:
         config = settings.NIGHTWATCH
         window = f"in the last {self.window_s:.0f} s"
         checks = (
-            (self.heartbeats_refused, config["OVERLOAD_HEARTBEAT_REFUSALS"], f"heartbeats refused {window}"),
-            (self.refused, config["OVERLOAD_REFUSALS"], f"requests refused {window}"),
+            (self.heartbeats_refused, config["OVERLOAD_HEARTBEAT_REFUSALS"], f"heartbeats refused {window}", True),
+            (self.refused, config["OVERLOAD_REFUSALS"], f"requests refused {window}", False),
             (self.late_heartbeats, config["OVERLOAD_LATE_HEARTBEATS"],
-             f"heartbeats answered {config['OVERLOAD_HEARTBEAT_LAG_S']:g} s or more late {window}"),
-            (self.queue_depth, config["OVERLOAD_QUEUE_DEPTH"], "tasks waiting in the Celery queue"),
+             f"heartbeats answered {config['OVERLOAD_HEARTBEAT_LAG_S']:g} s or more late {window}", True),
+            (self.queue_depth, config["OVERLOAD_QUEUE_DEPTH"], "tasks waiting in the Celery queue", True),
         )
-        return [f"{value} {what}" for value, threshold, what in checks
+        return [(f"{value} {what}", about_heartbeats) for value, threshold, what, about_heartbeats in checks
                 if value is not None and threshold > 0 and value >= threshold]
 
     def evidence(self) -> dict:
@@ -124,7 +134,8 @@ def held() -> bool:
 
 def watch(now: datetime | None = None) -> bool:
     """The heartbeat sweeper's overload step: record a transition if there is one; returns whether
-    the sweeper must hold (mark nobody unreachable) this round."""
+    the sweeper must hold (mark nobody unreachable) this round: while overloaded, and the overload
+    touches heartbeats (``Load.heartbeats_unheard``)."""
     now = now or timezone.now()
     load = measure(now)
     last = last_transition()
@@ -135,12 +146,13 @@ def watch(now: datetime | None = None) -> bool:
             return False
         if state == RECOVERED:
             _record(OVERLOADED, now, load, f"control plane overloaded ({'; '.join(reasons)}): holding up to "
-                    f"{_hold_s()} s (no node unreachable, no job hung)")
-            return True
+                    f"{_hold_s()} s (no job hung; no node unreachable while heartbeats are refused, late or "
+                    f"queued behind tasks)")
+            return load.heartbeats_unheard()
         if state == OVERLOADED:
             held_for = (now - last.created_at).total_seconds()
             if held_for < _hold_s():
-                return True
+                return load.heartbeats_unheard()
             _record(GIVEN_UP, now, load, f"overloaded for {held_for:.0f} s, longer than the {_hold_s()} s hold "
                     f"({'; '.join(reasons)}): silent nodes turn unreachable again")
         return False

@@ -146,6 +146,23 @@ def test_refused_bulk_below_its_threshold_and_no_refusals_at_all_do_not_hold(fle
 
 
 @pytest.mark.django_db
+def test_refused_bulk_alone_holds_the_hang_sweep_but_not_the_heartbeat_sweep(cast, fleet, redis_counts):
+    """Step reports shed: a job may look hung for want of them. Heartbeats used their reserve:
+    a silent node is silent."""
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(5)
+        beat(fleet[1], fleet[2])
+        shed(redis_counts, other=500)
+        clock.shift(2)
+        assert tasks.expire_heartbeats() == 1
+        hung_job(cast)
+        assert progress.expire_one_progress_deadline() is False
+    assert health(fleet[0]) == Health.UNREACHABLE
+    assert transitions() == ["overloaded"]
+
+
+@pytest.mark.django_db
 def test_late_heartbeats_and_a_deep_queue_count_as_overload(fleet, redis_counts):
     now = timezone.now()
     redis_counts.add({"late:priority": 10}, at=now.timestamp())
