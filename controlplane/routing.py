@@ -8,4 +8,5 @@ websocket_urlpatterns: list = [
     path("ws/dashboard/overview/", consumers.OverviewConsumer.as_asgi()),
     path("ws/dashboard/jobs/<int:job_id>/", consumers.JobConsumer.as_asgi()),
     path("ws/dashboard/nodes/", consumers.NodesConsumer.as_asgi()),
+    path("ws/dashboard/nodes/<int:node_id>/", consumers.NodeConsumer.as_asgi()),
 ]

@@ -1,11 +1,11 @@
 """WebSocket consumers of the dashboard: thin — authenticate, join groups, forward, never write.
 
-Each page opens one socket: ``/ws/dashboard/overview/``, ``/ws/dashboard/jobs/<id>/`` or
-``/ws/dashboard/nodes/`` (with the page's node filter as its query string). On every (re)connect
-the consumer sends a snapshot of the whole page, so a browser that lost its connection for a
-while shows what changed meanwhile; after that it forwards the relay's pushes
-(``dashboard.relay``), re-rendering the changed sections for its own person (action buttons
-depend on the role) and filter.
+Each page opens one socket: ``/ws/dashboard/overview/``, ``/ws/dashboard/jobs/<id>/``,
+``/ws/dashboard/nodes/<id>/`` or ``/ws/dashboard/nodes/`` (with the page's node filter as its
+query string). On every (re)connect the consumer sends a snapshot of the whole page, so a browser
+that lost its connection for a while shows what changed meanwhile; after that it forwards the
+relay's pushes (``dashboard.relay``), re-rendering the changed sections for its own person
+(action buttons depend on the role) and filter.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dashboard import events, fleet, queries
 from dashboard import sections as page_sections
 from dashboard.relay import RELAY
 from jobs.models import Job
+from nodes.models import Node
 
 #: Close codes: not signed in; signed in without the view capability; no such job.
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = 4401, 4403, 4404
@@ -43,12 +44,17 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if roles.VIEW not in self.caps:
             await self.close(code=FORBIDDEN)
             return
-        self.job_id = None
+        self.job_id = self.node_id = None
         # The nodes page's filter and page number ride in the socket's query string.
         self.filter = fleet.NodeFilter.parse(parse_qs(self.scope.get("query_string", b"").decode(errors="replace")))
         if self.page == "job":
             self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
             if not await database_sync_to_async(Job.objects.filter(pk=self.job_id).exists)():
+                await self.close(code=NOT_FOUND)
+                return
+        if self.page == "node":
+            self.node_id = int(self.scope["url_route"]["kwargs"]["node_id"])
+            if not await database_sync_to_async(Node.objects.filter(pk=self.node_id).exists)():
                 await self.close(code=NOT_FOUND)
                 return
         self.groups_joined = [events.job_group(self.job_id)] if self.job_id else [events.CLUSTER_GROUP]
@@ -86,7 +92,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def _rendered(self, message: dict) -> tuple[dict, dict | None]:
         """The message's sections as this person sees them: rendered once per process (the first
         consumer renders, the others of the same page, job, role and node filter await that render)."""
-        key = (message["id"], self.page, self.job_id, self.caps, self.filter)
+        key = (message["id"], self.page, self.job_id, self.node_id, self.caps, self.filter)
         if key in _RENDERED:
             return _RENDERED[key]
         in_flight = _IN_FLIGHT.get(key)
@@ -111,15 +117,19 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     def _job(self) -> Job | None:
         return Job.objects.filter(pk=self.job_id).first() if self.job_id else None
 
+    def _subject(self, job: Job | None) -> page_sections.Subject:
+        node = Node.objects.filter(pk=self.node_id).first() if self.node_id else None
+        return page_sections.Subject(job=job, node=node, filter=self.filter)
+
     def _snapshot(self) -> dict:
         job = self._job()
-        html = page_sections.render(self.page, None, self.caps, job, self.filter)
+        html = page_sections.render(self.page, None, self.caps, self._subject(job))
         return events.snapshot_frame(self.page, html, queries.chart(job) if job else None)
 
     def _render(self, message: dict) -> tuple[dict, dict | None]:
         names = [n for n in message["sections"] if n in page_sections.PAGES[self.page]]
         job = self._job()
-        html = page_sections.render(self.page, names, self.caps, job, self.filter) if names else {}
+        html = page_sections.render(self.page, names, self.caps, self._subject(job)) if names else {}
         chart = queries.chart(job) if job is not None and "chart" in message["sections"] else None
         return html, chart
 
@@ -134,3 +144,7 @@ class JobConsumer(DashboardConsumer):
 
 class NodesConsumer(DashboardConsumer):
     page = "nodes"
+
+
+class NodeConsumer(DashboardConsumer):
+    page = "node"

@@ -8,44 +8,60 @@ role grants (``core.roles``), so a viewer's page has no buttons at all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.template.loader import render_to_string
 
 from core import roles
-from dashboard import fleet, queries
+from dashboard import fleet, node_page, queries
 from jobs.models import Job
+from nodes.models import Node
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a page shows: a job (job pages), a node (node pages), a node filter (the nodes page)."""
+
+    job: Job | None = None
+    node: Node | None = None
+    filter: fleet.NodeFilter = field(default_factory=fleet.NodeFilter)
 
 
 @dataclass(frozen=True)
 class Section:
-    """A template and its context, from the page's job (job pages) or node filter (the nodes page)."""
+    """A template and its context, from the page's subject."""
 
     template: str
-    context: Callable[[Job | None, fleet.NodeFilter], dict]
+    context: Callable[[Subject], dict]
 
 
 PAGES: dict[str, dict[str, Section]] = {
     "overview": {
-        "jobs": Section("dashboard/sections/jobs.html", lambda job, flt: {"rows": queries.overview_jobs()}),
-        "health": Section("dashboard/sections/health.html", lambda job, flt: queries.cluster_health()),
-        "feed": Section("dashboard/sections/feed.html", lambda job, flt: {"incidents": queries.incident_feed()}),
+        "jobs": Section("dashboard/sections/jobs.html", lambda on: {"rows": queries.overview_jobs()}),
+        "health": Section("dashboard/sections/health.html", lambda on: queries.cluster_health()),
+        "feed": Section("dashboard/sections/feed.html", lambda on: {"incidents": queries.incident_feed()}),
     },
     "job": {
-        "summary": Section("dashboard/sections/summary.html", lambda job, flt: queries.job_summary(job)),
+        "summary": Section("dashboard/sections/summary.html", lambda on: queries.job_summary(on.job)),
         "banner": Section("dashboard/sections/banner.html",
-                          lambda job, flt: {"job": job, "breaker": queries.breaker(job)}),
-        "skew": Section("dashboard/sections/skew.html", lambda job, flt: {"job": job, "skew": queries.rank_skew(job)}),
-        "timeline": Section("dashboard/sections/timeline.html", lambda job, flt: {"events": queries.timeline(job)}),
+                          lambda on: {"job": on.job, "breaker": queries.breaker(on.job)}),
+        "skew": Section("dashboard/sections/skew.html", lambda on: {"job": on.job, "skew": queries.rank_skew(on.job)}),
+        "timeline": Section("dashboard/sections/timeline.html", lambda on: {"events": queries.timeline(on.job)}),
         "incidents": Section("dashboard/sections/incidents.html",
-                             lambda job, flt: {"incidents": queries.incident_feed(job)}),
+                             lambda on: {"incidents": queries.incident_feed(on.job)}),
         "lineage": Section("dashboard/sections/lineage.html",
-                           lambda job, flt: {"job": job, "tree": queries.lineage(job)}),
+                           lambda on: {"job": on.job, "tree": queries.lineage(on.job)}),
     },
     "nodes": {
-        "health": Section("dashboard/sections/health.html", lambda job, flt: queries.cluster_health()),
-        "heatmap": Section("dashboard/sections/heatmap.html", lambda job, flt: fleet.heatmap(flt)),
-        "grid": Section("dashboard/sections/grid.html", lambda job, flt: fleet.nodes_page(flt)),
+        "health": Section("dashboard/sections/health.html", lambda on: queries.cluster_health()),
+        "heatmap": Section("dashboard/sections/heatmap.html", lambda on: fleet.heatmap()),
+        "grid": Section("dashboard/sections/grid.html", lambda on: fleet.nodes_page(on.filter)),
+    },
+    "node": {
+        "node": Section("dashboard/sections/node.html", lambda on: {"node": on.node, "gpus": node_page.gpus(on.node)}),
+        "activity": Section("dashboard/sections/node_activity.html",
+                            lambda on: {"entries": node_page.activity(on.node)}),
+        "history": Section("dashboard/sections/node_history.html", lambda on: node_page.history(on.node)),
     },
 }
 
@@ -54,7 +70,7 @@ PAGES: dict[str, dict[str, Section]] = {
 JOB_EVENT_SECTIONS = ["summary", "banner", "timeline", "incidents", "lineage"]
 METRICS_SECTIONS = ["summary", "skew"]
 CLUSTER_JOB_SECTIONS = ["jobs", "feed"]  # overview sections a job's change touches
-CLUSTER_NODE_SECTIONS = ["health", "heatmap", "grid", "jobs"]  # a node's change
+CLUSTER_NODE_SECTIONS = ["health", "heatmap", "grid", "jobs", "node", "activity", "history"]  # a node's change
 
 
 def capabilities_of(user) -> frozenset[str]:
@@ -68,18 +84,18 @@ def can(caps: frozenset[str]) -> dict[str, bool]:
     return {"operate": roles.OPERATE in caps, "approve": roles.APPROVE in caps, "drain": roles.DRAIN in caps}
 
 
-def render(page: str, names: list[str] | None, caps: frozenset[str], job: Job | None = None,
-           flt: fleet.NodeFilter | None = None) -> dict[str, str]:
-    """HTML of the named sections of ``page`` (all of them when ``names`` is None); unknown names
-    are ignored (another page's section)."""
-    flt = flt or fleet.NodeFilter()
+def render(page: str, names: list[str] | None, caps: frozenset[str], on: Subject) -> dict[str, str]:
+    """HTML of the named sections of ``page`` about ``on`` (all of them when ``names`` is None);
+    unknown names are ignored (another page's section)."""
     sections = PAGES[page]
     wanted = list(sections) if names is None else [n for n in names if n in sections]
-    if job is not None and wanted:
-        job.refresh_from_db()
+    if wanted:
+        for row in (on.job, on.node):
+            if row is not None:
+                row.refresh_from_db()
     html = {}
     for name in wanted:
         section = sections[name]
-        context = {**section.context(job, flt), "can": can(caps), "section": name}
+        context = {**section.context(on), "can": can(caps), "section": name}
         html[name] = render_to_string(section.template, context)
     return html

@@ -15,6 +15,7 @@ urlpatterns = [
     path("jobs/<int:pk>/checkpoint", views.checkpoint_now, name="job-checkpoint"),
     path("jobs/<int:pk>/rollback", views.rollback, name="job-rollback"),
     path("nodes/", views.nodes, name="nodes"),
+    path("nodes/<int:pk>/", views.node_detail, name="node-detail"),
     path("nodes/<int:pk>/drain", views.drain, name="node-drain"),
     path("nodes/<int:pk>/undrain", views.undrain, name="node-undrain"),
 ]

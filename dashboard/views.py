@@ -23,7 +23,7 @@ from core import roles
 from core.api import parse_int
 from core.auth import actor_label
 from core.problems import CONTENT_TYPE, problem
-from dashboard import fleet, sections
+from dashboard import fleet, node_page, sections
 from dashboard.relay import RELAY
 from jobs import services as job_services
 from jobs.models import Job
@@ -48,13 +48,14 @@ def _problem(request, status: int, code: str, detail: str) -> JsonResponse:
 
 # --- pages ----------------------------------------------------------------------------------------
 
-def _page(request, page: str, template: str, job: Job | None = None, flt: fleet.NodeFilter | None = None,
-          **extra):
+def _page(request, page: str, template: str, on: sections.Subject | None = None, **extra):
     caps = sections.capabilities_of(request.user)
     if roles.VIEW not in caps:
         return HttpResponseForbidden("Your role does not include viewing the dashboard.")
-    html = sections.render(page, None, caps, job, flt)
-    return render(request, template, {"html": html, "page": page, "job": job, "can": sections.can(caps), **extra})
+    on = on or sections.Subject()
+    html = sections.render(page, None, caps, on)
+    return render(request, template, {"html": html, "page": page, "job": on.job, "node": on.node,
+                                      "can": sections.can(caps), **extra})
 
 
 @login_required
@@ -64,14 +65,24 @@ def overview(request):
 
 @login_required
 def job_detail(request, pk: int):
-    return _page(request, "job", "dashboard/job.html", job=get_object_or_404(Job, pk=pk))
+    return _page(request, "job", "dashboard/job.html", sections.Subject(job=get_object_or_404(Job, pk=pk)))
 
 
 @login_required
 def nodes(request):
     flt = fleet.NodeFilter.parse(request.GET)
-    return _page(request, "nodes", "dashboard/nodes.html", flt=flt, filter=flt, query=flt.query(),
-                 healths=Health.values, schedulabilities=Schedulability.values)
+    return _page(request, "nodes", "dashboard/nodes.html", sections.Subject(filter=flt), filter=flt,
+                 query=flt.query(), healths=Health.values, schedulabilities=Schedulability.values)
+
+
+@login_required
+def node_detail(request, pk: int):
+    node = get_object_or_404(Node, pk=pk)
+    range_name = request.GET.get("range", "hour")
+    if range_name not in node_page.RANGES:
+        range_name = "hour"
+    return _page(request, "node", "dashboard/node.html", sections.Subject(node=node), range=range_name,
+                 ranges=list(node_page.RANGES), series=node_page.series(node, range_name))
 
 
 # --- actions --------------------------------------------------------------------------------------

@@ -299,6 +299,25 @@ def drain_from_the_nodes_page(world):
     assert (node.schedulability, node.drain_reason) == ("drained", "fan failing")
     assert Event.objects.filter(kind="node.drain", node=node, actor="user:olga").exists()
     _shot(page, "nodes")
+
+    # The heat map opens the node's page: its drain in the timeline, its telemetry charted.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from nodes.models import NodeGpuSample
+
+    now = timezone.now()
+    NodeGpuSample.objects.bulk_create([
+        NodeGpuSample(node=node, time=now - timedelta(seconds=10 * i), gpus=0b11, temperature_c=[52, 91 - i % 3],
+                      utilization_pct=[97, 0], memory_used_mib=[2048, 2048], power_w=[400, 90]) for i in range(30)])
+    page.click('#gpu-heatmap a[data-node="gpu-04"]')
+    page.wait_for_selector('#node-head[data-schedulability="drained"]', timeout=10_000)
+    _live(page)
+    page.wait_for_function("() => window.nightwatch.nodeCharts === 4", timeout=10_000)
+    assert page.locator("#node-charts canvas").count() >= 4
+    assert "fan failing" in page.locator("#node-activity").inner_text()
+    _shot(page, "node")
     page.context.close()
 
 

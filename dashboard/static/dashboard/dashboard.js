@@ -119,6 +119,31 @@
     drawChart();
   }
 
+  // --- a node's telemetry (the node page): one chart per reading, a line per GPU -----------------
+  // The series comes in the page as a JSON data block (not a script: the CSP runs none inline).
+  function drawNodeCharts() {
+    const data = document.getElementById("node-series");
+    const box = document.getElementById("node-charts");
+    if (!data || !box || typeof uPlot === "undefined") return;
+    const series = JSON.parse(data.textContent);
+    if (!series.t.length) return;
+    const palette = ["#1a73e8", "#d93025", "#188038", "#f29900", "#9334e6", "#12b5cb", "#e8710a", "#5f6368"];
+    const width = Math.max(320, Math.floor((box.clientWidth || 900) / 2) - 16);
+    for (const metric of series.metrics) {
+      const el = document.createElement("div");
+      el.className = "node-chart";
+      el.dataset.metric = metric.name;
+      box.appendChild(el);
+      new uPlot({
+        title: `${metric.name} (${metric.unit})`, width, height: 200, axes: [{}, { label: metric.unit }],
+        series: [{}, ...metric.values.map((_, gpu) => ({ label: `GPU ${gpu}`, stroke: palette[gpu % palette.length],
+                                                         width: 1 }))],
+      }, [series.t, ...metric.values], el);
+    }
+    nw.nodeCharts = series.metrics.length;
+  }
+  drawNodeCharts();
+
   // --- the socket -----------------------------------------------------------------------------
   let backoff = 500;
   function connect() {
