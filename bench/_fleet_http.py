@@ -133,8 +133,11 @@ class Client:
             self._idle.put_nowait(Connection(host, port))
 
     async def request(self, endpoint: str, method: str, path: str, token: str | None = None,
-                      body: Any = None) -> tuple[int, dict[str, Any]]:
-        """Like ``agents.http.ControlPlaneClient.request``; ``endpoint`` names the class it is booked under."""
+                      body: Any = None, *, source: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Like ``agents.http.ControlPlaneClient.request``; ``endpoint`` names the class it is booked under.
+
+        ``source`` is the simulated node's own address, passed as the TLS proxy in front of the web
+        processes would (``X-Forwarded-For``): per-address limits must see a thousand nodes, not one."""
         data = b"" if body is None else json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
         head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Accept: application/json",
                 f"Content-Length: {len(data)}"]
@@ -142,6 +145,8 @@ class Client:
             head.append("Content-Type: application/json")
         if token:
             head.append(f"Authorization: Bearer {token}")
+        if source:
+            head.append(f"X-Forwarded-For: {source}")
         raw = ("\r\n".join(head) + "\r\n\r\n").encode() + data
         connection = await self._idle.get()
         started = time.monotonic()

@@ -161,7 +161,8 @@ def markdown(result: dict) -> str:
     lines += [f"| {name} | {_v(exponent(points))} |" for name, points in growth.items()]
     lines += ["", f"Capacity (most requests accepted per second at any size): {_v(details.get('capacity_rps'))}; "
               f"the largest size accepted {_v(details.get('plateau'))} of that (target ≥ 0.9: a plateau, not a "
-              "cliff).", "", "## What saturates first", "", saturation(sizes), ""]
+              "cliff).", "", "## What saturates first", "", saturation(sizes), "", "## What a deployment needs", "",
+              sizing(sizes), ""]
     return "\n".join(lines)
 
 
@@ -174,3 +175,28 @@ def saturation(sizes: list[dict]) -> str:
                     f"{refused} requests with 503 + Retry-After (admission control): CPU is the first limit, and "
                     "admission control is where it shows.")
     return "No size in this run used the cores up or was refused by admission control."
+
+
+def _kept_up(r: dict) -> bool:
+    return not sum(e["503"] for e in r["http"].values()) and r["accepted_rps"] >= 0.99 * r["attempted_rps"]
+
+
+def sizing(sizes: list[dict]) -> str:
+    """Cores and database growth for 1,024 and 10,000 nodes, scaled linearly from the largest size
+    that kept up (a saturated size's cost per node is capped by the cores it had, not what it needed)."""
+    base = max((r for r in sizes if _kept_up(r)), key=lambda r: r["nodes"], default=None)
+    if base is None:
+        return "No size kept up (every one was refused requests): nothing to scale from."
+    per_node_cores = base["cpu_s_per_node_minute"] / 60
+    gb_day = sum(t["gb_per_day"] for t in base["tables"].values()) / base["nodes"]
+    rows_day = sum(t["rows_per_hour"] for t in base["tables"].values()) * 24 / base["nodes"]
+    lines = [f"Scaled linearly from {base['nodes']} nodes, the largest size that kept up (no 503): "
+             f"{base['cpu_s_per_node_minute']:g} CPU s per node per minute for daphne, Celery and PostgreSQL "
+             f"together, {rows_day:,.0f} rows and {gb_day * 1024:.1f} MB per node per day (size growth, "
+             "before vacuum and retention).", "",
+             "| fleet | CPU cores (web + workers + database) | rows per day | database growth per day |",
+             "| --- | --- | --- | --- |"]
+    for nodes in (1024, 10_000):
+        lines.append(f"| {nodes:,} nodes | {per_node_cores * nodes:.1f} | {rows_day * nodes / 1e6:,.1f} M | "
+                     f"{gb_day * nodes:,.1f} GB |")
+    return "\n".join(lines)

@@ -77,6 +77,9 @@ class ControlPlane:
         self.ports = [free_port() for _ in range(WEB_PROCESSES)]
         self.env = base_env(database, redis_db, work / "var")
         self.env["NIGHTWATCH_PUBLIC_URL"] = f"http://127.0.0.1:{self.ports[0]}"
+        # The simulated nodes reach the web processes as through the TLS proxy of a deployment, which
+        # names each node's address in X-Forwarded-For (per-address limits apply per node).
+        self.env["NIGHTWATCH_TRUSTED_PROXIES"] = "127.0.0.1/32"
         # One key for every process: sessions made by the setup step are valid in the web processes.
         self.env["SECRET_KEY"] = "fleet-bench-" + os.urandom(16).hex()
         self.procs: dict[str, Proc] = {}

@@ -243,8 +243,10 @@ def _resumed_step(resume_from: str | None) -> int:
 class Agent:
     """One node's agent (``agents.agent.daemon.Agent``) without the processes it would start."""
 
-    def __init__(self, sim: Sim, hostname: str, bootstrap: str, client: Client):
-        self.sim, self.hostname, self.bootstrap, self.client = sim, hostname, bootstrap, client
+    def __init__(self, sim: Sim, node: dict[str, str], client: Client):
+        self.sim, self.hostname, self.bootstrap = sim, node["hostname"], node["bootstrap"]
+        self.address = node["address"]
+        self.client = _From(client, self.address)
         self.node_id = self.token = ""
         self.interval = 5.0
         self.outbox: deque[tuple[str, Any]] = deque()
@@ -270,7 +272,7 @@ class Agent:
     async def register(self) -> None:
         gpus = [GpuInfo(index=i, uuid=f"GPU-{self.hostname}-{i}", name="NVIDIA H100 80GB HBM3",
                         memory_total=80 * 2**30) for i in range(GPUS)]
-        message = Register(bootstrap_token=self.bootstrap, hostname=self.hostname, address="127.0.0.1",
+        message = Register(bootstrap_token=self.bootstrap, hostname=self.hostname, address=self.address,
                            agent_version=__version__, labels={"rack": self.hostname[-6:-3]}, gpus=gpus)
         failures = 0
         while True:
@@ -470,6 +472,16 @@ class Agent:
         self.outbox.extend(("telemetry", self.sample(g, now)) for g in range(GPUS))
 
 
+class _From:
+    """A client whose requests come from one node's address (``Client.request``'s ``source``)."""
+
+    def __init__(self, client: Client, address: str):
+        self.client, self.address = client, address
+
+    async def request(self, *args: Any) -> tuple[int, dict[str, Any]]:
+        return await self.client.request(*args, source=self.address)
+
+
 class Sim:
     def __init__(self, plan: dict[str, Any]):
         self.plan = plan
@@ -492,7 +504,7 @@ class Sim:
                    for port in ports]
         spread = self.plan.get("start_spread_s", 5.0)
         for i, node in enumerate(self.plan["nodes"]):
-            agent = Agent(self, node["hostname"], node["bootstrap"], clients[i % len(clients)])
+            agent = Agent(self, node, clients[i % len(clients)])
             self.agents[agent.hostname] = agent
             self.tasks.append(asyncio.create_task(agent.run(random.uniform(0, spread))))
         stop = asyncio.Event()

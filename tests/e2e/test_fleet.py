@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bench.fleet import Simulators
+from bench.fleet import Simulators, address
 from tests.e2e.cluster import api, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,8 @@ def test_sixteen_simulated_nodes_train_report_and_one_death_is_noticed(cluster, 
     from jobs.models import Event, Job, StepMetric
     from nodes.models import Node
 
-    fleet = [{"hostname": f"sim-{i:02d}", "bootstrap": tokens["bootstrap"]()} for i in range(NODES)]
+    fleet = [{"hostname": f"sim-{i:02d}", "bootstrap": tokens["bootstrap"](), "address": address(i)}
+             for i in range(NODES)]
     sims = Simulators(tmp_path / "sim", [cluster.port], fleet, 1, templates={}, seed=1, checkpoint_every=0)
     try:
         wait_for(lambda: Node.objects.filter(health="healthy").count() == NODES, timeout=60,
