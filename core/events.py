@@ -189,6 +189,7 @@ class TokenRotateEvidence(TypedDict, total=False):
 
 class CheckpointCommitEvidence(TypedDict, total=False):
     checkpoint: int
+    step: int
     blocking_s: float | None
     total_s: float | None
     size_bytes: int | None

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from agents.protocol.hooks import PHASES
 from checkpoints.models import Checkpoint
-from checkpoints.services import lineage_tree
+from core.events import EventKind
 from core.models import Event
 from dashboard.events import points_from_rows
 from jobs import efficiency
@@ -36,6 +36,12 @@ STRAGGLER_RATIO = 1.25
 OVERVIEW_JOBS = 50
 FEED_INCIDENTS = 20
 TIMELINE_EVENTS = 60
+#: How many of a job's newest events the timeline reads to fill its entries.
+TIMELINE_SCAN = 400
+#: Checkpoint activity that happens on its own, every interval: folded on the timeline. An operator's
+#: checkpoint actions (pin, unpin, delete, restore from a replica) stay entries of their own.
+ROUTINE = frozenset({EventKind.CHECKPOINT_COMMIT, EventKind.CHECKPOINT_VERIFY, EventKind.CHECKPOINT_INTERVAL,
+                     EventKind.CHECKPOINT_REPLICA})
 
 
 # --- overview -------------------------------------------------------------------------------------
@@ -195,11 +201,22 @@ def _shade(ratio: float | None) -> int:
     return 4 if ratio >= STRAGGLER_RATIO else 1 + int((ratio - 1.05) / 0.07)
 
 
-def timeline(job: Job) -> list[Event]:
-    events = list(Event.objects.filter(job=job).order_by("-created_at", "-pk")[:TIMELINE_EVENTS])
-    return events
-
-
-def lineage(job: Job):
-    return lineage_tree(job)
+def timeline(job: Job) -> dict:
+    """The job's newest events, newest first, each run of routine checkpoint activity (commits,
+    verifications, interval changes, replicas: two or more rows per checkpoint) folded into one
+    entry; the folded rows come along for the page's "show checkpoint activity" toggle."""
+    events = list(Event.objects.filter(job=job).order_by("-created_at", "-pk")[:TIMELINE_SCAN])
+    entries: list[dict] = []
+    for event in events:
+        if event.kind not in ROUTINE:
+            entries.append({"event": event, "folded": []})
+        elif entries and entries[-1]["event"] is None:
+            entries[-1]["folded"].append(event)
+        else:
+            entries.append({"event": None, "folded": [event]})
+    entries = entries[:TIMELINE_EVENTS]
+    for entry in entries:
+        steps = [e.evidence.get("step") for e in entry["folded"] if isinstance(e.evidence.get("step"), int)]
+        entry["steps"] = (min(steps), max(steps)) if steps else None
+    return {"entries": entries, "more": len(events) == TIMELINE_SCAN}
 

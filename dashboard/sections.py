@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 
 from core import roles
-from dashboard import fleet, node_page, queries
+from dashboard import fleet, lineage, node_page, queries
 from jobs.models import Job
 from nodes.models import Node
 
@@ -46,11 +46,11 @@ PAGES: dict[str, dict[str, Section]] = {
         "banner": Section("dashboard/sections/banner.html",
                           lambda on: {"job": on.job, "breaker": queries.breaker(on.job)}),
         "skew": Section("dashboard/sections/skew.html", lambda on: {"job": on.job, "skew": queries.rank_skew(on.job)}),
-        "timeline": Section("dashboard/sections/timeline.html", lambda on: {"events": queries.timeline(on.job)}),
+        "timeline": Section("dashboard/sections/timeline.html", lambda on: {"job": on.job, **queries.timeline(on.job)}),
         "incidents": Section("dashboard/sections/incidents.html",
                              lambda on: {"incidents": queries.incident_feed(on.job)}),
         "lineage": Section("dashboard/sections/lineage.html",
-                           lambda on: {"job": on.job, "tree": queries.lineage(on.job)}),
+                           lambda on: {"job": on.job, "lineage": lineage.rows(on.job)}),
     },
     "nodes": {
         "health": Section("dashboard/sections/health.html", lambda on: queries.cluster_health()),

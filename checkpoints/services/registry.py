@@ -82,7 +82,7 @@ def record_commit(job, commit: hooks_protocol.CheckpointCommit, *, generation, a
     )
     record_event(EventKind.CHECKPOINT_COMMIT, actor=actor, job=job, generation=commit.generation,
                  reason=f"step {commit.step} committed at {commit.path}",
-                 evidence={"checkpoint": checkpoint.pk, "blocking_s": commit.blocking_s,
+                 evidence={"checkpoint": checkpoint.pk, "step": commit.step, "blocking_s": commit.blocking_s,
                            "total_s": commit.total_s, "size_bytes": commit.size_bytes})
     transaction.on_commit(lambda: tasks.verify_checkpoint.delay(checkpoint.pk))
     return checkpoint, True

@@ -349,6 +349,11 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
     _live(page)
     node = page.locator(f'#lineage li[data-checkpoint="{checkpoints[2].pk}"]')
     assert "verified" in node.locator(".badge").first.inner_text()
+    assert page.locator('#lineage li[data-depth="0"]').count() == 2  # a chain is a list, not a staircase
+    # The commits and verifications are one folded timeline row until the toggle asks for them.
+    assert page.locator("#timeline tr.fold").is_visible() and not page.locator("#timeline tr.routine").first.is_visible()
+    page.check("#timeline-routine")
+    assert page.locator("#timeline tr.routine").first.is_visible() and not page.locator("#timeline tr.fold").is_visible()
     _shot(page, "job-lineage")
     node.locator("button.act:has-text('roll back to here')").first.click()
     _confirm(page, "loss spike after step 2")

@@ -144,6 +144,15 @@
   }
   drawNodeCharts();
 
+  // The timeline folds routine checkpoint activity; the toggle sits outside the live section, so
+  // a re-rendered timeline keeps the person's choice.
+  const routine = document.getElementById("timeline-routine");
+  if (routine) {
+    routine.addEventListener("change", () => {
+      document.getElementById("timeline-wrap").classList.toggle("show-routine", routine.checked);
+    });
+  }
+
   // --- the socket -----------------------------------------------------------------------------
   let backoff = 500;
   function connect() {
