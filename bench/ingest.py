@@ -94,7 +94,7 @@ def empty_samples(url: str) -> None:
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("TRUNCATE nodes_gpusample")
+        conn.execute("TRUNCATE nodes_nodegpusample, nodes_nodegpuminute")
         conn.execute("UPDATE nodes_gpu SET last_sample = '{}', last_sample_at = NULL")
 
 
@@ -102,7 +102,9 @@ def count_samples(url: str) -> int:
     import psycopg
 
     with psycopg.connect(url) as conn:
-        return conn.execute("SELECT count(*) FROM nodes_gpusample").fetchone()[0]
+        # A row holds a node's GPUs at one moment; its bitmask says which: count the GPU samples.
+        return conn.execute("SELECT coalesce(sum(length(replace(gpus::bit(64)::text, '0', ''))), 0) "
+                            "FROM nodes_nodegpusample").fetchone()[0]
 
 
 # --- the servers --------------------------------------------------------------------------------
@@ -227,23 +229,32 @@ def run_http(fleet, bodies, ports, samples_per_body: int) -> dict:
             "p50_ms": 1000 * latencies[len(latencies) // 2], "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)]}
 
 
+#: The raw table's charted columns, as COPY writes them: a row per node and moment, a value per GPU.
+COPY_COLUMNS = ["node_id", "time", "gpus", "temperature_c", "utilization_pct", "memory_used_mib", "power_w",
+                "sm_clock_mhz"]
+
+
 def copy_rows(bodies) -> tuple[list[str], list[tuple]]:
-    """The same rows as the HTTP run, as COPY will write them (decoded before the clock starts)."""
+    """The same samples as the HTTP run, laid out as the raw table stores them (one row per node
+    and moment, a value per GPU), decoded and grouped before the clock starts."""
     from datetime import UTC, datetime
 
-    columns = None
-    rows = []
+    moments: dict[tuple[int, float], dict[int, dict]] = {}
     for mine in bodies:
         for body in mine:
             for s in json.loads(body)["samples"]:
-                if columns is None:
-                    columns = ["node_id" if k == "node" else k for k in s]
-                values = dict(s)
-                values["node"] = int(values["node"])
-                values["time"] = datetime.fromtimestamp(values["time"], tz=UTC)
-                values["recent_xid_codes"] = json.dumps(values["recent_xid_codes"])
-                rows.append(tuple(values.values()))
-    return columns, rows
+                moments.setdefault((int(s["node"]), s["time"]), {})[s["gpu"]] = s
+    rows = []
+    for (node, at), gpus in moments.items():
+        ordered = [gpus.get(g) for g in range(max(gpus) + 1)]
+
+        def each(name, convert, ordered=ordered):
+            return [convert(s[name]) if s and s.get(name) is not None else None for s in ordered]
+
+        rows.append((node, datetime.fromtimestamp(at, tz=UTC), sum(1 << g for g in gpus),
+                     each("temperature_c", round), each("utilization_pct", round),
+                     each("memory_used", lambda b: b >> 20), each("power_w", round), each("sm_clock_mhz", int)))
+    return COPY_COLUMNS, rows
 
 
 def run_copy(url: str, columns: list[str], rows: list[tuple]) -> dict:
@@ -251,12 +262,13 @@ def run_copy(url: str, columns: list[str], rows: list[tuple]) -> dict:
 
     with psycopg.connect(url) as conn:
         started = time.perf_counter()
-        with conn.cursor() as cur, cur.copy(f"COPY nodes_gpusample ({', '.join(columns)}) FROM STDIN") as copy:
+        with conn.cursor() as cur, cur.copy(f"COPY nodes_nodegpusample ({', '.join(columns)}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
         conn.commit()
         elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "samples": len(rows), "rate": len(rows) / elapsed}
+    samples = sum(bin(row[2]).count("1") for row in rows)
+    return {"seconds": elapsed, "samples": samples, "rate": samples / elapsed}
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -287,9 +299,11 @@ def main(argv: list[str] | None = None) -> None:
         # A warm-up request per agent: connections, token caches and query plans are not what we measure.
         empty_samples(url)
         per_body = opts.batch // GPUS_PER_NODE * GPUS_PER_NODE
-        run_http(fleet, workload(fleet, 1, opts.batch, 1.6e9), ports, per_body)
+        # Recent times: samples older than the raw retention are accepted but not stored.
+        epoch = time.time() - 2 * 3600
+        run_http(fleet, workload(fleet, 1, opts.batch, epoch - 600), ports, per_body)
         for run in range(args.runs):
-            bodies = workload(fleet, batches, opts.batch, 1.7e9 + run * 1e6)
+            bodies = workload(fleet, batches, opts.batch, epoch)  # each run starts from empty tables
             empty_samples(url)
             result = run_http(fleet, bodies, ports, per_body)
             stored = count_samples(url)
