@@ -7,9 +7,10 @@
 #   chromium        headless browser for the dashboard tests (driven by Playwright, never downloaded)
 #   prometheus      promtool, which checks the /metrics exposition
 #   slurm-wlm munge a real single-node Slurm cluster for the Slurm transport tests
+#   tmux            a real terminal for the demo's test (what a newcomer sees in theirs)
 set -euo pipefail
 
-packages=(openssh-server docker-compose chromium prometheus slurm-wlm munge)
+packages=(openssh-server docker-compose chromium prometheus slurm-wlm munge tmux)
 
 missing=()
 for pkg in "${packages[@]}"; do

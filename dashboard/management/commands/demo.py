@@ -8,11 +8,17 @@ and a node agent with a scripted GPU; then launches the example job (a 2-rank CP
 a newcomer watches Nightwatch detect it and resume from the last verified checkpoint within a
 minute. Everything is supervised until Ctrl-C: if a part dies the demo stops rather than limping
 on half-alive.
+
+The terminal stays readable: each process logs to a file of its own under ``<var>/logs/`` (the
+terminal says where), and after the URL and the password the demo shows one status line — the
+job's state, generation, step, ETTR and its last incident with the time its recovery took — that
+updates in place on a terminal, and is printed again whenever it changes otherwise.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import secrets
 import signal
@@ -28,6 +34,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from jobs import services
+from jobs.goodput import goodput_of
 from jobs.models import Job
 from nodes.models import Node
 from nodes.services import issue_bootstrap_token
@@ -55,18 +62,24 @@ class Command(BaseCommand):
         env.setdefault("NIGHTWATCH_PUBLIC_URL", url)
         python = sys.executable
         var = Path(settings.VAR_DIR)
+        logs = var / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = logs
+        _log_to(logs / "demo.log")  # this process's own log lines (e.g. kombu's) too
         children = {
-            "web": subprocess.Popen([python, "-m", "daphne", "-b", host, "-p", str(port),
-                                     "controlplane.asgi:application"], env=env),
-            "worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker", "-B", "--pool=solo",
-                                        "--loglevel=INFO", "-n", "demo@%h", "-s", str(var / "celerybeat-schedule")],
-                                       env=env),
+            "web": _spawn(logs, "web", [python, "-m", "daphne", "-b", host, "-p", str(port),
+                                        "controlplane.asgi:application"], env),
+            "worker": _spawn(logs, "worker", [python, "-m", "celery", "-A", "controlplane", "worker", "-B",
+                                              "--pool=solo", "--loglevel=INFO", "-n", "demo@%h",
+                                              "-s", str(var / "celerybeat-schedule")], env),
             # Verification, replication and retention (CELERY_TASK_ROUTES) in a worker of their own:
             # a verification in progress never delays the handling of the fault the demo injects.
-            "checkpoint-worker": subprocess.Popen([python, "-m", "celery", "-A", "controlplane", "worker",
-                                                   "-Q", "checkpoints", "--pool=solo", "--loglevel=INFO",
-                                                   "-n", "demo-checkpoints@%h"], env=env),
+            "checkpoint-worker": _spawn(logs, "checkpoint-worker", [python, "-m", "celery", "-A", "controlplane",
+                                                                    "worker", "-Q", "checkpoints", "--pool=solo",
+                                                                    "--loglevel=INFO", "-n", "demo-checkpoints@%h"],
+                                        env),
         }
+        self.status = StatusLine(self.stdout, tty=self.stdout.isatty())
         stop = {"now": False}
 
         def request_stop(signum, frame):
@@ -86,18 +99,23 @@ class Command(BaseCommand):
                 f"\nNightwatch is up. Open the dashboard: {dashboard}\n"
                 f"  log in as 'demo' (on-call) with password {password}\n"
                 f"Overview: {url}/   nodes: {url}/nodes/   API docs: {url}/api/docs/   readiness: {url}/readyz\n"
+                f"Logs: {logs}/ (web, worker, checkpoint-worker, agent; the job's output under {var}/demo-agent)\n"
                 "Ctrl-C stops everything.\n"
             ))
             next_fault = time.monotonic() + fault_every
             while not stop["now"]:
                 for name, proc in children.items():
                     if proc.poll() is not None:
-                        raise CommandError(f"the {name} process exited with code {proc.returncode}")
+                        raise CommandError(f"the {name} process exited with code {proc.returncode} "
+                                           f"(its log: {logs / name}.log)")
                 if not no_job and fault_every and time.monotonic() >= next_fault:
                     self._inject_fault(job.pk)
                     next_fault = time.monotonic() + fault_every
+                if not no_job:
+                    self.status.show(job_status(job.pk))
                 time.sleep(0.5)
         finally:
+            self.status.done()
             _stop_all(children.values())
 
     def _demo_user(self) -> str:
@@ -131,7 +149,7 @@ class Command(BaseCommand):
             token_file.write_text(raw)
             token_file.chmod(0o600)
             argv += ["--bootstrap-token-file", str(token_file)]
-        return subprocess.Popen(argv, env=env)
+        return _spawn(self.logs, "agent", argv, env)
 
     def _wait_for_node(self, children: dict, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -166,7 +184,7 @@ class Command(BaseCommand):
         if pids:
             rank, pid = max(pids.items())
             os.kill(pid, signal.SIGKILL)
-            self.stdout.write(self.style.WARNING(
+            self.status.say(self.style.WARNING(
                 f"fault injected: SIGKILL rank {rank} (pid {pid}) of job {job.pk} generation {job.generation}"))
 
     def _wait_ready(self, url: str, children: dict, timeout: float) -> None:
@@ -183,6 +201,66 @@ class Command(BaseCommand):
                 pass
             time.sleep(0.2)
         raise CommandError(f"the control plane did not become ready at {url} within {timeout:.0f}s")
+
+
+class StatusLine:
+    """One line that a terminal redraws in place (and a pipe gets again only when it changes);
+    messages go above it."""
+
+    def __init__(self, out, *, tty: bool):
+        self.out, self.tty, self.last = out, tty, ""
+
+    def show(self, text: str) -> None:
+        if text == self.last:
+            return
+        self.last = text
+        if self.tty:
+            self.out.write(f"\r\x1b[2K{text}", ending="")
+            self.out.flush()
+        else:
+            self.out.write(text)
+
+    def say(self, message: str) -> None:
+        if self.tty:
+            self.out.write(f"\r\x1b[2K{message}\n{self.last}", ending="")
+            self.out.flush()
+        else:
+            self.out.write(message)
+
+    def done(self) -> None:
+        if self.tty and self.last:
+            self.out.write("")
+
+
+def job_status(job_id: int) -> str:
+    """The demo job in one line: state, generation, step, ETTR, its last incident and recovery."""
+    job = Job.objects.get(pk=job_id)
+    parts = [f"job {job.pk} {job.state}", f"gen {job.generation}", f"step {job.last_step or 0}",
+             f"ETTR {goodput_of(job).ettr:.2f}"]
+    incident = job.incidents.order_by("-detected_at").first()
+    if incident is not None:
+        what = incident.classification or incident.kind
+        if incident.first_step_at and incident.fault_at:
+            what += f", recovered in {(incident.first_step_at - incident.fault_at).total_seconds():.1f} s"
+        else:
+            what += f", {incident.state}"
+        parts.append(f"last incident: {what}")
+    return " · ".join(parts)
+
+
+def _log_to(path: Path) -> None:
+    """Point every logging handler that writes to the terminal at ``path`` instead."""
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 - open for the life of the process
+    for logger in [logging.getLogger(), *(logging.getLogger(name) for name in logging.root.manager.loggerDict)]:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(stream)
+
+
+def _spawn(logs: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen:
+    """Start a part of the demo with its output going to ``logs/<name>.log`` (appended)."""
+    with open(logs / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _rank_pids(job_id: int, generation: int, marker: str) -> dict[int, int]:
