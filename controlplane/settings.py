@@ -404,13 +404,14 @@ NIGHTWATCH = {
     # Overload hold (nodes/services/overload.py): while, within the last heartbeat timeout, every web
     # process together refused at least HEARTBEAT_REFUSALS heartbeats (or registrations), or REFUSALS
     # requests of any kind, or answered LATE_HEARTBEATS heartbeats HEARTBEAT_LAG_S or more after they
-    # arrived, or QUEUE_DEPTH Celery messages wait, the control plane did not keep up: no job is declared
-    # hung and (unless only bulk was refused) no node turns unreachable, for up to HOLD_S (0: no hold).
+    # arrived, or QUEUE_DEPTH Celery messages wait (0, the default: a backlog hides no heartbeat or
+    # report, so it does not hold), the control plane did not keep up: no job is declared hung and
+    # (unless only bulk was refused) no node turns unreachable, for up to HOLD_S (0: no hold).
     "OVERLOAD_HEARTBEAT_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_HEARTBEAT_REFUSALS", 1),
     "OVERLOAD_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_REFUSALS", 100),
     "OVERLOAD_HEARTBEAT_LAG_S": env_float("NIGHTWATCH_OVERLOAD_HEARTBEAT_LAG_S", 2.0),
     "OVERLOAD_LATE_HEARTBEATS": env_int("NIGHTWATCH_OVERLOAD_LATE_HEARTBEATS", 10),
-    "OVERLOAD_QUEUE_DEPTH": env_int("NIGHTWATCH_OVERLOAD_QUEUE_DEPTH", 1000),
+    "OVERLOAD_QUEUE_DEPTH": env_int("NIGHTWATCH_OVERLOAD_QUEUE_DEPTH", 0),
     "OVERLOAD_HOLD_S": env_int("NIGHTWATCH_OVERLOAD_HOLD_S", 300),
     # Blamed this many times within the window, a node is a lemon: drained until cleared.
     "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),

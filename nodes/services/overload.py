@@ -16,8 +16,10 @@ the last heartbeat timeout, the silent period of every node whose deadline is pa
    (``OVERLOAD_REFUSALS``: step reports shed, so progress deadlines say nothing either);
 2. heartbeats answered ``OVERLOAD_HEARTBEAT_LAG_S`` or more after they arrived (queued behind other
    work: their deadlines moved that much late), at least ``OVERLOAD_LATE_HEARTBEATS`` of them;
-3. messages waiting in Celery's default queue (``OVERLOAD_QUEUE_DEPTH``): the incidents a verdict
-   opens would be handled late, behind a backlog that says we are not keeping up.
+3. messages waiting in Celery's default queue (``OVERLOAD_QUEUE_DEPTH``, off by default): heartbeats
+   and step reports are taken by the web processes, so a backlog hides neither; it only delays what
+   a verdict sets off. A deployment that would rather not decide while its worker is that far
+   behind sets a bound. Either way the depth is in every ``fleet.overload`` event's evidence.
 
 Any of them past its threshold is overload, and no job is declared hung (the jobs' sweep asks
 ``held()``): their step reports may be among those refused. No node turns unreachable either while
@@ -33,8 +35,8 @@ may have made up.
 Each transition is one ``fleet.overload`` event (``overloaded`` → ``recovered``, or → ``given_up``
 → ``recovered``); the newest is the state, so every process reads the same answer, and
 ``/metrics`` exports it. Only the heartbeat sweeper writes them (one beat task), so transitions
-are not raced. Without Redis the refusals and late heartbeats are unknown and only the queue
-signal is left, which the embedded broker cannot count either: the embedded demo never holds.
+are not raced. Without Redis the refusals, late heartbeats and queue depth are unknown (the
+embedded broker has no cheap count either): the embedded demo never holds.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_refused_bulk_alone_holds_the_hang_sweep_but_not_the_heartbeat_sweep(cas
 
 
 @pytest.mark.django_db
-def test_late_heartbeats_and_a_deep_queue_count_as_overload(fleet, redis_counts):
+def test_late_heartbeats_are_overload_and_a_deep_queue_is_when_bounded(fleet, redis_counts, settings):
     now = timezone.now()
     redis_counts.add({"late:priority": 10}, at=now.timestamp())
     assert overload.measure(now).reasons() == ["10 heartbeats answered 2 s or more late in the last 6 s"]
@@ -172,6 +172,9 @@ def test_late_heartbeats_and_a_deep_queue_count_as_overload(fleet, redis_counts)
     redis.rpush("celery", *[b"x"] * 1000)
     try:
         assert "1000 tasks waiting in the Celery queue" in overload.measure(now).reasons()
+        settings.NIGHTWATCH = {**settings.NIGHTWATCH, "OVERLOAD_QUEUE_DEPTH": 0}  # the default: off
+        assert overload.measure(now).queue_depth == 1000
+        assert overload.measure(now).reasons() == ["10 heartbeats answered 2 s or more late in the last 6 s"]
     finally:
         redis.delete("celery")
 
