@@ -140,7 +140,8 @@ def setup(nodes: int) -> None:
 
 def address(index: int) -> str:
     """A simulated node's own address (what the proxy in front of the web processes forwards)."""
-    return f"10.{index // 65536 % 256}.{index // 256 % 256}.{index % 256 + 1}"
+    number = index + 1
+    return f"10.{number >> 16 & 255}.{number >> 8 & 255}.{number & 255}"
 
 
 def checkpoint_templates(directory: Path, world_sizes: set[int]) -> dict[str, str]:
