@@ -7,10 +7,14 @@ HTML and 1.8 s of rendering, again for every browser at every node's health chan
   cells together, its schedulability as the outline), built from two narrow queries and joined
   as strings, not through the template engine: ~1,024 × 8 cells in tens of milliseconds; a
   click opens the node's page (``dashboard.node_page``);
+- the heat map colours by health, or by temperature, utilisation or memory used (five steps of
+  one scale, grey where a GPU said nothing), and groups nodes by a label (rack, pool, Slurm
+  partition) when asked;
 - the table shows ``PAGE_NODES`` nodes at a time: those that want attention first (not healthy,
   not active, a lemon), then by hostname; narrowed by hostname search, health, schedulability,
-  lemon and a label ``key=value``. The filter travels in the query string, of the page and of
-  its WebSocket, so live updates render the same page of the same filter.
+  lemon, a label ``key=value`` and the job running there. The heat map shows the nodes the filter
+  keeps. The filter travels in the query string, of the page and of its WebSocket, so live
+  updates render the same page of the same filter.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from urllib.parse import urlencode
 
-from django.db.models import Case, IntegerField, Q, QuerySet, Value, When
+from django.db.models import Case, F, IntegerField, Q, QuerySet, Value, When
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import escape
@@ -30,6 +34,19 @@ from nodes.models import GPU, Node
 PAGE_NODES = 50
 #: A GPU reading older than this is drawn as stale.
 STALE_AFTER = timedelta(seconds=60)
+#: Heat-map colourings other than health: the reading, and the upper bounds of steps 0..3 (4 above).
+COLOURINGS = {
+    "temperature": (lambda s: s.get("temperature_c"), (50, 65, 75, 85)),
+    "utilization": (lambda s: s.get("utilization_pct"), (20, 50, 80, 95)),
+    "memory": (lambda s: _fraction(s.get("memory_used"), s.get("memory_free")), (0.2, 0.4, 0.6, 0.8)),
+}
+#: How many nodes a heat-map group lists before "and N more" (grouping is for seeing racks, not scrolling).
+GROUP_LIMIT = 512
+
+
+def _fraction(used, free) -> float | None:
+    return used / (used + free) if isinstance(used, (int, float)) and isinstance(free, (int, float)) and used + free \
+        else None
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,9 @@ class NodeFilter:
     schedulability: str = ""
     lemon: bool = False
     label: str = ""  # key=value
+    job: int | None = None  # nodes of the job's live generation
+    colour: str = "health"  # the heat map's colouring
+    group: str = ""  # a label key the heat map groups nodes by
     page: int = 1
 
     @classmethod
@@ -51,10 +71,13 @@ class NodeFilter:
             value = value[-1] if isinstance(value, list) else value
             return str(value).strip()[:253]
 
-        page = get("page")
+        page, job, group = get("page"), get("job"), get("group")
         return cls(q=get("q"), health=get("health") if get("health") in Health.values else "",
                    schedulability=get("schedulability") if get("schedulability") in Schedulability.values else "",
                    lemon=get("lemon") in ("1", "true", "on"), label=get("label") if "=" in get("label") else "",
+                   job=int(job) if job.isdigit() and int(job) < 2**31 else None,
+                   colour=get("colour") if get("colour") in COLOURINGS else "health",
+                   group=group if group and "__" not in group else "",
                    page=int(page) if page.isdigit() and 0 < int(page) < 100_000 else 1)
 
     def query(self, **changes) -> str:
@@ -62,12 +85,15 @@ class NodeFilter:
         values = replace(self, **changes)
         pairs = {"q": values.q, "health": values.health, "schedulability": values.schedulability,
                  "lemon": "1" if values.lemon else "", "label": values.label,
+                 "job": str(values.job) if values.job is not None else "",
+                 "colour": values.colour if values.colour != "health" else "", "group": values.group,
                  "page": str(values.page) if values.page > 1 else ""}
         return urlencode({k: v for k, v in pairs.items() if v})
 
     @property
     def active(self) -> bool:
-        return bool(self.q or self.health or self.schedulability or self.lemon or self.label)
+        return bool(self.q or self.health or self.schedulability or self.lemon or self.label
+                    or self.job is not None)
 
     def apply(self, nodes: QuerySet) -> QuerySet:
         if self.q:
@@ -81,6 +107,9 @@ class NodeFilter:
         if self.label:
             key, _, value = self.label.partition("=")
             nodes = nodes.filter(**{f"labels__{key}": value}) if key and "__" not in key else nodes.none()
+        if self.job is not None:
+            nodes = nodes.filter(generations__job_id=self.job, generations__ended_at__isnull=True,
+                                 generations__job__generation=F("generations__number")).distinct()
         return nodes
 
 
@@ -111,19 +140,47 @@ def nodes_page(flt: NodeFilter) -> dict:
             "next": flt.query(page=page + 1) if page < pages else None}
 
 
-def heatmap() -> dict:
-    """Every GPU of every node as a cell, as HTML built here (escaped): the template engine would
-    spend ~100 µs a cell. A node's cells link to its page."""
+def heatmap(flt: NodeFilter) -> dict:
+    """Every GPU of the nodes ``flt`` keeps as a cell, as HTML built here (escaped): the template
+    engine would spend ~100 µs a cell. A node's cells link to its page. Two queries."""
     base = reverse("dashboard:nodes")
-    gpus: dict[int, list[str]] = {}
-    for node_id, health in GPU.objects.order_by("node_id", "index").values_list("node_id", "health"):
-        gpus.setdefault(node_id, []).append(health)
-    blocks = []
-    nodes = Node.objects.order_by("hostname").values_list("pk", "hostname", "health", "schedulability", "lemon_count")
-    for pk, hostname, health, schedulability, lemon in nodes:
+    nodes = flt.apply(Node.objects.all())
+    cells: dict[int, list[str]] = {}
+    gpus = GPU.objects.filter(node__in=nodes.values("pk")).order_by("node_id", "index")
+    if flt.colour == "health":
+        for node_id, health in gpus.values_list("node_id", "health"):
+            cells.setdefault(node_id, []).append(f"h-{health}")
+    else:
+        reading, bounds = COLOURINGS[flt.colour]
+        for node_id, sample in gpus.values_list("node_id", "last_sample"):
+            cells.setdefault(node_id, []).append(_step(reading(sample or {}), bounds))
+    groups: dict[str, list[str]] = {}
+    left_out: dict[str, int] = {}
+    rows = nodes.order_by("hostname").values_list("pk", "hostname", "health", "schedulability", "lemon_count", "labels")
+    for pk, hostname, health, schedulability, lemon, labels in rows:
+        group = str((labels or {}).get(flt.group, "—")) if flt.group else ""
+        members = groups.setdefault(group, [])
+        if flt.group and len(members) >= GROUP_LIMIT:
+            left_out[group] = left_out.get(group, 0) + 1
+            continue
         name = escape(hostname)
-        cells = "".join(f'<i class="h-{h}"></i>' for h in gpus.get(pk, [])) or '<i class="h-unknown"></i>'
+        drawn = "".join(f'<i class="{c}"></i>' for c in cells.get(pk, [])) or '<i class="h-unknown"></i>'
         title = f"{name}: {health}, {schedulability}" + (f", lemon {lemon}" if lemon else "")
-        blocks.append(f'<a class="hm-node n-{health} s-{schedulability}" data-node="{name}" href="{base}{pk}/" '
-                      f'title="{title}">{cells}</a>')
-    return {"heatmap": "".join(blocks), "heatmap_nodes": len(blocks)}
+        members.append(f'<a class="hm-node n-{health} s-{schedulability}" data-node="{name}" href="{base}{pk}/" '
+                       f'title="{title}">{drawn}</a>')
+    html = "".join(
+        (f'<div class="hm-group" data-group="{escape(name)}"><h4>{escape(flt.group)}={escape(name)} '
+         f'<span class="muted">{len(members) + left_out.get(name, 0)}</span></h4>' if flt.group
+         else '<div class="hm-group">') + "".join(members)
+        + (f'<span class="muted">… and {left_out[name]} more</span>' if name in left_out else "") + "</div>"
+        for name, members in sorted(groups.items()))
+    return {"heatmap": html, "heatmap_nodes": sum(len(m) for m in groups.values()), "colour": flt.colour,
+            "colourings": [(c, flt.query(colour=c, page=1)) for c in ("health", *COLOURINGS)],
+            "group_by": flt.group}
+
+
+def _step(value, bounds: tuple) -> str:
+    """The colour step of a reading: c0..c4 along ``bounds``, cx when the GPU said nothing."""
+    if not isinstance(value, (int, float)):
+        return "cx"
+    return f"c{next((i for i, bound in enumerate(bounds) if value < bound), len(bounds))}"

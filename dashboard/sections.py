@@ -54,7 +54,7 @@ PAGES: dict[str, dict[str, Section]] = {
     },
     "nodes": {
         "health": Section("dashboard/sections/health.html", lambda on: queries.cluster_health()),
-        "heatmap": Section("dashboard/sections/heatmap.html", lambda on: fleet.heatmap()),
+        "heatmap": Section("dashboard/sections/heatmap.html", lambda on: fleet.heatmap(on.filter)),
         "grid": Section("dashboard/sections/grid.html", lambda on: fleet.nodes_page(on.filter)),
     },
     "node": {

@@ -142,6 +142,7 @@ def test_the_dashboard_in_a_browser(world):
         a_viewer_sees_no_button_and_a_forged_post_is_refused(world)
         drain_from_the_nodes_page(world)
         rollback_from_the_lineage_tree_starts_a_new_branch(world)
+        a_fleet_of_a_thousand_nodes(world)  # last: its nodes would take the other scenarios' jobs
         assert world.csp_violations == []
     except BaseException:
         print(world.cluster.dump_logs())
@@ -351,9 +352,10 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
     assert "verified" in node.locator(".badge").first.inner_text()
     assert page.locator('#lineage li[data-depth="0"]').count() == 2  # a chain is a list, not a staircase
     # The commits and verifications are one folded timeline row until the toggle asks for them.
-    assert page.locator("#timeline tr.fold").is_visible() and not page.locator("#timeline tr.routine").first.is_visible()
+    fold, routine = page.locator("#timeline tr.fold"), page.locator("#timeline tr.routine").first
+    assert fold.is_visible() and not routine.is_visible()
     page.check("#timeline-routine")
-    assert page.locator("#timeline tr.routine").first.is_visible() and not page.locator("#timeline tr.fold").is_visible()
+    assert routine.is_visible() and not fold.is_visible()
     _shot(page, "job-lineage")
     node.locator("button.act:has-text('roll back to here')").first.click()
     _confirm(page, "loss spike after step 2")
@@ -364,6 +366,40 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
     assert job.state == "initializing" and job.branch_since_generation == job.generation
     assert Event.objects.filter(job=job, kind="job.state", actor="user:olga", reason__contains="rollback").exists()
     page.wait_for_selector("#job-state:has-text('initializing')", timeout=10_000)
+    page.context.close()
+
+
+def a_fleet_of_a_thousand_nodes(world):
+    """1,020 more nodes × 8 GPUs: the heat map draws them all, search and a colouring narrow it,
+    and a click opens the node's page."""
+    from django.utils import timezone
+
+    from nodes.models import GPU, Node
+
+    now = timezone.now()
+    nodes = Node.objects.bulk_create([
+        Node(hostname=f"rack{i // 32:02d}-gpu{i % 32:02d}", address="127.0.0.1", health="healthy",
+             labels={"rack": f"r{i // 32:02d}"}, last_heartbeat_at=now) for i in range(1020)])
+    GPU.objects.bulk_create([GPU(node=node, index=g, health="healthy", last_sample_at=now,
+                                 last_sample={"temperature_c": 40.0 + (node.pk + g) % 50})
+                             for node in nodes for g in range(8)])
+    page = world.page_as("olga")
+    page.goto(f"{world.cluster.url}/nodes/")
+    _live(page)
+    assert page.locator("#gpu-heatmap a.hm-node").count() == 1024
+    assert page.locator("#gpu-heatmap i").count() == 8 * 1020 + 8  # and the world's 4 nodes' 2 GPUs each
+    _shot(page, "fleet")
+    page.fill('#node-filter input[name="q"]', "rack07-")
+    page.click('#node-filter button[type="submit"]')
+    page.wait_for_selector('#nodes-grid tr[data-node="rack07-gpu31"]', timeout=10_000)
+    assert page.locator("#nodes-grid tbody tr").count() == 32 and page.locator("#gpu-heatmap a.hm-node").count() == 32
+    page.click('a[data-colour="temperature"]')
+    page.wait_for_selector("#gpu-heatmap.by-temperature", timeout=10_000)
+    _live(page)
+    _shot(page, "fleet-temperature")
+    page.click('#gpu-heatmap a[data-node="rack07-gpu05"]')
+    page.wait_for_selector('#node-head h2:has-text("rack07-gpu05")', timeout=10_000)
+    assert page.locator("#node-gpus tbody tr").count() == 8
     page.context.close()
 
 

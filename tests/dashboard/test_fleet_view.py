@@ -65,7 +65,36 @@ def test_search_health_lemon_label_and_paging_narrow_the_table(signed_in, cast, 
     assert len(rows("page=3")) == 120 + 2 - 2 * fleet.PAGE_NODES  # cast's two nodes too
     assert rows("page=99") == rows("page=3")  # past the end: the last page
     # Nonsense is ignored, not an error.
-    assert client.get("/nodes/?health=purple&page=-4&label=x").status_code == 200
+    assert client.get("/nodes/?health=purple&page=-4&label=x&job=abc&colour=mauve&group=a__b").status_code == 200
+
+
+def test_the_heat_map_colours_by_a_reading_groups_by_a_label_and_follows_a_job(signed_in, cast, fleet_of):
+    from jobs.models import Generation
+    from nodes.models import GPU, Node
+
+    nodes = fleet_of(24)
+    for i, node in enumerate(nodes):
+        Node.objects.filter(pk=node.pk).update(labels={"rack": f"r{i % 3}"})
+    GPU.objects.filter(node=nodes[0], index=0).update(last_sample={"temperature_c": 91.0})
+    GPU.objects.filter(node=nodes[0], index=1).update(last_sample={})
+    job = cast.job
+    job.generation = 2
+    job.save(update_fields=["generation"])
+    Generation.objects.create(job=job, number=1, world_size=8, ended_at=timezone.now()).nodes.set(nodes[:4])
+    Generation.objects.create(job=job, number=2, world_size=8).nodes.set(nodes[4:6])
+    client = signed_in(cast.viewer)
+
+    hot = client.get("/nodes/?colour=temperature&q=gpu-0000").content.decode()
+    heat = hot[hot.index('id="gpu-heatmap"'):]
+    assert 'class="heatmap by-temperature' in hot and heat.count('<i class="c4">') == 1
+    assert heat.count('<i class="cx">') == 1 and heat.count('<i class="c1">') == 6  # 50 °C: the second step
+
+    grouped = client.get("/nodes/?group=rack").content.decode()
+    assert [part.split('"')[0] for part in grouped.split('data-group="')[1:]] == ["r0", "r1", "r2", "—"]
+    assert "rack=r1 <span class=\"muted\">8</span>" in grouped
+
+    live = client.get(f"/nodes/?job={job.pk}").content.decode()
+    assert [part.split('"')[0] for part in live.split('<tr data-node="')[1:]] == ["gpu-0004", "gpu-0005"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -91,4 +120,4 @@ def test_the_socket_renders_the_filter_of_its_page(cast, fleet_of):
     frame = async_to_sync(snapshot)("/ws/dashboard/nodes/?q=gpu-004&health=healthy")
     assert set(frame["html"]) == {"health", "heatmap", "grid"}
     assert frame["html"]["grid"].count('<tr data-node="') == 10
-    assert frame["html"]["heatmap"].count('class="hm-node') == 62
+    assert frame["html"]["heatmap"].count('class="hm-node') == 10  # the heat map shows what the filter keeps

@@ -13,8 +13,8 @@ def _chain(job, generation, parent, steps):
 
     made = []
     for step in steps:
-        parent = Checkpoint.objects.create(job=job, generation=generation, step=step, location=f"/ck/{step}-{len(made)}",
-                                           state="verified", parent=parent)
+        parent = Checkpoint.objects.create(job=job, generation=generation, step=step, state="verified",
+                                           location=f"/ck/{step}-{len(made)}", parent=parent)
         made.append(parent)
     return made
 
