@@ -64,7 +64,6 @@ class Counters:
     peak: int = 0
     admitted: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, EXEMPT: 0, OTHER: 0})
     refused: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, OTHER: 0})
-    late: int = 0  # priority requests answered ``late_s`` or more after they arrived
 
 
 class SharedTally:
@@ -149,7 +148,6 @@ class Admission:
         finally:
             counters.in_flight -= 1
             if kind == PRIORITY and 0 < self.late_s <= time.monotonic() - arrived:
-                counters.late += 1
                 self.shared.add("late:priority")
             else:
                 self.shared.flush_if_due()  # counts left over from a burst that ended

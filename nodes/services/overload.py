@@ -148,8 +148,8 @@ def watch(now: datetime | None = None) -> bool:
             return False
         if state == RECOVERED:
             _record(OVERLOADED, now, load, f"control plane overloaded ({'; '.join(reasons)}): holding up to "
-                    f"{_hold_s()} s (no job hung; no node unreachable while heartbeats are refused, late or "
-                    f"queued behind tasks)")
+                    f"{_hold_s()} s (no job hung, and no node unreachable unless only bulk requests were "
+                    f"refused)")
             return load.heartbeats_unheard()
         if state == OVERLOADED:
             held_for = (now - last.created_at).total_seconds()
