@@ -78,18 +78,19 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def dashboard_push(self, message):
         points = message["points"] if self.page == "job" and message.get("job") == self.job_id else []
-        html, chart = {}, None
-        if any(n in page_sections.PAGES[self.page] or n == "chart" for n in message["sections"]):
+        html, chart, cells = {}, None, {}
+        if (any(n in page_sections.PAGES[self.page] or n == "chart" for n in message["sections"])
+                or (self.page == "nodes" and message.get("nodes"))):
             if points:  # the chart's new points must not wait for a render
                 await self.send_json(events.update_frame(points=points, html={}, chart=None,
                                                          relayed_at=message["relayed_at"]))
                 points = []
-            html, chart = await self._rendered(message)
-        if points or html or chart:
-            await self.send_json(events.update_frame(points=points, html=html, chart=chart,
+            html, chart, cells = await self._rendered(message)
+        if points or html or chart or cells:
+            await self.send_json(events.update_frame(points=points, html=html, chart=chart, cells=cells,
                                                      relayed_at=message["relayed_at"]))
 
-    async def _rendered(self, message: dict) -> tuple[dict, dict | None]:
+    async def _rendered(self, message: dict) -> tuple[dict, dict | None, dict]:
         """The message's sections as this person sees them: rendered once per process (the first
         consumer renders, the others of the same page, job, role and node filter await that render)."""
         key = (message["id"], self.page, self.job_id, self.node_id, self.caps, self.filter)
@@ -126,12 +127,14 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         html = page_sections.render(self.page, None, self.caps, self._subject(job))
         return events.snapshot_frame(self.page, html, queries.chart(job) if job else None)
 
-    def _render(self, message: dict) -> tuple[dict, dict | None]:
+    def _render(self, message: dict) -> tuple[dict, dict | None, dict]:
         names = [n for n in message["sections"] if n in page_sections.PAGES[self.page]]
         job = self._job()
         html = page_sections.render(self.page, names, self.caps, self._subject(job)) if names else {}
         chart = queries.chart(job) if job is not None and "chart" in message["sections"] else None
-        return html, chart
+        cells = fleet.heatmap_cells(self.filter, message["nodes"]) if self.page == "nodes" and message.get(
+            "nodes") else {}
+        return html, chart, cells
 
 
 class OverviewConsumer(DashboardConsumer):

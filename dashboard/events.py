@@ -61,12 +61,13 @@ def points_from_rows(rows) -> list[Point]:
 
 
 def push_message(*, message_id: str, job_id: int | None, points: list[Point], sections: list[str],
-                 relayed_at: float) -> dict:
-    """Group message from the relay: new chart points of ``job_id`` and the sections that changed
-    (names from ``dashboard.sections``; ``chart`` means the markers changed). ``message_id`` lets
-    the consumers of one process render each section once per message, not once per browser."""
+                 relayed_at: float, nodes: list[int] = ()) -> dict:
+    """Group message from the relay: new chart points of ``job_id``, the sections that changed
+    (names from ``dashboard.sections``; ``chart`` means the markers changed) and the nodes that
+    changed (their heat-map blocks). ``message_id`` lets the consumers of one process render each
+    section once per message, not once per browser."""
     return {"type": "dashboard.push", "id": message_id, "job": job_id, "points": [p.as_dict() for p in points],
-            "sections": sorted(set(sections)), "relayed_at": relayed_at}
+            "sections": sorted(set(sections)), "nodes": sorted(set(nodes)), "relayed_at": relayed_at}
 
 
 def snapshot_frame(page: str, html: dict[str, str], chart: dict | None) -> dict:
@@ -74,7 +75,12 @@ def snapshot_frame(page: str, html: dict[str, str], chart: dict | None) -> dict:
     return {"type": "snapshot", "page": page, "html": html, "chart": chart}
 
 
-def update_frame(*, points: list[dict], html: dict[str, str], chart: dict | None, relayed_at: float) -> dict:
-    """What changed since the last frame: new points, re-rendered sections, and the chart again
-    when its markers changed (checkpoints, restarts)."""
-    return {"type": "update", "points": points, "html": html, "chart": chart, "relayed_at": relayed_at}
+def update_frame(*, points: list[dict], html: dict[str, str], chart: dict | None, relayed_at: float,
+                 cells: dict[int, str | None] | None = None) -> dict:
+    """What changed since the last frame: new points, re-rendered sections, the chart again when
+    its markers changed (checkpoints, restarts), and changed nodes' heat-map blocks (None: the
+    node left the page's filter)."""
+    frame = {"type": "update", "points": points, "html": html, "chart": chart, "relayed_at": relayed_at}
+    if cells:
+        frame["cells"] = cells
+    return frame

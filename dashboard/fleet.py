@@ -145,15 +145,7 @@ def heatmap(flt: NodeFilter) -> dict:
     engine would spend ~100 µs a cell. A node's cells link to its page. Two queries."""
     base = reverse("dashboard:nodes")
     nodes = flt.apply(Node.objects.all())
-    cells: dict[int, list[str]] = {}
-    gpus = GPU.objects.filter(node__in=nodes.values("pk")).order_by("node_id", "index")
-    if flt.colour == "health":
-        for node_id, health in gpus.values_list("node_id", "health"):
-            cells.setdefault(node_id, []).append(f"h-{health}")
-    else:
-        reading, bounds = COLOURINGS[flt.colour]
-        for node_id, sample in gpus.values_list("node_id", "last_sample"):
-            cells.setdefault(node_id, []).append(_step(reading(sample or {}), bounds))
+    cells = _cells(flt, nodes)
     groups: dict[str, list[str]] = {}
     left_out: dict[str, int] = {}
     rows = nodes.order_by("hostname").values_list("pk", "hostname", "health", "schedulability", "lemon_count", "labels")
@@ -163,11 +155,7 @@ def heatmap(flt: NodeFilter) -> dict:
         if flt.group and len(members) >= GROUP_LIMIT:
             left_out[group] = left_out.get(group, 0) + 1
             continue
-        name = escape(hostname)
-        drawn = "".join(f'<i class="{c}"></i>' for c in cells.get(pk, [])) or '<i class="h-unknown"></i>'
-        title = f"{name}: {health}, {schedulability}" + (f", lemon {lemon}" if lemon else "")
-        members.append(f'<a class="hm-node n-{health} s-{schedulability}" data-node="{name}" href="{base}{pk}/" '
-                       f'title="{title}">{drawn}</a>')
+        members.append(_block(base, pk, hostname, health, schedulability, lemon, cells.get(pk, [])))
     html = "".join(
         (f'<div class="hm-group" data-group="{escape(name)}"><h4>{escape(flt.group)}={escape(name)} '
          f'<span class="muted">{len(members) + left_out.get(name, 0)}</span></h4>' if flt.group
@@ -177,6 +165,42 @@ def heatmap(flt: NodeFilter) -> dict:
     return {"heatmap": html, "heatmap_nodes": sum(len(m) for m in groups.values()), "colour": flt.colour,
             "colourings": [(c, flt.query(colour=c, page=1)) for c in ("health", *COLOURINGS)],
             "group_by": flt.group}
+
+
+def heatmap_cells(flt: NodeFilter, node_ids) -> dict[int, str | None]:
+    """The heat-map blocks of the nodes ``node_ids`` that changed, as ``flt`` draws them; None for
+    a node the filter no longer keeps. What a live update sends instead of the whole map."""
+    base = reverse("dashboard:nodes")
+    nodes = flt.apply(Node.objects.filter(pk__in=list(node_ids)))
+    cells = _cells(flt, nodes)
+    blocks: dict[int, str | None] = dict.fromkeys(node_ids)
+    for pk, hostname, health, schedulability, lemon in nodes.values_list(
+            "pk", "hostname", "health", "schedulability", "lemon_count"):
+        blocks[pk] = _block(base, pk, hostname, health, schedulability, lemon, cells.get(pk, []))
+    return blocks
+
+
+def _cells(flt: NodeFilter, nodes: QuerySet) -> dict[int, list[str]]:
+    """Each node's GPU cells (their CSS classes, by GPU index) under ``flt``'s colouring."""
+    cells: dict[int, list[str]] = {}
+    gpus = GPU.objects.filter(node__in=nodes.values("pk")).order_by("node_id", "index")
+    if flt.colour == "health":
+        for node_id, health in gpus.values_list("node_id", "health"):
+            cells.setdefault(node_id, []).append(f"h-{health}")
+    else:
+        reading, bounds = COLOURINGS[flt.colour]
+        for node_id, sample in gpus.values_list("node_id", "last_sample"):
+            cells.setdefault(node_id, []).append(_step(reading(sample or {}), bounds))
+    return cells
+
+
+def _block(base: str, pk: int, hostname: str, health: str, schedulability: str, lemon: int,
+           cells: list[str]) -> str:
+    name = escape(hostname)
+    drawn = "".join(f'<i class="{c}"></i>' for c in cells) or '<i class="h-unknown"></i>'
+    title = f"{name}: {health}, {schedulability}" + (f", lemon {lemon}" if lemon else "")
+    return (f'<a class="hm-node n-{health} s-{schedulability}" data-node="{name}" data-pk="{pk}" href="{base}{pk}/" '
+            f'title="{title}">{drawn}</a>')
 
 
 def _step(value, bounds: tuple) -> str:

@@ -65,6 +65,7 @@ class Pending:
     sections: set[str] = field(default_factory=set)
     slow_sections: set[str] = field(default_factory=set)  # changed by step reports only
     points: dict[tuple[int, int], events.Point] = field(default_factory=dict)
+    nodes: set[int] = field(default_factory=set)  # whose heat-map blocks changed
 
     def add_points(self, points: list[events.Point]) -> None:
         for point in points:
@@ -203,7 +204,9 @@ class Relay:
                 self._pending(events.job_group(event.job_id), event.job_id).sections.update(names)
                 self._pending(events.CLUSTER_GROUP).sections.update(sections.CLUSTER_JOB_SECTIONS)
             if event.node_id is not None:
-                self._pending(events.CLUSTER_GROUP).sections.update(sections.CLUSTER_NODE_SECTIONS)
+                cluster = self._pending(events.CLUSTER_GROUP)
+                cluster.sections.update(sections.CLUSTER_NODE_SECTIONS)
+                cluster.nodes.add(event.node_id)
         by_job: dict[int, list] = {}
         for row in new_metrics:
             by_job.setdefault(row.job_id, []).append(row)
@@ -237,8 +240,8 @@ class Relay:
                 self.last_slow[group] = now
             message = events.push_message(message_id=f"{self.owner}-{next(self._ids)}", job_id=pending.job_id,
                                           points=[p for _, p in sorted(pending.points.items())],
-                                          sections=sorted(names), relayed_at=time.time())
-            pending.sections, pending.points = set(), {}
+                                          sections=sorted(names), nodes=sorted(pending.nodes), relayed_at=time.time())
+            pending.sections, pending.points, pending.nodes = set(), {}, set()
             if not pending.slow_sections:
                 del self.pending[group]
             self.last_sent[group] = now

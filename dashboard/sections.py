@@ -70,7 +70,9 @@ PAGES: dict[str, dict[str, Section]] = {
 JOB_EVENT_SECTIONS = ["summary", "banner", "timeline", "incidents", "lineage"]
 METRICS_SECTIONS = ["summary", "skew"]
 CLUSTER_JOB_SECTIONS = ["jobs", "feed"]  # overview sections a job's change touches
-CLUSTER_NODE_SECTIONS = ["health", "heatmap", "grid", "jobs", "node", "activity", "history"]  # a node's change
+# A node's change. The heat map is not re-rendered: the nodes that changed are sent as blocks of
+# their own (``fleet.heatmap_cells``), so an update costs what changed, not the fleet.
+CLUSTER_NODE_SECTIONS = ["health", "grid", "jobs", "node", "activity", "history"]
 
 
 def capabilities_of(user) -> frozenset[str]:

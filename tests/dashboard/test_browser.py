@@ -388,6 +388,12 @@ def a_fleet_of_a_thousand_nodes(world):
     _live(page)
     assert page.locator("#gpu-heatmap a.hm-node").count() == 1024
     assert page.locator("#gpu-heatmap i").count() == 8 * 1020 + 8  # and the world's 4 nodes' 2 GPUs each
+    # A node's change patches its block of the map in place; the map is not sent again.
+    from nodes.services import set_health
+
+    set_health(Node.objects.get(hostname="rack03-gpu04"), "unhealthy", reason="Xid 79 on GPU 2")
+    page.wait_for_selector('#gpu-heatmap a.hm-node.n-unhealthy[data-node="rack03-gpu04"]', timeout=10_000)
+    assert page.evaluate("window.nightwatch.cellsPatched") >= 1
     _shot(page, "fleet")
     page.fill('#node-filter input[name="q"]', "rack07-")
     page.click('#node-filter button[type="submit"]')

@@ -29,7 +29,7 @@ def test_frames_and_messages_have_their_documented_shape():
     message = events.push_message(message_id="a-1", job_id=7, points=[point], sections=["banner", "banner"],
                                   relayed_at=1.0)
     assert message == {"type": "dashboard.push", "id": "a-1", "job": 7, "sections": ["banner"], "relayed_at": 1.0,
-                       "points": [{"step": 1, "generation": 1, "rank": 0, "loss": 1.0, "grad_norm": None,
+                       "nodes": [], "points": [{"step": 1, "generation": 1, "rank": 0, "loss": 1.0, "grad_norm": None,
                                    "spike": False, "skipped": False, "nan": False}]}
     assert set(events.snapshot_frame("job", {}, None)) == {"type", "page", "html", "chart"}
     assert set(events.update_frame(points=[], html={}, chart=None, relayed_at=0)) == {

@@ -3,6 +3,8 @@ and the live socket rendering the same filter."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.utils import timezone
 
@@ -95,6 +97,48 @@ def test_the_heat_map_colours_by_a_reading_groups_by_a_label_and_follows_a_job(s
 
     live = client.get(f"/nodes/?job={job.pk}").content.decode()
     assert [part.split('"')[0] for part in live.split('<tr data-node="')[1:]] == ["gpu-0004", "gpu-0005"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_change_sends_its_heat_map_block_not_the_map(cast, fleet_of):
+    """1,024 nodes: a drained node reaches a nodes page as one block (~300 bytes), not the ~300 KB map;
+    a page whose filter no longer keeps the node is told to drop it."""
+    from asgiref.sync import async_to_sync
+    from channels.db import database_sync_to_async
+    from channels.layers import get_channel_layer
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.routing import websocket_urlpatterns
+    from dashboard import events
+    from dashboard.relay import RELAY
+    from nodes.models import Node
+
+    nodes = fleet_of(1022)
+    changed = nodes[500]
+    turn_unhealthy = database_sync_to_async(lambda: Node.objects.filter(pk=changed.pk).update(health="unhealthy"))
+
+    async def scenario():
+        pages = {}
+        for name, query in (("all", ""), ("healthy", "?health=healthy")):
+            pages[name] = WebsocketCommunicator(URLRouter(websocket_urlpatterns), f"/ws/dashboard/nodes/{query}")
+            pages[name].scope["user"] = cast.viewer
+            assert (await pages[name].connect())[0]
+            await pages[name].receive_json_from(timeout=10)  # the snapshot
+        await turn_unhealthy()
+        await get_channel_layer().group_send(events.CLUSTER_GROUP, events.push_message(
+            message_id="t-1", job_id=None, points=[], sections=["health", "grid"], nodes=[changed.pk],
+            relayed_at=time.time()))
+        frames = {name: await page.receive_json_from(timeout=10) for name, page in pages.items()}
+        for page in pages.values():
+            await page.disconnect()
+        await RELAY.stop()
+        return frames
+
+    frames = async_to_sync(scenario)()
+    block = frames["all"]["cells"][str(changed.pk)]
+    assert "heatmap" not in frames["all"]["html"] and 'class="hm-node n-unhealthy' in block and len(block) < 600
+    assert frames["healthy"]["cells"] == {str(changed.pk): None}
 
 
 @pytest.mark.django_db(transaction=True)

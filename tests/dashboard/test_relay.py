@@ -55,6 +55,8 @@ def test_reports_and_events_reach_the_job_and_cluster_groups(running_job, cast):
     # The first step moved the job to running: a state event, so the banner, timeline and chart markers refresh.
     assert {"banner", "timeline", "summary", "skew", "chart"} <= set(job_message["sections"])
     assert {"jobs", "grid", "health"} <= set(by_group["cluster"]["sections"])
+    # The heat map is not re-rendered for a node's change: the node's own block is sent.
+    assert "heatmap" not in by_group["cluster"]["sections"] and by_group["cluster"]["nodes"] == [cast.node2.pk]
     relay.collect()
     sent.clear()
     async_to_sync(relay.flush)(sent)

@@ -153,6 +153,22 @@
     });
   }
 
+  // The nodes page's heat map is patched a node at a time: a live update carries only the blocks
+  // of the nodes that changed (null: the node left the filter). A node the map does not show yet
+  // (it just registered) has no place to go: a fresh snapshot draws the map again.
+  nw.cellsPatched = 0;
+  function patchCells(cells) {
+    const map = document.getElementById("gpu-heatmap");
+    if (!map) return;
+    for (const [pk, html] of Object.entries(cells)) {
+      const old = map.querySelector(`a.hm-node[data-pk="${pk}"]`);
+      if (html === null) { if (old) old.remove(); continue; }
+      if (!old) { nw.socket.send(JSON.stringify({ type: "snapshot" })); return; }
+      old.outerHTML = html;
+      nw.cellsPatched += 1;
+    }
+  }
+
   // --- the socket -----------------------------------------------------------------------------
   let backoff = 500;
   function connect() {
@@ -170,6 +186,7 @@
         if (frame.chart) setChart(frame.chart);
       } else if (frame.type === "update") {
         swap(frame.html);
+        if (frame.cells) patchCells(frame.cells);
         if (frame.chart) setChart({ ...frame.chart, points: null });
         if (frame.chart && frame.chart.points) frame.chart.points.forEach(mergePoint);
         if (frame.points && frame.points.length) frame.points.forEach(mergePoint);
