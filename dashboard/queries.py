@@ -31,6 +31,7 @@ CHART_ROWS = 6000
 #: between two of the hooks' exchanges, 10 by default) and shows at most this many nodes, slowest first.
 SKEW_WINDOWS = 12
 SKEW_NODES = 32
+NODE_WINDOWS = 60
 #: A node whose slowest rank took this many times the window's median step is a straggler's node.
 STRAGGLER_RATIO = 1.25
 OVERVIEW_JOBS = 50
@@ -186,6 +187,13 @@ def rank_skew(job: Job) -> dict:
                                  names))
     return {"steps": steps, "nodes": grid, "phases": phases, "phase_names": names, "stragglers": stragglers,
             "node_count": len(by_node)}
+
+
+def node_windows(job: Job, node: int) -> list[dict]:
+    """One node's newest windows in the job's active generation: its slowest rank in each, with
+    that rank's phases in ``PHASES`` order (the skew view's cell, opened)."""
+    rows = NodeWindow.objects.filter(job=job, generation=job.generation, node=node).order_by("-last_step")
+    return [{"window": w, "phases": [w.slowest_phases.get(name) for name in PHASES]} for w in rows[:NODE_WINDOWS]]
 
 
 def _phase_row(label: str, sums: Counter, windows: int, names: list[str]) -> dict:

@@ -17,13 +17,14 @@ from django.http import HttpResponseForbidden, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_POST
 
+from agents.protocol.hooks import PHASES
 from checkpoints.models import Checkpoint
 from checkpoints.services import CheckpointError
 from core import roles
 from core.api import parse_int
 from core.auth import actor_label
 from core.problems import CONTENT_TYPE, problem
-from dashboard import fleet, node_page, sections
+from dashboard import fleet, node_page, queries, sections
 from dashboard.relay import RELAY
 from jobs import services as job_services
 from jobs.models import Job
@@ -66,6 +67,18 @@ def overview(request):
 @login_required
 def job_detail(request, pk: int):
     return _page(request, "job", "dashboard/job.html", sections.Subject(job=get_object_or_404(Job, pk=pk)))
+
+
+@login_required
+def job_node(request, pk: int, node: int):
+    """A node of a job's active generation, window by window (opened from the skew view)."""
+    caps = sections.capabilities_of(request.user)
+    if roles.VIEW not in caps:
+        return HttpResponseForbidden("Your role does not include viewing the dashboard.")
+    job = get_object_or_404(Job, pk=pk)
+    windows = queries.node_windows(job, node)
+    return render(request, "dashboard/job_node.html", {"job": job, "node": node, "windows": windows,
+                                                        "phases": PHASES, "can": sections.can(caps)})
 
 
 @login_required

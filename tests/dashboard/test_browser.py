@@ -142,6 +142,7 @@ def test_the_dashboard_in_a_browser(world):
         a_viewer_sees_no_button_and_a_forged_post_is_refused(world)
         drain_from_the_nodes_page(world)
         rollback_from_the_lineage_tree_starts_a_new_branch(world)
+        a_job_of_4096_ranks_on_512_nodes(world)
         a_fleet_of_a_thousand_nodes(world)  # last: its nodes would take the other scenarios' jobs
         assert world.csp_violations == []
     except BaseException:
@@ -359,13 +360,45 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
     _shot(page, "job-lineage")
     node.locator("button.act:has-text('roll back to here')").first.click()
     _confirm(page, "loss spike after step 2")
-    page.wait_for_selector("dialog#confirm:not([open])", state="attached", timeout=15_000)
+    # The dialog closes when the answer comes, after the relaunch the rollback makes in the request.
+    page.wait_for_selector("dialog#confirm:not([open])", state="attached", timeout=30_000)
     assert not page.locator("#confirm-error").inner_text()
     job.refresh_from_db()
     assert job.branch_root_id == checkpoints[2].pk
     assert job.state == "initializing" and job.branch_since_generation == job.generation
     assert Event.objects.filter(job=job, kind="job.state", actor="user:olga", reason__contains="rollback").exists()
     page.wait_for_selector("#job-state:has-text('initializing')", timeout=10_000)
+    page.context.close()
+
+
+def a_job_of_4096_ranks_on_512_nodes(world):
+    """A 512-node job's timings (a window per node every 10 steps, rank 2403 slow): the skew view
+    shows the 32 slowest nodes with the straggler's node first, and opens it window by window."""
+    from datetime import UTC, datetime
+
+    from jobs.models import NodeWindow
+
+    job = _job("big-run")
+    now = time.time()
+    slow = {"input": 0.01, "compute": 0.9, "optimizer": 0.05, "checkpoint": 0.0}
+    usual = {"input": 0.01, "compute": 0.45, "optimizer": 0.05, "checkpoint": 0.0}
+    NodeWindow.objects.bulk_create([
+        NodeWindow(job=job, generation=job.generation, node=node, first_step=last - 9, last_step=last, ranks=8,
+                   step_median_s=0.51, step_max_s=0.96 if node == 300 else 0.55,
+                   slowest_rank=2403 if node == 300 else node * 8, slowest_s=0.96 if node == 300 else 0.52,
+                   slowest_phases=slow if node == 300 else usual, phases=usual,
+                   reported_at=datetime.fromtimestamp(now - 200 + last, UTC))
+        for last in range(10, 121, 10) for node in range(512)])
+    page = world.page_as("vera")
+    page.goto(f"{world.cluster.url}/jobs/{job.pk}/")
+    _live(page)
+    assert page.locator("#rank-skew tbody tr").count() == 32
+    assert page.locator('#rank-skew tr.straggler[data-node="300"]').count() == 1
+    assert "of 512 nodes" in page.locator("#rank-skew caption").inner_text()
+    _shot(page, "job-4096-ranks")
+    page.click('#rank-skew tr[data-node="300"] th a')
+    page.wait_for_selector("#job-node-windows", timeout=10_000)
+    assert page.locator("#job-node-windows td.rank").first.inner_text() == "2403"
     page.context.close()
 
 
