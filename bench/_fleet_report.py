@@ -77,6 +77,13 @@ def plot(sizes: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def _page(timings: dict, page: str) -> str:
+    size = timings.get(page + "_kb")
+    if size is not None and size < 0:  # an early run's record of a refused page: minus the status / 1024
+        return "refused (503)"
+    return f"{_v(timings.get(page))} ({_v(size)}; {timings.get(page + '_503', '—')})"
+
+
 def _v(value, unit: str = "") -> str:
     return "—" if value is None else f"{value:g}{unit}"
 
@@ -117,8 +124,7 @@ def markdown(result: dict) -> str:
     row("Celery queue depth, max", lambda r: str(r["queue_depth_max"]))
     row("nodes falsely unreachable", lambda r: str(r["false_unreachable"]))
     for page in ("overview", "nodes", "biggest_job"):
-        row(f"dashboard `{page}` s (KB)",
-            lambda r, p=page: f"{_v(r['dashboard_s'].get(p))} ({_v(r['dashboard_s'].get(p + '_kb'))})")
+        row(f"dashboard `{page}` s (KB; 503s first)", lambda r, p=page: _page(r["dashboard_s"], p))
     row("storm: backlog before / peak (records)",
         lambda r: f"{r['storm'].get('backlog_before_records')} / {r['storm']['backlog_peak_records']}")
     row("storm: back to the pre-outage backlog after (s)", lambda r: _v(r["storm"]["flush_s"]))
@@ -176,9 +182,12 @@ def saturation(sizes: list[dict]) -> str:
     for r in sizes:
         refused = sum(e["503"] for e in r["http"].values())
         if r["cpu_cores"] >= 1.6 or refused:
-            return (f"At {r['nodes']} nodes the control plane used {r['cpu_cores']} of the 2 cores and refused "
-                    f"{refused} requests with 503 + Retry-After (admission control): CPU is the first limit, and "
-                    "admission control is where it shows.")
+            slowest = max(r["http"].items(), key=lambda item: item[1]["p50_ms"] or 0)
+            return (f"At {r['nodes']} nodes admission control refused {refused} requests with 503 + Retry-After "
+                    f"while the control plane used {r['cpu_cores']} cores (the simulator {r.get('simulator_cores')}; "
+                    f"the rest of the machine's 2 went to whatever else ran on it) and `{slowest[0]}` answered in "
+                    f"{slowest[1]['p50_ms']} ms at the median: with the CPU it got, the web processes' requests took "
+                    "long enough to fill admission control's in-flight bound, the first limit reached.")
     return "No size in this run used the cores up or was refused by admission control."
 
 
