@@ -140,17 +140,17 @@ def rank_skew(job: Job) -> dict:
     """The active generation's nodes × its newest timing windows (``NodeWindow``): each cell the
     node's slowest rank's mean step over the window's median step (the median of the nodes'
     medians), the slowest ``SKEW_NODES`` nodes only; the phase breakdown of each shown node's
-    slowest rank, and of the whole job, over the same windows.
+    slowest rank over the same windows, and of the whole job (every node) in the newest window.
 
-    Reads ``SKEW_WINDOWS`` × nodes rows, however many ranks the job has.
+    Reads ``SKEW_WINDOWS`` × nodes rows of numbers, however many ranks the job has; the phases
+    (JSON) only of the shown nodes and of the newest window. Four queries.
     """
     windows = NodeWindow.objects.filter(job=job, generation=job.generation)
     newest = list(windows.order_by("-last_step").values_list("last_step", flat=True).distinct()[:SKEW_WINDOWS])
     if not newest:
         return {"steps": [], "nodes": [], "phases": [], "stragglers": [], "node_count": 0}
     rows = list(windows.filter(last_step__in=newest)
-                .values_list("node", "last_step", "step_median_s", "slowest_rank", "slowest_s", "slowest_phases",
-                             "phases"))
+                .values_list("node", "last_step", "step_median_s", "slowest_rank", "slowest_s"))
     medians = {step: statistics.median(r[2] for r in rows if r[1] == step) for step in newest}
     by_node: dict[int, dict[int, tuple]] = defaultdict(dict)
     for row in rows:
@@ -175,16 +175,17 @@ def rank_skew(job: Job) -> dict:
         grid.append({"node": node, "cells": cells, "straggler": node in stragglers,
                      "rank": by_node[node][max(by_node[node])][3]})
     job_phases: Counter = Counter()
-    for row in rows:
-        job_phases.update(row[6])
-    names = [n for n in PHASES if any(n in row[5] or n in row[6] for row in rows)]
-    phases = [_phase_row("job (mean rank)", job_phases, len(rows), names)]
+    newest_phases = list(windows.filter(last_step=newest[0]).values_list("phases", flat=True))
+    for node_phases in newest_phases:
+        job_phases.update(node_phases)
+    slowest: dict[int, Counter] = defaultdict(Counter)
+    for node, node_phases in windows.filter(last_step__in=newest, node__in=shown).values_list("node", "slowest_phases"):
+        slowest[node].update(node_phases)
+    names = [n for n in PHASES if n in job_phases or any(n in c for c in slowest.values())]
+    phases = [_phase_row(f"job (mean rank, steps to {newest[0]})", job_phases, len(newest_phases), names)]
     for entry in grid:
-        slowest: Counter = Counter()
-        for row in by_node[entry["node"]].values():
-            slowest.update(row[5])
-        phases.append(_phase_row(f"node {entry['node']}: rank {entry['rank']}", slowest, len(by_node[entry["node"]]),
-                                 names))
+        phases.append(_phase_row(f"node {entry['node']}: rank {entry['rank']}", slowest[entry["node"]],
+                                 len(by_node[entry["node"]]), names))
     return {"steps": steps, "nodes": grid, "phases": phases, "phase_names": names, "stragglers": stragglers,
             "node_count": len(by_node)}
 
