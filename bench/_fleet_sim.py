@@ -265,6 +265,8 @@ class Agent:
     async def run(self, delay: float) -> None:
         await asyncio.sleep(delay)
         await self.register()
+        if self.dead:
+            return
         self.add_event("agent_started", AgentStarted(agent_version=__version__, gpu_telemetry=True))
         self.tasks = [asyncio.create_task(self.heartbeats()), asyncio.create_task(self.telemetry()),
                       asyncio.create_task(self.flusher())]
@@ -282,8 +284,11 @@ class Agent:
                 failures += 1
                 await asyncio.sleep(retry_delay(failures, cap=30.0, retry_after=error.retry_after))
                 continue
-            if status != 201:
-                raise RuntimeError(f"{self.hostname}: registration refused ({status}): {body}")
+            if status != 201:  # the agent gives up (RegistrationRefused, exit 2): so does its simulation
+                self.sim.refused += 1
+                self.dead = True
+                print(f"{self.hostname}: registration refused ({status}): {body}", file=sys.stderr, flush=True)
+                return
             answer = parse(RegisterResponse, body)
             self.node_id, self.token, self.interval = answer.node_id, answer.node_token, answer.heartbeat_interval_s
             self.sim.registered += 1
@@ -486,7 +491,7 @@ class Sim:
     def __init__(self, plan: dict[str, Any]):
         self.plan = plan
         self.book = Book()
-        self.registered = self.events = 0
+        self.registered = self.refused = self.events = 0
         #: Rank records (step reports, events, checkpoint commits) the control plane answered 2xx for.
         self.delivered: dict[str, int] = {}
         self.made = 0  # rank-steps trained
@@ -522,7 +527,8 @@ class Sim:
     def status(self) -> None:
         alive = [a for a in self.agents.values() if not a.dead]
         backlogs = [a.backlog() for a in alive]
-        print(json.dumps({"t": time.time(), "registered": self.registered, "backlog": sum(backlogs),
+        print(json.dumps({"t": time.time(), "registered": self.registered, "refused": self.refused,
+                          "backlog": sum(backlogs),
                           "behind": sum(1 for b in backlogs if b > BEHIND),
                           "delivered": self.delivered, "made": self.made,
                           "faults": self.faults, "book": self.book.as_json()}), flush=True)
