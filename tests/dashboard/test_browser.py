@@ -142,6 +142,7 @@ def test_the_dashboard_in_a_browser(world):
         a_viewer_sees_no_button_and_a_forged_post_is_refused(world)
         drain_from_the_nodes_page(world)
         rollback_from_the_lineage_tree_starts_a_new_branch(world)
+        a_lineage_of_30_checkpoints_and_two_branches(world)
         a_job_of_4096_ranks_on_512_nodes(world)
         a_fleet_of_a_thousand_nodes(world)  # last: its nodes would take the other scenarios' jobs
         assert world.csp_violations == []
@@ -368,6 +369,29 @@ def rollback_from_the_lineage_tree_starts_a_new_branch(world):
     assert job.state == "initializing" and job.branch_since_generation == job.generation
     assert Event.objects.filter(job=job, kind="job.state", actor="user:olga", reason__contains="rollback").exists()
     page.wait_for_selector("#job-state:has-text('initializing')", timeout=10_000)
+    page.context.close()
+
+
+def a_lineage_of_30_checkpoints_and_two_branches(world):
+    """30 checkpoints on the main line and two rollback branches: a list one lane deep at most,
+    the branches above their forks, the older rows folded until asked for."""
+    from jobs.models import Job
+    from tests.dashboard.test_lineage_view import branched_lineage
+
+    # Finished, so that the worker places nothing for it: its generations are made here.
+    job = Job.objects.create(name="branchy", entrypoint="examples/train.py", created_by="user:otto",
+                             state="completed", generation=3)
+    branched_lineage(job)
+    page = world.page_as("vera")
+    page.goto(f"{world.cluster.url}/jobs/{job.pk}/")
+    _live(page)
+    depths = page.eval_on_selector_all("#lineage li, #lineage-older li",
+                                       "els => els.map(e => Number(e.dataset.depth))")
+    assert len(depths) == 35 and max(depths) == 1
+    assert page.locator("#lineage li.fork").count() == 1 and not page.locator("#lineage-older").is_visible()
+    page.click("details.lineage-older summary")
+    assert page.locator("#lineage-older li.fork").count() == 1
+    _shot(page, "job-lineage-branches")
     page.context.close()
 
 

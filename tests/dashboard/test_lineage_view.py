@@ -21,11 +21,14 @@ def _chain(job, generation, parent, steps):
 
 @pytest.fixture
 def branched(cast):
+    return branched_lineage(cast.job)
+
+
+def branched_lineage(job):
     """30 checkpoints on the main line (steps 10..300); a branch of 3 from step 100 and one of 2
     from step 200, each started by a rollback; the job now trains on the main line."""
     from jobs.models import Generation
 
-    job = cast.job
     first, second, third = (Generation.objects.create(job=job, number=n, world_size=2) for n in (1, 2, 3))
     main = _chain(job, first, None, range(10, 301, 10))
     by_step = {c.step: c for c in main}
