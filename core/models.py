@@ -108,6 +108,11 @@ class ApiToken(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # A bootstrap token, once used: the node it registered and the SHA-256 of the agent's attempt
+    # id, so that a retry whose answer was lost gets the same node back (nodes.services.fleet).
+    registered = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    attempt_digest = models.CharField(max_length=64, blank=True)
 
     objects = ApiTokenQuerySet.as_manager()
 

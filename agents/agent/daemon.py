@@ -20,7 +20,14 @@ from agents import __version__
 from agents.agent.commands import CommandLedger, CommandRunner
 from agents.agent.config import AgentConfig
 from agents.agent.outbox import AuthRejected, Outbox
-from agents.agent.registration import NodeCredentials, RegistrationRefused, load_credentials, register, save_credentials
+from agents.agent.registration import (
+    NodeCredentials,
+    RegistrationRefused,
+    attempt_id,
+    load_credentials,
+    register,
+    save_credentials,
+)
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.protocol import ProtocolError, dump, parse
@@ -133,6 +140,8 @@ class Agent:
         if not token:
             raise RegistrationRefused(f"no node token in {path} and no bootstrap token configured")
         client = ControlPlaneClient(self.config.control_plane_url, timeout=self.config.request_timeout_s)
+        attempt_file = path.with_name("registration-attempt")
+        attempt = attempt_id(attempt_file)
         failures = 0
         while not self._stopping.is_set():
             try:
@@ -140,7 +149,7 @@ class Agent:
                                   address=self.config.address or self.config.hostname, labels=self.config.labels,
                                   gpus=self.gpus, gpu_telemetry=self.source.available,
                                   gpu_telemetry_reason=self.source.reason,
-                                  probe_port=self._probe.port if self._probe else None)
+                                  probe_port=self._probe.port if self._probe else None, attempt=attempt)
             except Unreachable as exc:
                 failures += 1
                 delay = retry_delay(failures, cap=30.0, retry_after=exc.retry_after)
@@ -150,6 +159,7 @@ class Agent:
             creds = NodeCredentials(control_plane_url=self.config.control_plane_url, node_id=answer.node_id,
                                     node_token=answer.node_token, heartbeat_interval_s=answer.heartbeat_interval_s)
             save_credentials(path, creds)
+            attempt_file.unlink(missing_ok=True)  # the token is kept: a next registration is a new one
             log.info("registered as node %s; token stored in %s", creds.node_id, path)
             return creds
         return None

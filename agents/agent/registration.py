@@ -2,6 +2,11 @@
 
 The node token file is created with mode 0600 (never readable by others, not even for a moment)
 and replaced atomically, so a crash never leaves half a token behind.
+
+An answer can be lost after the control plane used the bootstrap token up (a timeout, a crash
+before the token was saved). So the agent makes a random attempt id before its first try, keeps
+it next to the token file until it holds its token, and sends it with every try: the control
+plane answers a retry with the same id with the same node and a fresh token, not with a 401.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,13 +63,28 @@ def save_credentials(path: Path, creds: NodeCredentials) -> None:
     os.replace(tmp, path)
 
 
+def attempt_id(path: Path) -> str:
+    """This registration's attempt id, made (mode 0600) on the first call and read back after."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, value.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return value
+
+
 def register(client: ControlPlaneClient, *, bootstrap_token: str, hostname: str, address: str,
              labels: dict[str, str], gpus: list[GpuInfo], gpu_telemetry: bool, gpu_telemetry_reason: str | None,
-             probe_port: int | None) -> RegisterResponse:
+             probe_port: int | None, attempt: str | None = None) -> RegisterResponse:
     """POST the registration; raises ``agents.http.Unreachable`` or ``RegistrationRefused``."""
     message = Register(bootstrap_token=bootstrap_token, hostname=hostname, address=address,
                        agent_version=__version__, labels=labels, gpus=gpus, gpu_telemetry=gpu_telemetry,
-                       gpu_telemetry_reason=gpu_telemetry_reason, probe_port=probe_port)
+                       gpu_telemetry_reason=gpu_telemetry_reason, probe_port=probe_port, attempt=attempt)
     status, body = client.request("POST", REGISTER_PATH, dump(message))
     if status != 201:
         raise RegistrationRefused(f"registration refused ({status}): {body}")

@@ -91,6 +91,9 @@ class Register:
     #: Set when ``gpu_telemetry`` is false: the reason, shown to operators as is.
     gpu_telemetry_reason: str | None = field(default=None, max_len=500)
     probe_port: int | None = field(default=None, min=1, max=65535)
+    #: A random id the agent keeps until it holds its node token. A retry whose answer was lost
+    #: (a timeout) presents the used bootstrap token with the same id and gets its node back.
+    attempt: str | None = field(default=None, pattern=r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ BIGINT_MAX = 2**63 - 1
 INT_MAX = 2**31 - 1
 #: One answer for every dead bootstrap token: a guesser learns nothing about which it hit.
 USED = "Unknown, expired or already used bootstrap token."
+#: How long after a registration its agent may retry it (the answer was lost) and get its node back.
+RETRY_WINDOW = timedelta(minutes=15)
 
 
 def check_range(value: int | None, where: str, high: int = BIGINT_MAX) -> None:
@@ -113,6 +115,10 @@ def register_agent(message: wire.Register) -> Registration:
     4. Create the node, or update it when the token was issued for it: its earlier agent tokens
        are revoked, so only the newest agent speaks for the node.
     5. Record its GPUs, issue the node's agent token and count the registration as a heartbeat.
+
+    A retry of a registration whose answer was lost (the agent timed out) presents the used token
+    with the same ``attempt`` id: within ``RETRY_WINDOW`` it gets the same node back with a new
+    token (the one in the lost answer is revoked), instead of a 401 that would strand the agent.
     """
     if (problem := address_problem(message.address)) is not None:
         raise ProtocolError("address", problem)
@@ -120,17 +126,47 @@ def register_agent(message: wire.Register) -> Registration:
         check_range(gpu.memory_total // 2**20, f"gpus.{i}.memory_total", INT_MAX)
     now = timezone.now()
     with transaction.atomic():
+        if (retried := _retried_registration(message, now)) is not None:
+            return retried
         token = _live_bootstrap_token(message.bootstrap_token, now)
         node = Node.objects.select_for_update().filter(hostname=message.hostname).first()
         _check_may_register(token, message.hostname, node)
         if not ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now, last_used_at=now):
             raise RegistrationRefused(USED, 401)
         node, previous = _node_registered(message, node, now)
+        ApiToken.objects.filter(pk=token.pk).update(
+            registered=node, attempt_digest=hash_token(message.attempt) if message.attempt else "")
         _record_gpus(node, message.gpus)
         _, raw = ApiToken.issue(name=f"agent {message.hostname}"[:100], scope=Scope.AGENT, node=node)
         _record_registration(node, message, actor=f"token:{token.name}", previous=previous, now=now)
         _stamp_heartbeat(node, now)
         _came_alive(node, actor=f"node:{node.hostname}")
+    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
+    return Registration(node=node, response=response)
+
+
+def _retried_registration(message: wire.Register, now) -> Registration | None:
+    """The registration ``message`` retries, answered again: the same node, a fresh agent token.
+
+    Only for the agent that made it: the used bootstrap token and the attempt id it sent (random,
+    never shown anywhere) must both match, for the same hostname, within ``RETRY_WINDOW``.
+    """
+    if not message.attempt:
+        return None
+    token = (ApiToken.objects.select_for_update(of=("self",))
+             .filter(digest=hash_token(message.bootstrap_token), scope=Scope.BOOTSTRAP,
+                     revoked_at__gt=now - RETRY_WINDOW, attempt_digest=hash_token(message.attempt),
+                     registered__hostname=message.hostname)
+             .select_related("registered").first())
+    if token is None:
+        return None
+    node = token.registered
+    ApiToken.objects.filter(node=node, scope=Scope.AGENT, revoked_at__isnull=True).update(revoked_at=now)
+    _, raw = ApiToken.issue(name=f"agent {message.hostname}"[:100], scope=Scope.AGENT, node=node)
+    record_event(EventKind.NODE_REGISTER, actor=f"token:{token.name}", node=node, created_at=now,
+                 reason="the agent retried its registration (the first answer was lost): the same node, a new "
+                        "agent token, the one in the lost answer revoked")
+    _stamp_heartbeat(node, now)
     response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
     return Registration(node=node, response=response)
 

@@ -89,6 +89,7 @@ class ControlPlane:
         self.errors: list[str] = []
         self.pending: list[dict[str, Any]] = []  # commands re-sent until acked
         self.ack_answers: dict[str, int] = {}  # command id -> status to answer its ack with
+        self.register_delays: list[float] = []  # seconds to sit on each next registration's answer
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -123,6 +124,8 @@ class ControlPlane:
             if message.bootstrap_token != self.bootstrap_token:
                 return 403, {"error": "unknown bootstrap token"}
             self.registrations.append(message)
+            if self.register_delays:
+                time.sleep(self.register_delays.pop(0))  # the agent has given up on this answer
             return 201, dump(RegisterResponse(node_id=self.node_id, node_token=self.node_token,
                                               heartbeat_interval_s=self.heartbeat_interval_s))
         if auth != f"Bearer {self.node_token}":

@@ -58,6 +58,17 @@ def test_registers_stores_its_token_and_reports(control_plane: Any, agent_config
     assert again.stop() == 0
 
 
+def test_a_registration_answer_lost_to_a_timeout_is_retried_as_the_same_attempt(
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any]) -> None:
+    control_plane.register_delays = [1.5]  # longer than the agent's 1 s request timeout
+    config = agent_config()
+    start_agent(config)
+    wait_for(lambda: control_plane.heartbeats, timeout=20, what="the agent registered", interval=POLL_S)
+    first, retry = control_plane.registrations[:2]
+    assert first.attempt and retry.attempt == first.attempt  # the control plane can tell it is a retry
+    assert not (config.work_dir / "registration-attempt").exists()  # kept only until the token is
+
+
 def test_a_refused_bootstrap_token_stops_the_agent(agent_config: Callable[..., Any],
                                                    start_agent: Callable[..., Any]) -> None:
     config = agent_config(bootstrap_token="not-the-one")

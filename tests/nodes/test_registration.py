@@ -55,6 +55,39 @@ def test_a_bootstrap_token_registers_once(cast, api):
 
 
 @pytest.mark.django_db
+def test_a_retry_whose_answer_was_lost_gets_the_same_node_and_a_fresh_token(cast, api):
+    """The agent timed out after the bootstrap token was used: its retry (same token, same attempt
+    id) gets its node back, and the token in the lost answer stops working."""
+    attempt = "0123456789abcdef" * 2
+    body = register_body(cast.tokens["bootstrap"]) | {"attempt": attempt}
+    lost = api().post(REGISTER, body, format="json").json()
+    retried = api().post(REGISTER, body, format="json")
+    assert retried.status_code == 201, retried.content
+    answer = retried.json()
+    assert answer["node_id"] == lost["node_id"] and answer["node_token"] != lost["node_token"]
+    node = Node.objects.get(pk=answer["node_id"])
+    assert api(lost["node_token"]).post(f"/api/v1/nodes/{node.pk}/heartbeat", heartbeat(node),
+                                        format="json").status_code == 401
+    assert api(answer["node_token"]).post(f"/api/v1/nodes/{node.pk}/heartbeat", heartbeat(node),
+                                          format="json").status_code == 200
+    assert "retried its registration" in Event.objects.filter(kind="node.register", node=node).last().reason
+    assert Node.objects.filter(hostname="gpu-new-01").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_used_bootstrap_token_without_its_attempt_id_stays_refused(cast, api):
+    attempt = "0123456789abcdef" * 2
+    body = register_body(cast.tokens["bootstrap"]) | {"attempt": attempt}
+    assert api().post(REGISTER, body, format="json").status_code == 201
+    without = {k: v for k, v in body.items() if k != "attempt"}
+    for retry in (without, body | {"attempt": "f" * 32}, body | {"hostname": "gpu-new-02"}):
+        assert api().post(REGISTER, retry, format="json").status_code == 401, retry
+    with time_machine.travel(timezone.now() + services.fleet.RETRY_WINDOW + timedelta(seconds=1)):
+        assert api().post(REGISTER, body, format="json").status_code == 401
+    assert api().post(REGISTER, body | {"attempt": "not hex"}, format="json").status_code == 400
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(("token", "status"), [("nw_made-up", 401), ("operator", 403), ("agent", 403)])
 def test_anything_but_a_live_bootstrap_token_is_refused_and_nothing_is_stored(cast, api, token, status):
     raw = cast.tokens.get(token, token)
