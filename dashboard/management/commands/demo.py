@@ -33,6 +33,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from dashboard import demo_fleet
 from jobs import services
 from jobs.goodput import goodput_of
 from jobs.models import Job
@@ -53,8 +54,12 @@ class Command(BaseCommand):
         parser.add_argument("--fault-every", type=float, default=60.0,
                             help="seconds between injected faults (0: none)")
         parser.add_argument("--steps", type=int, default=100_000, help="length of the demo job")
+        parser.add_argument("--fleet", type=int, default=0, metavar="N",
+                            help="add N simulated nodes of 8 GPUs (scripted readings, no agent) to look at")
 
-    def handle(self, host, port, ready_timeout, no_job, fault_every, steps, **options):
+    def handle(self, host, port, ready_timeout, no_job, fault_every, steps, fleet, **options):
+        if not 0 <= fleet <= 4096:
+            raise CommandError("--fleet must be between 0 and 4096")
         call_command("migrate", interactive=False, verbosity=0)
         password = self._demo_user()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
@@ -100,10 +105,16 @@ class Command(BaseCommand):
                 f"  log in as 'demo' (on-call) with password {password}\n"
                 f"Overview: {url}/   nodes: {url}/nodes/   API docs: {url}/api/docs/   readiness: {url}/readyz\n"
                 f"Logs: {logs}/ (web, worker, checkpoint-worker, agent; the job's output under {var}/demo-agent)\n"
-                "Ctrl-C stops everything.\n"
+                + (f"{fleet} simulated nodes (8 GPUs each, no agent) fill {url}/nodes/\n" if fleet else "")
+                + "Ctrl-C stops everything.\n"
             ))
+            simulated = demo_fleet.seed(fleet) if fleet else []
             next_fault = time.monotonic() + fault_every
+            next_reading = time.monotonic()
             while not stop["now"]:
+                if simulated and time.monotonic() >= next_reading:
+                    demo_fleet.tick(simulated)
+                    next_reading = time.monotonic() + 10
                 for name, proc in children.items():
                     if proc.poll() is not None:
                         raise CommandError(f"the {name} process exited with code {proc.returncode} "
