@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import timedelta
 
+from django.db.models import Q
 from django.utils import timezone
 
 from core.models import Event
@@ -27,6 +28,7 @@ METRICS = (("temperature", "°C", "temperature_c", "temperature_mean"),
            ("memory used", "MiB", "memory_used_mib", "memory_used_mib_mean"),
            ("power", "W", "power_w", "power_mean"))
 ACTIVITY = 60
+ERROR_KINDS = ("uncorrectable ECC error(s)", "Xid error(s)", "NVLink error(s)")
 HISTORY = 20
 
 
@@ -82,14 +84,32 @@ def _bucketed(rows: list[tuple], seconds: int) -> list[tuple]:
 
 
 def activity(node) -> list[dict]:
-    """The agent's evidence and the node's audit log, newest first, on one timeline."""
-    entries = [{"at": e.created_at, "kind": e.kind, "change": (e.old_state, e.new_state), "actor": e.actor,
-                "text": e.reason, "generation": e.generation}
-               for e in Event.objects.filter(node=node).order_by("-created_at", "-pk")[:ACTIVITY]]
+    """The agent's evidence, the GPU errors its telemetry counted (uncorrectable ECC, Xid, NVLink)
+    and the node's audit log, newest first, on one timeline."""
+    entries = _errors(node)
+    entries += [{"at": e.created_at, "kind": e.kind, "change": (e.old_state, e.new_state), "actor": e.actor,
+                 "text": e.reason, "generation": e.generation}
+                for e in Event.objects.filter(node=node).order_by("-created_at", "-pk")[:ACTIVITY]]
     entries += [{"at": r.time, "kind": f"agent: {r.kind}", "change": None, "actor": f"node:{node.hostname}",
                  "text": _describe(r), "generation": r.generation}
                 for r in AgentEventRecord.objects.filter(node=node).order_by("-time", "-pk")[:ACTIVITY]]
     return sorted(entries, key=lambda e: e["at"], reverse=True)[:ACTIVITY]
+
+
+def _errors(node) -> list[dict]:
+    """A timeline entry per raw sample that counted new GPU errors (the columns are NULL when no GPU
+    of the sample counted one, so this reads only the samples that did)."""
+    counted = (NodeGpuSample.objects.filter(node=node).filter(
+        Q(ecc_uncorrected_errors__isnull=False) | Q(xid_errors__isnull=False) | Q(nvlink_errors__isnull=False))
+        .order_by("-time").values_list("time", "ecc_uncorrected_errors", "xid_errors", "nvlink_errors")[:ACTIVITY])
+    entries = []
+    for at, *columns in counted:
+        parts = [f"GPU {gpu}: {count} {what}" for what, values in zip(ERROR_KINDS, columns, strict=True)
+                 for gpu, count in enumerate(values or []) if count]
+        if parts:
+            entries.append({"at": at, "kind": "telemetry: GPU errors", "change": None, "actor": f"node:{node.hostname}",
+                            "text": "; ".join(parts), "generation": None})
+    return entries
 
 
 def _describe(record: AgentEventRecord) -> str:

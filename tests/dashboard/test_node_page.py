@@ -35,6 +35,8 @@ def busy_node(cast, api):
     samples = [sample(node, gpu, now - 600 + 10 * i, temperature_c=50.0 + gpu * 10 + i % 3)
                for i in range(60) for gpu in (0, 1)]
     samples[-1] |= {"xid_recent": 1, "xid_total": 1, "recent_xid_codes": [79]}
+    for index, total in ((-5, 0), (-3, 2), (-1, 2)):  # GPU 1's lifetime count rises by 2 one sample before
+        samples[index] |= {"ecc_uncorrected_aggregate": total}
     assert agent.post(f"/api/v1/nodes/{node.pk}/telemetry", {"samples": samples}, format="json").status_code == 202
     agent.post(f"/api/v1/nodes/{node.pk}/events", {"events": [
         {"key": "xid-1", "kind": "xid", "time": now - 5, "detail": {"gpu": 1, "code": 79}}]}, format="json")
@@ -56,6 +58,7 @@ def test_the_page_shows_the_gpus_the_timeline_the_history_and_an_hour_of_telemet
     assert busy_node.schedulability != "active" and busy_node.drain_reason in body and ">Undrain</button>" in body
     activity = body[body.index('id="node-activity"'):body.index("</table>", body.index('id="node-activity"'))]
     assert "agent: xid" in activity and "GPU 1: Xid 79" in activity and "node.drain" in activity
+    assert "telemetry: GPU errors" in activity and "uncorrectable ECC" in activity
     assert f"{cast.job.name}</a>" in body and "hardware: Xid 79" in body and "420 Mb/s" in body
     series = series_of(body)
     assert series["range"] == "hour" and series["gpus"] == 2 and len(series["t"]) == 60
