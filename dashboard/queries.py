@@ -210,11 +210,17 @@ def _shade(ratio: float | None) -> int:
     return 4 if ratio >= STRAGGLER_RATIO else 1 + int((ratio - 1.05) / 0.07)
 
 
-def timeline(job: Job) -> dict:
-    """The job's newest events, newest first, each run of routine checkpoint activity (commits,
-    verifications, interval changes, replicas: two or more rows per checkpoint) folded into one
-    entry; the folded rows come along for the page's "show checkpoint activity" toggle."""
-    events = list(Event.objects.filter(job=job).order_by("-created_at", "-pk")[:TIMELINE_SCAN])
+def timeline(job: Job, before: int | None = None) -> dict:
+    """The job's newest events (older than event ``before`` for a later page), newest first, each
+    run of routine checkpoint activity (commits, verifications, interval changes, replicas: two or
+    more rows per checkpoint) folded into one entry; the folded rows come along for the page's
+    "show checkpoint activity" toggle. ``older``: the ``before`` of the next page, if there is one."""
+    events = Event.objects.filter(job=job)
+    if before is not None:
+        cursor = Event.objects.filter(job=job, pk=before).values_list("created_at", flat=True).first()
+        if cursor is not None:
+            events = events.filter(Q(created_at__lt=cursor) | Q(created_at=cursor, pk__lt=before))
+    events = list(events.order_by("-created_at", "-pk")[:TIMELINE_SCAN])
     entries: list[dict] = []
     for event in events:
         if event.kind not in ROUTINE:
@@ -223,9 +229,11 @@ def timeline(job: Job) -> dict:
             entries[-1]["folded"].append(event)
         else:
             entries.append({"event": None, "folded": [event]})
-    entries = entries[:TIMELINE_EVENTS]
-    for entry in entries:
+    shown, rest = entries[:TIMELINE_EVENTS], entries[TIMELINE_EVENTS:]
+    for entry in shown:
         steps = [e.evidence.get("step") for e in entry["folded"] if isinstance(e.evidence.get("step"), int)]
         entry["steps"] = (min(steps), max(steps)) if steps else None
-    return {"entries": entries, "more": len(events) == TIMELINE_SCAN}
+    last = (shown[-1]["event"] or shown[-1]["folded"][-1]) if shown else None
+    more = bool(rest) or len(events) == TIMELINE_SCAN
+    return {"entries": shown, "older": last.pk if last is not None and more else None}
 

@@ -15,6 +15,7 @@ urlpatterns = [
     path("jobs/<int:pk>/checkpoint", views.checkpoint_now, name="job-checkpoint"),
     path("jobs/<int:pk>/rollback", views.rollback, name="job-rollback"),
     path("jobs/<int:pk>/nodes/<int:node>/", views.job_node, name="job-node"),
+    path("jobs/<int:pk>/timeline/", views.job_timeline, name="job-timeline"),
     path("nodes/", views.nodes, name="nodes"),
     path("nodes/<int:pk>/", views.node_detail, name="node-detail"),
     path("nodes/<int:pk>/drain", views.drain, name="node-drain"),

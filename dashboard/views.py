@@ -82,6 +82,17 @@ def job_node(request, pk: int, node: int):
 
 
 @login_required
+def job_timeline(request, pk: int):
+    """Older pages of a job's timeline (the job page shows the newest, live)."""
+    caps = sections.capabilities_of(request.user)
+    if roles.VIEW not in caps:
+        return HttpResponseForbidden("Your role does not include viewing the dashboard.")
+    job = get_object_or_404(Job, pk=pk)
+    before = parse_int(request.GET.get("before", ""))  # nonsense: the newest page
+    return render(request, "dashboard/job_timeline.html", {"job": job, **queries.timeline(job, before)})
+
+
+@login_required
 def nodes(request):
     flt = fleet.NodeFilter.parse(request.GET)
     return _page(request, "nodes", "dashboard/nodes.html", sections.Subject(filter=flt), filter=flt,

@@ -3,6 +3,15 @@
  * Everything the page shows comes from the server: a snapshot on every (re)connect, then updates. */
 (function () {
   "use strict";
+  // The timeline folds routine checkpoint activity; the toggle sits outside the live section, so
+  // a re-rendered timeline keeps the person's choice (older pages of the timeline have it too).
+  const routine = document.getElementById("timeline-routine");
+  if (routine) {
+    routine.addEventListener("change", () => {
+      document.getElementById("timeline-wrap").classList.toggle("show-routine", routine.checked);
+    });
+  }
+
   const page = document.getElementById("page");
   if (!page) return;
   const live = document.getElementById("live");
@@ -143,15 +152,6 @@
     nw.nodeCharts = series.metrics.length;
   }
   drawNodeCharts();
-
-  // The timeline folds routine checkpoint activity; the toggle sits outside the live section, so
-  // a re-rendered timeline keeps the person's choice.
-  const routine = document.getElementById("timeline-routine");
-  if (routine) {
-    routine.addEventListener("change", () => {
-      document.getElementById("timeline-wrap").classList.toggle("show-routine", routine.checked);
-    });
-  }
 
   // The nodes page's heat map is patched a node at a time: a live update carries only the blocks
   // of the nodes that changed (null: the node left the filter). A node the map does not show yet
