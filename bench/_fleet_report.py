@@ -112,6 +112,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cell(r) for r in sizes) + " |")
 
     row("ranks (jobs' nodes)", lambda r: f"{r['ranks']} ({', '.join(map(str, r['jobs']))})")
+    row("set-up: agents registered / refused, nodes healthy, jobs training",
+        lambda r: "all" if "setup" not in r else
+        f"{r['setup']['agents_registered']} / {r['setup']['registrations_refused']}, {r['setup']['nodes_healthy']}, "
+        f"{r['setup']['jobs_running']} of {len(r['jobs'])}")
     row("requests attempted / s", lambda r: _v(r["attempted_rps"]))
     row("requests accepted (2xx) / s", lambda r: _v(r["accepted_rps"]))
     row("503 (admission control)", lambda r: str(sum(e["503"] for e in r["http"].values())))

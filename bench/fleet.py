@@ -97,20 +97,22 @@ def submit_jobs(port: int, token: str, sizes: list[int]) -> list[int]:
     return ids
 
 
-def call(port: int, token: str, method: str, path: str, body: Any = None) -> tuple[int, dict]:
+def call(port: int, token: str, method: str, path: str, body: Any = None, *,
+         patience: float = 300.0) -> tuple[int, dict]:
+    """One API request as an operator's client would make it: a 503 is waited out (Retry-After, jittered)
+    for up to ``patience`` seconds; at 1,024 nodes admission control refused job submissions for 25 s."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,  # noqa: S310
                                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    for attempt in range(20):
+    deadline = time.monotonic() + patience
+    while True:
         try:
             with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
                 return response.status, json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as error:
-            if error.code == 503 and attempt < 19:
-                time.sleep(float(error.headers.get("Retry-After") or 1) * random.uniform(1, 1.5))
-                continue
-            return error.code, json.loads(error.read() or b"{}")
-    raise AssertionError("unreachable")
+            if error.code != 503 or time.monotonic() > deadline:
+                return error.code, json.loads(error.read() or b"{}")
+            time.sleep(float(error.headers.get("Retry-After") or 1) * random.uniform(1, 1.5))
 
 
 # --- setup inside Django (a subprocess: each fleet size has its own database) --------------------
