@@ -39,9 +39,9 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
     """Store a batch of step reports and hook events; advance the job's progress marks.
 
     1. Refuse a stale generation (the fencing token), and every generation of a job that ended.
-    2. Insert what is new; (job, generation, rank, step), (job, generation, node, last_step) and
-       (job, generation, key) already stored are duplicates of a replay and are counted, not stored
-       again.
+    2. Insert what is new; (job, generation, rank, step), (job, generation, node, last_step,
+       exchange time) and (job, generation, key) already stored are duplicates of a replay and are
+       counted, not stored again.
     3. Move the progress deadline, and mark the generation's first step (a generation that
        reports its first step is running); hand what the hooks flagged to the orchestrator.
     """

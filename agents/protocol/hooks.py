@@ -10,8 +10,8 @@ Endpoints (``{job}`` is NIGHTWATCH_JOB, ``G`` the generation, ``R`` the rank):
 
 Every record carries its job and generation (the fencing token) so a record stands on its own in
 the hooks' spool and on the server; the server deduplicates step reports on
-(job, generation, rank, step), node windows on (job, generation, node, last_step) and events on
-(job, generation, key).
+(job, generation, rank, step), node windows on (job, generation, node, last_step, time) and
+events on (job, generation, key).
 
 What a job sends grows with its steps and nodes, not with its ranks (docs/architecture.md, "Step
 data"): rank 0 reports every step for the job; the other ranks report only the steps they flagged

@@ -108,7 +108,7 @@ def read_samples(directory: Path, rank: int) -> dict[int, list[int]]:
 @dataclass
 class ControlPlaneStub:
     """The hooks' endpoints on a real socket: validates with the shared protocol, deduplicates on
-    (job, generation, rank, step) and (job, generation, node, last_step) like the real server, and
+    (job, generation, rank, step) and (job, generation, node, last_step) as the real server does, and
     can be taken down (connections refused)."""
 
     generation: int = 0
