@@ -24,10 +24,16 @@ TELEMETRY_MAX_QUERIES = 9
 LIST_MAX_QUERIES = 9
 
 
-def _report(job, rank, step):
+def _report(job, rank, step, **flags):
     return {"job": str(job.pk), "generation": 1, "rank": rank, "step": step, "loss": 2.5, "grad_norm": 1.0,
             "world_size": 2, "data_cursor": step * 8, "samples": 4,
-            "phases": {"input": 0.01, "compute": 0.1, "optimizer": 0.02}, "time": time.time()}
+            "phases": {"input": 0.01, "compute": 0.1, "optimizer": 0.02}, "time": time.time(), **flags}
+
+
+def _window(job, node, last_step):
+    return {"job": str(job.pk), "generation": 1, "node": node, "first_step": max(1, last_step - 9),
+            "last_step": last_step, "ranks": 8, "step_median_s": 0.1, "step_max_s": 0.2, "slowest_rank": 8 * node,
+            "slowest_s": 0.15, "phases": {"compute": 0.1}, "slowest_phases": {"compute": 0.14}, "time": time.time()}
 
 
 @pytest.fixture
@@ -43,8 +49,11 @@ def running(cast):
 @pytest.mark.parametrize(("first", "steps"), [(1, 1), (1, 20)], ids=["1-step", "20-steps"])
 def test_a_report_batch_costs_the_same_queries_whatever_its_size(running, api, django_assert_max_num_queries,
                                                                   first, steps):
-    reports = [_report(running.job, rank, step) for step in range(first, first + steps) for rank in (0, 1)]
-    body = {"job": str(running.job.pk), "generation": 1, "reports": reports, "events": []}
+    # Every step from rank 0, each step flagged by rank 1 (skipped), a window from each of up to 64 nodes.
+    reports = [_report(running.job, rank, step, skipped=rank == 1)
+               for step in range(first, first + steps) for rank in (0, 1)]
+    windows = [_window(running.job, node, first + steps - 1) for node in range(min(64, 4 * steps))]
+    body = {"job": str(running.job.pk), "generation": 1, "reports": reports, "events": [], "windows": windows}
     client = api(running.tokens["agent"])
     with django_assert_max_num_queries(REPORTS_MAX_QUERIES):
         response = client.post(f"/api/v1/jobs/{running.job.pk}/reports", body, format="json")
