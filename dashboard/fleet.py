@@ -24,6 +24,7 @@ from datetime import timedelta
 from urllib.parse import urlencode
 
 from django.db.models import Case, F, IntegerField, Q, QuerySet, Value, When
+from django.db.models.fields.json import KeyTextTransform
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import escape
@@ -106,7 +107,8 @@ class NodeFilter:
             nodes = nodes.filter(lemon_count__gt=0)
         if self.label:
             key, _, value = self.label.partition("=")
-            nodes = nodes.filter(**{f"labels__{key}": value}) if key and "__" not in key else nodes.none()
+            # The key as a literal JSON key: a lookup name ("in", "contains") is just a label here.
+            nodes = nodes.alias(label_value=KeyTextTransform(key, "labels")).filter(label_value=value)
         if self.job is not None:
             nodes = nodes.filter(generations__job_id=self.job, generations__ended_at__isnull=True,
                                  generations__job__generation=F("generations__number")).distinct()

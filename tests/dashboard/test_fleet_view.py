@@ -52,7 +52,7 @@ def test_search_health_lemon_label_and_paging_narrow_the_table(signed_in, cast, 
     from nodes.models import Node
 
     nodes = fleet_of(120)
-    Node.objects.filter(pk=nodes[3].pk).update(lemon_count=2, labels={"rack": "r7"})
+    Node.objects.filter(pk=nodes[3].pk).update(lemon_count=2, labels={"rack": "r7", "in": "x"})
     Node.objects.filter(pk__in=[nodes[5].pk, nodes[6].pk]).update(health="unreachable")
     client = signed_in(cast.viewer)
 
@@ -66,8 +66,11 @@ def test_search_health_lemon_label_and_paging_narrow_the_table(signed_in, cast, 
     assert rows("label=rack%3Dr8") == [] and "No node matches." in client.get("/nodes/?q=nothing").content.decode()
     assert len(rows("page=3")) == 120 + 2 - 2 * fleet.PAGE_NODES  # cast's two nodes too
     assert rows("page=99") == rows("page=3")  # past the end: the last page
-    # Nonsense is ignored, not an error.
+    # Nonsense is ignored, not an error; a label key is a key, even one named like a lookup.
     assert client.get("/nodes/?health=purple&page=-4&label=x&job=abc&colour=mauve&group=a__b").status_code == 200
+    for key in ("in", "contains", "isnull", "a__b"):
+        assert rows(f"label={key}%3Dr7") == []
+    assert rows("label=in%3Dx") == ["gpu-0003"]
 
 
 def test_the_heat_map_colours_by_a_reading_groups_by_a_label_and_follows_a_job(signed_in, cast, fleet_of):
