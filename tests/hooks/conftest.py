@@ -107,9 +107,10 @@ def read_samples(directory: Path, rank: int) -> dict[int, list[int]]:
 
 @dataclass
 class ControlPlaneStub:
-    """The hooks' endpoints on a real socket: validates with the shared protocol, deduplicates on
-    (job, generation, rank, step) and (job, generation, node, last_step) as the real server does, and
-    can be taken down (connections refused)."""
+    """The hooks' endpoints on a real socket: validates with the shared protocol, deduplicates step
+    reports on (job, generation, rank, step) as the real server does and node windows on (job,
+    generation, node, last_step) (the server's key adds the exchange time, which a replay repeats),
+    and can be taken down (connections refused)."""
 
     generation: int = 0
     control: dict[str, Any] = field(default_factory=dict)
