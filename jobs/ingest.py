@@ -25,7 +25,7 @@ from jobs import windows as node_windows
 from jobs.choices import JobState
 from jobs.models import Job, NodeWindow, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
-from jobs.tasks import handle_flags
+from jobs.tasks import handle_flags, handle_save_failed
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
                                       now, actor=actor)
         _raise_flags(job, batch.generation, fresh, fresh_events)
+        _report_failed_saves(job, batch.generation, fresh_events)
     return IngestResult(accepted=len(fresh), duplicates=len(kept) - len(fresh),
                         ignored=len(batch.reports) - len(kept))
 
@@ -99,6 +100,15 @@ def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepRepor
             detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
         transaction.on_commit(
             lambda: handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail))
+
+
+def _report_failed_saves(job: Job, generation: int, fresh_events: list[hooks_protocol.Event]) -> None:
+    """A failed checkpoint save (the hooks trained on) becomes a ``checkpoint`` incident, after commit."""
+    for e in fresh_events:
+        if e.kind == "checkpoint_failed":
+            failure = {**{k: v for k, v in e.detail.items() if k in ("path", "reason", "errno", "error")},
+                       "step": e.step, "rank": e.rank, "time": e.time}
+            transaction.on_commit(lambda f=failure: handle_save_failed.delay(job.pk, generation, f))
 
 
 def _flagged(report: hooks_protocol.StepReport) -> bool:

@@ -17,17 +17,18 @@ processes are gone — one active generation, always.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Max, Q
 from django.utils import timezone
 
+from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
 from core.models import Event
 from jobs import policy, state
-from jobs.choices import Decision, IncidentState, JobState
+from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.launching import candidates, end_generations, free_node_count, spec_hash, start_generation
 from jobs.models import Generation, Incident, Job, StepMetric
 from jobs.policies import RecoveryPolicy
@@ -373,6 +374,38 @@ def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inco
     elif spikes:  # a run the policy judged long enough (jobs.policy.spike_run_pauses)
         report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
                      detail={"last_step": job.last_step})
+
+
+def handle_save_failed(job_id: int, generation: int, failure: dict) -> Incident | None:
+    """The hooks reported a failed checkpoint save (``checkpoint_failed``): training went on.
+
+    A ``checkpoint`` incident says why ("no space left on device", "permission denied"), in its
+    classification and evidence, and pages (``jobs.policy``). A failure for the same cause before
+    any checkpoint committed again is the same condition: it is added to that incident's evidence
+    (``further``), not paged again. ``failure``: the event's detail plus ``step`` and ``time``.
+    """
+    reason = str(failure.get("reason") or "unknown cause")[:200]
+    step = failure.get("step")
+    failed_at = failure.get("time")
+    fault_at = datetime.fromtimestamp(failed_at, tz=UTC) if isinstance(failed_at, int | float) else None
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or generation != job.generation:
+            return None
+        previous = (Incident.objects.filter(job=job, kind=IncidentKind.CHECKPOINT,
+                                            evidence__signal=policy.CHECKPOINT_FAILED)
+                    .order_by("-detected_at", "-pk").first())
+        if (previous is not None and (previous.evidence.get("detail") or {}).get("reason") == reason
+                and not Checkpoint.objects.filter(job=job, created_at__gt=previous.detected_at).exists()):
+            further = previous.evidence.setdefault("further", [])
+            if len(further) < 100:
+                further.append({"signal": policy.CHECKPOINT_FAILED, "step": step, "generation": generation,
+                                "at": timezone.now().isoformat()})
+                previous.save(update_fields=["evidence"])
+            return previous
+        return report_fault(job_id, policy.CHECKPOINT_FAILED, generation=generation, detail=failure,
+                            error_line=reason, step=step if isinstance(step, int) else None, fault_at=fault_at,
+                            actor="hooks")
 
 
 def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:

@@ -16,6 +16,7 @@ here and one unit test in ``tests/jobs/test_policy.py``.
     a node of the generation unreachable       partition           pause and escalate (split brain)
     straggler                                  straggler           alert (replace when it pays)
     restarts in the window over the budget     retry storm         open the breaker (pause)
+    a checkpoint save failed (disk full, ...)  checkpoint          alert and page; training goes on
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ NAN = "nan"
 SPIKE = "spike"
 INCONSISTENCY = "inconsistency"
 STRAGGLER = "straggler"
+CHECKPOINT_FAILED = "checkpoint_failed"
 
 #: Exit signatures that say the hardware, not the program, failed.
 HARDWARE_SIGNATURES = frozenset({"xid", "cuda_error"})
@@ -124,6 +126,14 @@ def _classify(ev: Evidence) -> Decision:
         return Decision("corruption", "pause", page=True,
                         reason="ranks disagree on loss or gradient norm beyond the threshold: possible silent "
                                "data corruption")
+    if ev.signal == CHECKPOINT_FAILED:
+        # Training goes on from the previous checkpoint, so nothing is to be recovered; but every
+        # save that fails makes the next fault lose more work, and a full disk does not empty
+        # itself: a human hears of it now (once per cause: the orchestrator folds repeats in).
+        at = f" at step {ev.step}" if ev.step is not None else ""
+        return Decision("checkpoint", "alert", page=True,
+                        reason=f"checkpoint save{at} failed: {ev.error_line or 'unknown cause'}; training goes on "
+                               "from the previous checkpoint")
     if ev.signal == STRAGGLER:
         return Decision("straggler", "alert", f"straggler on {', '.join(ev.nodes) or 'a node'}")
     if ev.signal == NODE_UNREACHABLE or ev.nodes_lost_in_window >= ev.partition_threshold:

@@ -67,6 +67,11 @@ def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, incons
 
 
 @shared_task(ignore_result=True)
+def handle_save_failed(job_id: int, generation: int, failure: dict) -> None:
+    orchestrator.handle_save_failed(job_id, generation, failure)
+
+
+@shared_task(ignore_result=True)
 def start_job_task(job_id: int, actor: str) -> None:
     job = Job.objects.filter(pk=job_id, state=JobState.PENDING).first()
     if job is not None:

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from agents.hooks import resume, state
-from agents.hooks.checkpointer import Checkpointer, Commit
+from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure
 from agents.hooks.data import GlobalCursorSampler
 from agents.hooks.guards import GradientGuard, GuardSettings, SpikeWatch
 from agents.hooks.settings import Environment
@@ -322,8 +322,14 @@ class Hooks:
         self.telemetry.checkpoint_committed(commit, self.config_hash)
 
     def _save_failed(self, path: str, step: int, error: BaseException) -> None:
-        self.telemetry.event(step, "checkpoint_failed", f"checkpoint {path} failed: {error}",
-                             {"path": path, "error": str(error)[:500]}, level=logging.ERROR)
+        """A save failed (any exception, DCP's ``CheckpointException`` included): say why, and
+        train on; the previous checkpoint stands (``Checkpointer`` removed the partial files)."""
+        reason, code = describe_failure(error)
+        self.telemetry.event(step, "checkpoint_failed",
+                             f"checkpoint at step {step} failed: {reason}; training goes on from the previous "
+                             f"checkpoint ({path})",
+                             {"path": path, "reason": reason, "errno": code, "error": str(error)[:500]},
+                             level=logging.ERROR)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -12,11 +12,20 @@ to CPU staging buffers (async mode; the rest is copied until ``before_update``, 
 
 At most one save is in flight: the next ``save`` first waits for the previous one to be committed,
 and that wait counts as checkpoint time, because it is.
+
+A failed save never ends training, whatever it raised: torch's ``CheckpointException`` (what DCP
+raises on every rank when any rank's write failed: a full disk, a permission) is a
+``BaseException``, so "catch Exception" is not enough. The failure is reported with its cause in
+words (``describe_failure``: "no space left on device"), rank 0 removes the uncommitted directory
+so that the partial shards do not keep the disk full, and the previous checkpoint stands.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -28,7 +37,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from agents.hooks.manifest import checkpoint_dirname, write_manifest
+from agents.hooks.manifest import MARKER, checkpoint_dirname, write_manifest
 from agents.hooks.staging import TORN_PREFIX, OverlappedStager
 from agents.hooks.topology import Topology
 
@@ -96,7 +105,29 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         path = self.directory / checkpoint_dirname(step, self.generation, self.run_id)
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            # Not ours to report alone: DCP creates the directory again inside its collective
+            # planning, where a failure on any rank reaches every rank (one rank skipping the
+            # save would leave the others waiting in DCP's collectives).
+            pass
+        try:
+            written = self._start(path, state, stable)
+        except BaseException as error:  # CheckpointException is a BaseException
+            if not _survivable(error):
+                raise
+            self._failed(_InFlight(path, step, started, time.perf_counter() - started, _done()), error)
+            return time.perf_counter() - started
+        blocking = time.perf_counter() - started
+        flight = _InFlight(path, step, started, blocking, written)
+        if self.topology.rank == 0:
+            flight.committed = self._commits.submit(self._commit, flight, manifest_fields)
+        self._in_flight = flight
+        return blocking
+
+    def _start(self, path: Path, state: dict[str, Any], stable: frozenset[int]) -> Future[Any]:
+        """Start DCP's save of ``state`` into ``path``; the future resolves once the files are written."""
         written: Future[Any]
         if self._stager:
             self._stager.prepare(path, stable)
@@ -108,14 +139,8 @@ class Checkpointer:
             written = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         else:
             dcp.save(state, checkpoint_id=str(path), process_group=self.topology.checkpoint_group)
-            written = Future()
-            written.set_result(None)
-        blocking = time.perf_counter() - started
-        flight = _InFlight(path, step, started, blocking, written)
-        if self.topology.rank == 0:
-            flight.committed = self._commits.submit(self._commit, flight, manifest_fields)
-        self._in_flight = flight
-        return blocking
+            written = _done()
+        return written
 
     def before_update(self) -> None:
         """Call right before the optimizer step: the background copy of a save must finish first."""
@@ -131,7 +156,9 @@ class Checkpointer:
             return flight.committed.result()
         try:
             flight.written.result()
-        except Exception as error:
+        except BaseException as error:  # CheckpointException is a BaseException
+            if not _survivable(error):
+                raise
             self._failed(flight, error)
         return None
 
@@ -148,7 +175,9 @@ class Checkpointer:
             if torn:
                 raise RuntimeError(f"not committed: state changed while it was being staged ({', '.join(torn)})")
             manifest = write_manifest(flight.path, {**manifest_fields, "step": flight.step})
-        except Exception as error:
+        except BaseException as error:  # CheckpointException is a BaseException
+            if not _survivable(error):
+                raise
             self._failed(flight, error)
             return None
         commit = Commit(str(flight.path), flight.step, manifest, flight.blocking_s,
@@ -162,10 +191,78 @@ class Checkpointer:
 
     def _failed(self, flight: _InFlight, error: BaseException) -> None:
         # A failed save must not end training: the previous checkpoint stands.
-        if self._on_failure:
-            self._on_failure(str(flight.path), flight.step, error)
-        else:
-            log.error("checkpoint %s failed: %s", flight.path, error)
+        if self.topology.rank == 0:
+            # Every rank is done with the directory: DCP's failure is collective (its last step
+            # gathers every rank's outcome), and a commit fails only after the files were written.
+            _remove_uncommitted(flight.path)
+        try:
+            if self._on_failure:
+                self._on_failure(str(flight.path), flight.step, error)
+            else:
+                log.error("checkpoint %s failed: %s", flight.path, describe_failure(error)[0])
+        except Exception:
+            log.exception("checkpoint failure listener failed")
+
+
+def _survivable(error: BaseException) -> bool:
+    """Whether a save's failure is the save's alone (training goes on) rather than a request to
+    stop the process (Ctrl-C, ``sys.exit``), which must go on up."""
+    return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _done() -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(None)
+    return future
+
+
+def _remove_uncommitted(path: Path) -> None:
+    """Remove a failed save's directory (never one that holds the commit marker): its partial
+    shards are what keeps a full disk full. Best effort; the control plane's retention removes
+    what is left (a torn save directory)."""
+    try:
+        if path.is_dir() and not path.is_symlink() and not (path / MARKER).exists():
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+#: The causes an operator acts on, in words; anything else is named by its exception.
+_ERRNO_WORDS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                errno.EROFS: "read-only file system", errno.EIO: "input/output error"}
+
+
+def describe_failure(error: BaseException) -> tuple[str, int | None]:
+    """(the cause in words, its errno) of a failed save, e.g. ("no space left on device", 28).
+
+    DCP wraps each rank's exception in a ``CheckpointException`` (``failures``: rank -> (exception,
+    traceback)); the first ``OSError`` with an errno found in it, or in the chain of causes, names
+    the cause. Otherwise the innermost exception's type and message do.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    innermost = error
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno:
+            words = _ERRNO_WORDS.get(current.errno) or os.strerror(current.errno).lower()
+            return words, current.errno
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for _, wrapped in sorted(failures.items(), key=lambda item: str(item[0])):
+                inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+                if isinstance(inner, BaseException):
+                    pending.append(inner)
+                    innermost = inner
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
+    text = str(innermost).strip().splitlines()
+    return f"{type(innermost).__name__}: {text[0][:300] if text else ''}".rstrip(": "), None
 
 
 def load_checkpoint(path: str | Path, target: dict[str, Any], topology: Topology) -> None:

@@ -50,7 +50,7 @@ EVENT_KINDS = (
     "spike",                # detail: loss, score, consecutive
     "inconsistency",        # detail: losses, grad_norms, loss_spread, grad_norm_spread, suspect_rank
     "checkpoint_saved",     # detail: path, blocking_s, total_s
-    "checkpoint_failed",    # detail: path, error
+    "checkpoint_failed",    # detail: path, reason (the cause in words), errno, error
     "pause_ack",            # detail: checkpoint
     "data_skipped",         # detail: from, to (global sample cursor; a rollback's skip range)
     "model",                # detail: parameters, flops_per_token (when overridden), tokens_per_sample
