@@ -401,15 +401,15 @@ NIGHTWATCH = {
     "FLEET_SILENCE_FRACTION": env_float("NIGHTWATCH_FLEET_SILENCE_FRACTION", 0.55),
     "FLEET_SILENCE_MIN_NODES": env_int("NIGHTWATCH_FLEET_SILENCE_MIN_NODES", 2),
     "FLEET_SILENCE_HOLD_S": env_int("NIGHTWATCH_FLEET_SILENCE_HOLD_S", 120),
-    # Overload hold (nodes/services/overload.py): while, within the last heartbeat timeout, every web
-    # process together refused at least HEARTBEAT_REFUSALS heartbeats (or registrations), or REFUSALS
-    # requests of any kind, or answered LATE_HEARTBEATS heartbeats HEARTBEAT_LAG_S or more after they
-    # arrived, or QUEUE_DEPTH Celery messages wait (0, the default: a backlog hides no heartbeat or
-    # report, so it does not hold), the control plane did not keep up: no job is declared hung and
-    # (unless only bulk was refused) no node turns unreachable, for up to HOLD_S (0: no hold).
+    # Overload (nodes/services/overload.py): within the last heartbeat timeout, every web process
+    # together refused at least HEARTBEAT_REFUSALS heartbeats (or registrations) or REFUSALS requests
+    # of any kind (an event and a metric; whoever was refused is spared one by one, nobody is held),
+    # or answered LATE_HEARTBEATS heartbeats HEARTBEAT_LAG_S (0: one heartbeat interval) or more after
+    # they arrived, or QUEUE_DEPTH Celery messages wait (0, the default: off). The last two hold the
+    # sweepers (no node unreachable, no job hung) for up to HOLD_S (0: no hold).
     "OVERLOAD_HEARTBEAT_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_HEARTBEAT_REFUSALS", 1),
     "OVERLOAD_REFUSALS": env_int("NIGHTWATCH_OVERLOAD_REFUSALS", 100),
-    "OVERLOAD_HEARTBEAT_LAG_S": env_float("NIGHTWATCH_OVERLOAD_HEARTBEAT_LAG_S", 2.0),
+    "OVERLOAD_HEARTBEAT_LAG_S": env_float("NIGHTWATCH_OVERLOAD_HEARTBEAT_LAG_S", 0.0),
     "OVERLOAD_LATE_HEARTBEATS": env_int("NIGHTWATCH_OVERLOAD_LATE_HEARTBEATS", 10),
     "OVERLOAD_QUEUE_DEPTH": env_int("NIGHTWATCH_OVERLOAD_QUEUE_DEPTH", 0),
     "OVERLOAD_HOLD_S": env_int("NIGHTWATCH_OVERLOAD_HOLD_S", 300),

@@ -20,9 +20,12 @@ so a plain integer is the counter.
 What it refused, and the heartbeats it answered late (``late_s`` after they arrived: queued behind
 other work), are also added to counts every web process shares (``core.shared_counts``): the
 heartbeat sweeper reads them to tell a silent node from a control plane that could not keep up
-(``nodes.services.overload``), and ``/metrics`` exports them. They are batched in memory and
-handed to Redis from a thread at most once per ``FLUSH_S``, so a 503 never waits on Redis and
-never fails because of it.
+(``nodes.services.overload``), and ``/metrics`` exports them. So is *who* was refused: the
+SHA-256 of the bearer token of each refused request (never the token), so that the sweepers can
+tell a node or a job whose requests we turned away (alive, and our fault) from one that fell
+silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
+made-up token names nobody. All of it is batched in memory and handed to Redis from a thread at
+most once per ``FLUSH_S``, so a 503 never waits on Redis and never fails because of it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from django.conf import settings
 from django.urls import Resolver404, resolve
 
 from core import shared_counts
+from core.models import hash_token
 from core.problems import CONTENT_TYPE, problem
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,7 @@ class SharedTally:
 
     def __init__(self):
         self.pending: Counter[str] = Counter()
+        self.callers: dict[str, float] = {}  # refused token digest -> when (Unix time)
         self.since = 0.0  # wall time of the oldest pending count: the second they are filed under
         self.flushed_at = 0.0
         self.flushing: asyncio.Future | None = None
@@ -82,14 +87,32 @@ class SharedTally:
         self.pending[name] += 1
         self.flush_if_due()
 
+    def refused_caller(self, digest: str) -> None:
+        self.callers[digest] = time.time()
+
     def flush_if_due(self) -> None:
         now = time.monotonic()
         if not self.pending or (self.flushing and not self.flushing.done()) or now - self.flushed_at < FLUSH_S:
             return
         batch, self.pending = dict(self.pending), Counter()
+        callers, self.callers = self.callers, {}
         self.flushed_at = now
         self.flushing = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(shared_counts.add, batch, at=self.since))
+            None, functools.partial(shared_counts.add, batch, at=self.since, refused=callers))
+
+
+def bearer_token(scope: Scope) -> str | None:
+    """The raw token of an ``Authorization: Bearer`` header, unchecked (None: none, or not readable)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() != b"bearer" or not token.strip():
+                return None
+            try:
+                return token.strip().decode("ascii")
+            except UnicodeDecodeError:
+                return None
+    return None
 
 
 class Admission:
@@ -109,7 +132,8 @@ class Admission:
         self.priority = frozenset(priority)
         self.exempt = frozenset(exempt)
         self.counters = Counters()
-        self.late_s = settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] if late_s is None else late_s
+        self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
+                       if late_s is None else late_s)
         self.shared = SharedTally()
 
     def classify(self, path: str) -> str:
@@ -136,6 +160,8 @@ class Admission:
         counters = self.counters
         if not self.admits(kind):
             counters.refused[kind] += 1
+            if (token := bearer_token(scope)) is not None:
+                self.shared.refused_caller(hash_token(token))
             self.shared.add(f"refused:{kind}")
             await self._refuse(scope, send, kind)
             return

@@ -158,6 +158,7 @@ class FleetOverloadEvidence(TypedDict, total=False):
     late_heartbeats: int | None
     queue_depth: int | None
     since: str
+    holding: bool  # the sweepers hold (heartbeats late or queued); False: refused callers are spared one by one
     deadlines_reset: dict[str, int]
 
 

@@ -29,6 +29,9 @@ TOTALS = PREFIX + "total"
 #: Window sums read this many one-second hashes; an hour covers any heartbeat timeout.
 BUCKET_S = 1
 KEEP_S = 3600
+#: Who was refused: the SHA-256 of each bearer token admission control turned away, scored by the
+#: last time it did (``refused_callers``). A sorted set, trimmed to ``KEEP_S`` by its writers.
+REFUSED_CALLERS = PREFIX + "refused-callers"
 #: A Redis that does not answer within this long counts as down (the caller goes on without it).
 TIMEOUT_S = 0.5
 
@@ -50,11 +53,12 @@ def _bucket_key(second: int) -> str:
     return f"{PREFIX}{second - second % BUCKET_S}"
 
 
-def add(counts: dict[str, int], *, at: float) -> bool:
-    """Add ``counts`` to the running totals and to the second ``at`` (a Unix time) falls in; returns
-    whether Redis took them. One round trip."""
+def add(counts: dict[str, int], *, at: float, refused: dict[str, float] | None = None) -> bool:
+    """Add ``counts`` to the running totals and to the second ``at`` (a Unix time) falls in, and
+    ``refused`` (token digest -> when) to the refused callers (``refused_callers``); returns
+    whether Redis took them. One round trip, which also trims refused callers older than ``KEEP_S``."""
     redis = client()
-    if redis is None or not counts:
+    if redis is None or not (counts or refused):
         return False
     key = _bucket_key(math.floor(at))
     pipe = redis.pipeline(transaction=False)
@@ -62,10 +66,14 @@ def add(counts: dict[str, int], *, at: float) -> bool:
         pipe.hincrby(TOTALS, name, n)
         pipe.hincrby(key, name, n)
     pipe.expire(key, KEEP_S)
+    if refused:
+        pipe.zadd(REFUSED_CALLERS, refused)
+        pipe.zremrangebyscore(REFUSED_CALLERS, "-inf", at - KEEP_S)
     try:
         pipe.execute()
     except Exception:  # any Redis failure: these counts are lost, the caller is not
-        log.warning("shared counts: Redis did not take %s", counts, exc_info=True)
+        log.warning("shared counts: Redis did not take %s (and %d refused callers)", counts, len(refused or ()),
+                    exc_info=True)
         return False
     return True
 
@@ -107,3 +115,19 @@ def within(seconds: float, *, now: float) -> dict[str, int] | None:
 
 def _decoded(raw: dict) -> dict[str, int]:
     return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+
+
+
+def refused_callers(seconds: float, *, now: float) -> dict[str, float] | None:
+    """The token digests refused during the ``seconds`` before ``now``, each with the last time it
+    was (None: unknown). One round trip."""
+    redis = client()
+    if redis is None:
+        return None
+    try:
+        members = redis.zrangebyscore(REFUSED_CALLERS, now - seconds, "+inf", withscores=True)
+    except Exception:
+        log.warning("shared counts: Redis did not answer", exc_info=True)
+        return None
+    return {(m.decode() if isinstance(m, bytes) else m): float(score) for m, score in members}

@@ -275,8 +275,10 @@ class NightwatchCollector:
         """The sweepers' holds (two indexed queries), and what every web process refused and the
         sweeper expired (``core.shared_counts``: only with Redis)."""
         for name, documentation, holding in (
-                ("nightwatch_overload_hold", "1 while the heartbeat and progress sweeps hold because the control "
-                 "plane did not keep up (fleet.overload events).", overload.held()),
+                ("nightwatch_overloaded", "1 while the control plane is overloaded (fleet.overload events): "
+                 "callers it refused are spared one by one.", overload.overloaded()),
+                ("nightwatch_overload_hold", "1 while the heartbeat and progress sweeps hold because heartbeats "
+                 "were answered late (fleet.overload events).", overload.holding()),
                 ("nightwatch_fleet_silence_hold", "1 while the heartbeat and progress sweeps hold because the "
                  "whole fleet went silent at once (fleet.silence events).", silence.held())):
             gauge = GaugeMetricFamily(name, documentation)
@@ -293,6 +295,10 @@ class NightwatchCollector:
         late = CounterMetricFamily("nightwatch_admission_late_heartbeats", "Heartbeats and registrations answered "
                                    "OVERLOAD_HEARTBEAT_LAG_S or more after they arrived.")
         late.add_metric([], counts.get("late:priority", 0))
+        spared = CounterMetricFamily("nightwatch_heartbeat_expiry_spared_nodes", "Nodes past their heartbeat "
+                                     "deadline that the sweeper spared because admission control had refused "
+                                     "their heartbeats (alive, and our fault).")
+        spared.add_metric([], counts.get("expiry:spared", 0))
         batches = HistogramMetricFamily("nightwatch_heartbeat_expiry_batch_nodes", "Nodes each heartbeat sweep "
                                         "marked unreachable (sweeps that expired none are not counted).")
         cumulative, buckets = 0, []
@@ -301,7 +307,7 @@ class NightwatchCollector:
             buckets.append((str(float(bound)), cumulative))
         buckets.append(("+Inf", cumulative + counts.get("expiry:le:+Inf", 0)))
         batches.add_metric([], buckets, sum_value=counts.get("expiry:nodes", 0))
-        yield from (refused, late, batches)
+        yield from (refused, late, spared, batches)
 
 
 def _queue_names() -> list[str]:

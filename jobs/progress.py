@@ -4,6 +4,7 @@
     "resumed"/"model" from rank 0 ─▶ end_startup: now + progress timeout (only ever earlier)
     every new step ─▶ advance_progress: now + progress timeout
     contact back after a fleet silence ─▶ restart_after_silence: now + at least the heartbeat grace
+    its reports refused by admission control ─▶ expire_one_progress_deadline: last refusal + timeout
     deadline passed ─▶ expire_one_progress_deadline: a hang, for the orchestrator and the policy
 
 The progress timeout (``progress_timeout_s``) is the one rule for all of them: the policy's
@@ -21,6 +22,7 @@ from django.db.models import Q, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
+from core import refusals
 from jobs import policy, state
 from jobs.choices import GenerationState, JobState
 from jobs.models import Generation, Job
@@ -106,6 +108,19 @@ def advance_progress(job: Job, generation: int, first: int, last: int, now: date
         record_first_step(job, generation)
 
 
+def _spare_refused(job: Job, now: datetime) -> bool:
+    """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
+    fell within its progress timeout; returns whether the job was spared (a report that moved the
+    deadline meanwhile wins the compare-and-set: spared all the same)."""
+    timeout = timedelta(seconds=progress_timeout_s(job, recent_step_seconds(job, generation=job.generation)))
+    refused = refusals.refused_since(timeout.total_seconds(), now=now)
+    last = refused.generations.get((job.pk, job.generation)) if refused is not None else None
+    if last is None or last + timeout <= now:
+        return False
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=last + timeout)
+    return True
+
+
 def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
     """Contact is back after a fleet silence: progress deadlines that ran out (or would within
     ``grace``) while nobody could reach us start over, at ``now`` + the progress timeout and never
@@ -121,14 +136,19 @@ def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
 
 def expire_one_progress_deadline() -> bool:
     """The first job past its progress deadline is reported as hung; returns whether one was.
-    Nothing is while the fleet is silent or the control plane overloaded: the reports may be stuck
-    on our side (see ``nodes.services.silence`` and ``nodes.services.overload``)."""
-    if silence.held() or overload.held():
+    Nothing is while the fleet is silent or the control plane answers heartbeats late: the reports
+    may be stuck on our side (see ``nodes.services.silence`` and ``nodes.services.overload``). A job
+    whose hooks admission control refused within its progress timeout was heard trying: a refused
+    report counts as one that arrived, and its deadline moves a timeout past the last refusal."""
+    if silence.held() or overload.holding():
         return False
-    job = (Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=timezone.now())
+    now = timezone.now()
+    job = (Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now)
            .order_by("progress_deadline").first())
     if job is None:
         return False
+    if _spare_refused(job, now):
+        return True
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
                             fault_at=job.last_step_at or job.state_changed_at,
                             detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})

@@ -8,29 +8,30 @@ control plane: 486 and 841 ``unreachable`` verdicts for nodes that were alive, e
 jobs and paging a human. The fleet-silence watch (``nodes.services.silence``) did not see it,
 because some heartbeats still got through.
 
-So before it expires anyone, the heartbeat sweeper asks whether the control plane kept up over
-the last heartbeat timeout, the silent period of every node whose deadline is passing now:
+Two answers, for two kinds of not keeping up:
 
-1. admission refusals, every web process together (``core.shared_counts``): heartbeats and
-   registrations refused (``OVERLOAD_HEARTBEAT_REFUSALS``), or requests of any kind
-   (``OVERLOAD_REFUSALS``: step reports shed, so progress deadlines say nothing either);
-2. heartbeats answered ``OVERLOAD_HEARTBEAT_LAG_S`` or more after they arrived (queued behind other
-   work: their deadlines moved that much late), at least ``OVERLOAD_LATE_HEARTBEATS`` of them;
-3. messages waiting in Celery's default queue (``OVERLOAD_QUEUE_DEPTH``, off by default): heartbeats
-   and step reports are taken by the web processes, so a backlog hides neither; it only delays what
-   a verdict sets off. A deployment that would rather not decide while its worker is that far
-   behind sets a bound. Either way the depth is in every ``fleet.overload`` event's evidence.
+- **Refused** (admission control's 503s): we know whom. ``core.admission`` records the digest of
+  each refused request's token, and the sweepers judge each node and each job by whether it tried
+  (``core.refusals``): a node whose heartbeats were refused is spared until a heartbeat timeout
+  after its last attempt, a job whose reports were refused until a progress timeout after it. So a
+  node that dies while the control plane sheds load is found a timeout after it stopped trying,
+  and a live one is never called dead for our 503s; refusals alone hold nobody.
+- **Late or waiting**: a heartbeat that waited in our queue may hold a node's only proof of life
+  while its deadline passes, and we cannot say whose. So the sweepers hold (no node unreachable,
+  no job hung) while, within the last heartbeat timeout, at least ``OVERLOAD_LATE_HEARTBEATS``
+  heartbeats were answered ``OVERLOAD_HEARTBEAT_LAG_S`` or more after they arrived (default: one
+  heartbeat interval, the lag past which a queued heartbeat can let a deadline run out), or the
+  Celery queue holds ``OVERLOAD_QUEUE_DEPTH`` messages (off by default: heartbeats and step reports
+  are taken by the web processes, so a backlog hides neither; it only delays what a verdict sets
+  off; the depth is in every ``fleet.overload`` event's evidence either way).
 
-Any of them past its threshold is overload, and no job is declared hung (the jobs' sweep asks
-``held()``): their step reports may be among those refused. No node turns unreachable either while
-the overload touches heartbeats (refused, answered late, or a queue past its bound); refused bulk
-alone does not, since the heartbeats' reserve let them in. When a whole window passes without
-any, the hold lifts: deadlines that ran out during it start over one heartbeat timeout from now
-(the agents' heartbeats were refused or queued, not missing), and so do the jobs' progress
-deadlines (``nodes.signals.fleet_contact_restored``, whose receivers treat it like contact coming
-back after a silence). A hold that outlasts ``OVERLOAD_HOLD_S`` is given up: a node that really
-died during a long overload is declared unreachable then, at the price of verdicts the overload
-may have made up.
+Refusals past their thresholds (``OVERLOAD_HEARTBEAT_REFUSALS``, ``OVERLOAD_REFUSALS``) still make
+the control plane *overloaded*: an event and a metric say so, for capacity planning. When a whole
+window passes without any signal, the overload ends: deadlines that ran out during it start over
+one heartbeat timeout from now, and so do the jobs' progress deadlines
+(``nodes.signals.fleet_contact_restored``, whose receivers treat it like contact coming back after
+a silence). A hold that outlasts ``OVERLOAD_HOLD_S`` is given up: a node that really died during a
+long overload is declared unreachable then, at the price of verdicts the overload may have made up.
 
 Each transition is one ``fleet.overload`` event (``overloaded`` → ``recovered``, or → ``given_up``
 → ``recovered``); the newest is the state, so every process reads the same answer, and
@@ -55,7 +56,7 @@ from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
 from nodes.models import Node
-from nodes.services.fleet import heartbeat_timeout
+from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:overload-watch"
@@ -77,18 +78,18 @@ class Load:
         return [text for text, _ in self._past_thresholds()]
 
     def heartbeats_unheard(self) -> bool:
-        """Whether a signal past its threshold says heartbeats were refused, queued or answered late.
-        Refused bulk alone does not: the heartbeats' reserve (``PRIORITY_RESERVE``) let them in."""
+        """Whether a signal past its threshold says heartbeats were queued or answered late, so that
+        a silence may be ours. Refusals do not: whom we refused is known (``core.refusals``)."""
         return any(about_heartbeats for _, about_heartbeats in self._past_thresholds())
 
     def _past_thresholds(self) -> list[tuple[str, bool]]:
         config = settings.NIGHTWATCH
         window = f"in the last {self.window_s:.0f} s"
         checks = (
-            (self.heartbeats_refused, config["OVERLOAD_HEARTBEAT_REFUSALS"], f"heartbeats refused {window}", True),
+            (self.heartbeats_refused, config["OVERLOAD_HEARTBEAT_REFUSALS"], f"heartbeats refused {window}", False),
             (self.refused, config["OVERLOAD_REFUSALS"], f"requests refused {window}", False),
             (self.late_heartbeats, config["OVERLOAD_LATE_HEARTBEATS"],
-             f"heartbeats answered {config['OVERLOAD_HEARTBEAT_LAG_S']:g} s or more late {window}", True),
+             f"heartbeats answered {heartbeat_lag_s():g} s or more late {window}", True),
             (self.queue_depth, config["OVERLOAD_QUEUE_DEPTH"], "tasks waiting in the Celery queue", True),
         )
         return [(f"{value} {what}", about_heartbeats) for value, threshold, what, about_heartbeats in checks
@@ -128,69 +129,92 @@ def last_transition() -> Event | None:
     return Event.objects.filter(kind=EventKind.FLEET_OVERLOAD).order_by("-created_at", "-pk").first()
 
 
-def held() -> bool:
-    """Whether the sweepers hold for overload now. Read-only: one indexed query."""
+def heartbeat_lag_s() -> float:
+    """How late a heartbeat may be answered before it counts as late (``OVERLOAD_HEARTBEAT_LAG_S``;
+    0, the default: one heartbeat interval)."""
+    return settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or float(heartbeat_interval_s())
+
+
+def overloaded() -> bool:
+    """Whether the control plane is overloaded now (the newest transition says so). Read-only: one
+    indexed query."""
     last = last_transition()
     return last is not None and last.new_state == OVERLOADED
 
 
+
+
 def watch(now: datetime | None = None) -> bool:
     """The heartbeat sweeper's overload step: record a transition if there is one; returns whether
-    the sweeper must hold (mark nobody unreachable) this round: while overloaded, and the overload
-    touches heartbeats (``Load.heartbeats_unheard``)."""
+    the sweeper must hold (mark nobody unreachable) this round. An episode holds from the first round
+    in which heartbeats were answered late or queued (``Load.heartbeats_unheard``) until it ends or
+    the hold is given up; one in which callers were only refused never holds (``core.refusals``)."""
     now = now or timezone.now()
     load = measure(now)
     last = last_transition()
     state = last.new_state if last is not None else RECOVERED
     reasons = load.reasons()
     if reasons:
-        if _hold_s() <= 0:
-            return False
-        if state == RECOVERED:
-            _record(OVERLOADED, now, load, f"control plane overloaded ({'; '.join(reasons)}): holding up to "
-                    f"{_hold_s()} s (no job hung, and no node unreachable unless only bulk requests were "
-                    f"refused)")
-            return load.heartbeats_unheard()
-        if state == OVERLOADED:
+        unheard = load.heartbeats_unheard() and _hold_s() > 0
+        if state == RECOVERED or (state == OVERLOADED and unheard and not _holding(last)):
+            what = (f"holding up to {_hold_s()} s (no node unreachable, no job hung)" if unheard else
+                    "callers whose requests were refused are spared one by one, nobody else is held")
+            _record(OVERLOADED, now, load, f"control plane overloaded ({'; '.join(reasons)}): {what}",
+                    extra={"holding": unheard})
+            return unheard
+        if state == OVERLOADED and _holding(last):
             held_for = (now - last.created_at).total_seconds()
             if held_for < _hold_s():
-                return load.heartbeats_unheard()
-            _record(GIVEN_UP, now, load, f"overloaded for {held_for:.0f} s, longer than the {_hold_s()} s hold "
+                return True
+            _record(GIVEN_UP, now, load, f"held for {held_for:.0f} s, longer than the {_hold_s()} s bound "
                     f"({'; '.join(reasons)}): silent nodes turn unreachable again")
         return False
     if state != RECOVERED:
-        _lift(now, load, since=_hold_started(last))
-        return True
+        held = state == GIVEN_UP or _holding(last)
+        _end(now, load, since=_episode_started(last), reset=held)
+        return held
     return False
+
+
+def holding() -> bool:
+    """Whether the sweepers hold now: overloaded and holding (the newest transition says so)."""
+    last = last_transition()
+    return last is not None and last.new_state == OVERLOADED and _holding(last)
+
+
+def _holding(last: Event) -> bool:
+    return bool(last.evidence.get("holding", True))
 
 
 def _hold_s() -> int:
     return settings.NIGHTWATCH["OVERLOAD_HOLD_S"]
 
 
-def _hold_started(last: Event) -> datetime:
-    if last.new_state == OVERLOADED:
-        return last.created_at
+def _episode_started(last: Event) -> datetime:
     return datetime.fromisoformat(last.evidence.get("since") or last.created_at.isoformat())
 
 
-def _lift(now: datetime, load: Load, *, since: datetime) -> None:
-    """The control plane kept up for a whole window: deadlines that ran out since the hold began
-    start over, the nodes' here and the jobs' in the receivers of ``fleet_contact_restored``."""
+def _end(now: datetime, load: Load, *, since: datetime, reset: bool) -> None:
+    """The control plane kept up for a whole window. If the episode held, deadlines that ran out
+    since it began start over, the nodes' here and the jobs' in the receivers of
+    ``fleet_contact_restored``; one that only refused callers judged them one by one already."""
+    overloaded_for = f"{(now - since).total_seconds():.0f} s of overload"
+    if not reset:
+        _record(RECOVERED, now, load, f"control plane kept up for {load.window_s:.0f} s after {overloaded_for}")
+        return
     grace = heartbeat_timeout()
     with transaction.atomic():
         nodes = Node.objects.filter(heartbeat_deadline__lt=now).update(heartbeat_deadline=now + grace)
         jobs = sum(moved for _, moved in signals.fleet_contact_restored.send(
             sender=Node, now=now, grace=grace, silent_since=since))
         _record(RECOVERED, now, load,
-                f"control plane kept up for {load.window_s:.0f} s after {(now - since).total_seconds():.0f} s of "
-                f"overload: {nodes} node and {jobs} job deadline(s) start over",
-                extra={"deadlines_reset": {"nodes": nodes, "jobs": jobs}})
+                f"control plane kept up for {load.window_s:.0f} s after {overloaded_for}: {nodes} node and "
+                f"{jobs} job deadline(s) start over", extra={"deadlines_reset": {"nodes": nodes, "jobs": jobs}})
 
 
 def _record(state: str, now: datetime, load: Load, reason: str, extra: dict | None = None) -> None:
     last = last_transition()
-    since = now if state == OVERLOADED else _hold_started(last)
+    since = _episode_started(last) if last is not None and last.new_state != RECOVERED else now
     record_event(EventKind.FLEET_OVERLOAD, actor=ACTOR, created_at=now, old_state=last.new_state if last else "",
                  new_state=state, reason=reason,
                  evidence={**load.evidence(), "since": since.isoformat(), **(extra or {})})

@@ -2,9 +2,12 @@
 
 It asks two watches first, both about our own side: the fleet-silence watch
 (``nodes.services.silence``: while (nearly) every node is silent at once, the likeliest fault is
-ours) and the overload watch (``nodes.services.overload``: while the control plane refuses or
-queues heartbeats, a silent node may be a live one we did not hear). While either holds, nobody
-is marked unreachable.
+ours) and the overload watch (``nodes.services.overload``: while the control plane answers
+heartbeats late or cannot tell whom it refused, a silent node may be a live one we did not hear).
+While either holds, nobody is marked unreachable. A node whose own heartbeats admission control
+refused (``core.refusals``) was heard trying: it is spared, its deadline a heartbeat timeout after
+its last refused attempt, so a node that dies while the control plane sheds load is still found
+a timeout after it stopped trying.
 
 Its cost follows what changed, not the size of the fleet (issue 18's probe: one query and one
 task per node, 2–9.5 s per run and up to 1,669 tasks at 1,024 nodes):
@@ -28,12 +31,13 @@ from django.db import transaction
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from core import shared_counts
+from core import refusals, shared_counts
 from core.events import EventKind, record_events
 from nodes import signals
 from nodes.choices import Health
 from nodes.models import Node
 from nodes.services import overload, silence
+from nodes.services.fleet import heartbeat_timeout
 
 SWEEPER = "system:heartbeat-sweeper"
 #: The most nodes one sweep expires; the rest wait one heartbeat interval for the next sweep.
@@ -62,6 +66,9 @@ def expire_batch(limit: int) -> int:
                      .order_by("heartbeat_deadline")[:limit])
         if not nodes:
             return 0
+        nodes = _spare_refused(nodes, now)
+        if not nodes:
+            return 0
         changes = [change for node in nodes if (change := _mark_unreachable(node, now)) is not None]
         _update(nodes, changes, now)
         events = record_events(EventKind.NODE_HEALTH, changes)
@@ -70,6 +77,28 @@ def expire_batch(limit: int) -> int:
             for change, event in zip(changes, events, strict=True)])
     _count_batch(len(nodes), now)
     return len(nodes)
+
+
+def _spare_refused(nodes: list[Node], now) -> list[Node]:
+    """``nodes`` less those whose heartbeats admission control refused within the last heartbeat
+    timeout: their deadlines move to a timeout after the last refusal (one UPDATE). When who was
+    refused cannot be read (Redis down), nobody is spared: the overload watch holds if heartbeats
+    were refused at all, and it cannot know that either, so the silence is taken at its word."""
+    timeout = heartbeat_timeout()
+    refused = refusals.refused_since(timeout.total_seconds(), now=now)
+    if refused is None or not refused.nodes:
+        return nodes
+    spared = {node.pk: refused.nodes[node.pk] + timeout for node in nodes if node.pk in refused.nodes}
+    if not spared:
+        return nodes
+    pk = Node._meta.pk.column
+    # As in _update: placeholders and the key column's name only; every value is a parameter.
+    deadlines = RawSQL(f"CASE {pk} {' '.join(['WHEN %s THEN %s'] * len(spared))} END",  # noqa: S611
+                       [value for item in spared.items() for value in item], output_field=Node._meta.get_field(
+                           "heartbeat_deadline"))
+    Node.objects.filter(pk__in=list(spared)).update(heartbeat_deadline=deadlines)
+    shared_counts.add({"expiry:spared": len(spared)}, at=now.timestamp())
+    return [node for node in nodes if node.pk not in spared]
 
 
 def _mark_unreachable(node: Node, now) -> dict | None:

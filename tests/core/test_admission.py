@@ -33,7 +33,7 @@ class Held:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def call(app, path: str) -> dict:
+async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
     sent: list[dict] = []
 
     async def receive():
@@ -42,7 +42,7 @@ async def call(app, path: str) -> dict:
     async def send(message):
         sent.append(message)
 
-    await app({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+    await app({"type": "http", "method": "POST", "path": path, "headers": headers or []}, receive, send)
     start = sent[0]
     return {"status": start["status"], "headers": dict(start["headers"]), "body": sent[1]["body"]}
 

@@ -10,6 +10,7 @@ import pytest
 
 from core import admission as admission_module
 from core import shared_counts
+from core.models import hash_token
 from tests.core.test_admission import HEARTBEAT, REPORTS, admission, call, until
 
 
@@ -57,6 +58,28 @@ def test_refusals_by_class_and_late_heartbeats_reach_the_shared_counts(counts):
     window = shared_counts.within(5, now=time.time())
     assert window == {"refused:other": 3, "refused:priority": 1, "late:priority": 1}
     assert shared_counts.within(5, now=time.time() + 60) == {}  # a minute later the window is clean
+
+
+def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
+    """The sweepers spare a node or job whose requests were refused (core.refusals): they learn whom
+    from the SHA-256 of the bearer token, never the token; requests without one name nobody."""
+    async def scenario():
+        held, app = admission(limit=1, reserve=0)
+        first = asyncio.create_task(call(app, REPORTS))
+        await until(lambda: held.started == 1)
+        for headers in ([(b"authorization", b"Bearer nw_agent-one")], [(b"authorization", b"bearer nw_hooks")],
+                        [(b"authorization", b"Basic dXNlcjpwYXNz")], [(b"authorization", b"Bearer \xff")], []):
+            assert (await call(app, HEARTBEAT, headers))["status"] == 503
+        await handed_over(app)
+        held.release.set()
+        await first
+
+    asyncio.run(scenario())
+    refused = shared_counts.refused_callers(5, now=time.time())
+    assert set(refused) == {hash_token("nw_agent-one"), hash_token("nw_hooks")}
+    assert all(time.time() - 5 < at <= time.time() for at in refused.values())
+    assert shared_counts.refused_callers(5, now=time.time() + 60) == {}
+    assert shared_counts.totals() == {"refused:priority": 5}
 
 
 def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):

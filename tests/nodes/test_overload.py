@@ -1,5 +1,6 @@
-"""The overload hold (nodes.services.overload): while the control plane refuses or queues
-heartbeats, a silent node is not declared unreachable and no job is declared hung."""
+"""Overload (nodes.services.overload, core.refusals): a node or job whose requests admission control
+refused is spared, one by one, until a timeout after its last attempt, and nobody else is; while
+heartbeats are answered late, a silent node is not declared unreachable and no job is hung."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time_machine
 from django.utils import timezone
 
 from core.events import EventKind
+from core.models import ApiToken, hash_token
 from dashboard.metrics import render
 from jobs import progress
 from jobs.choices import JobState
@@ -40,9 +42,15 @@ def beat(*nodes):
                                                heartbeat_deadline=timezone.now() + timedelta(seconds=6))
 
 
-def shed(counts, **refused):
-    """What the web processes would have added: 503s by class, now."""
-    counts.add({f"refused:{kind}": n for kind, n in refused.items()}, at=time.time())
+def shed(counts, *callers: str, **refused):
+    """What the web processes would have added: 503s by class, now, and the raw tokens they refused."""
+    counts.add({f"refused:{kind}": n for kind, n in refused.items()}, at=time.time(),
+               refused={hash_token(raw): time.time() for raw in callers})
+
+
+def late(counts, n: int = 10):
+    """Heartbeats answered late (queued behind other work), now."""
+    counts.add({"late:priority": n}, at=time.time())
 
 
 def transitions() -> list[str]:
@@ -61,26 +69,68 @@ def health(node) -> str:
 
 
 @pytest.mark.django_db
-def test_refused_heartbeats_hold_the_sweeps_and_say_so_once(cast, fleet, redis_counts):
+def test_a_node_whose_heartbeats_were_refused_is_spared_until_a_timeout_after_its_last_attempt(
+        cast, fleet, redis_counts, settings):
+    """gpu-01's heartbeats were refused (alive, our fault); gpu-03 sent nothing (dead). One verdict,
+    the right one, at once; gpu-01 too once it stops trying: a node dying in an overload is found."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "FLEET_SILENCE_FRACTION": 0.9}  # 2 of 3 silent: not ours
+    forged = "nw_" + "x" * 43  # a token nobody holds names nobody
     with time_machine.travel(T0, tick=False) as clock:
         beat(*fleet)
         clock.shift(5)
-        beat(fleet[1], fleet[2])
-        shed(redis_counts, priority=40, other=900)  # gpu-01's heartbeats may be among those refused
-        clock.shift(2)  # gpu-01 past its deadline
-        assert tasks.expire_heartbeats() == 0
-        job = hung_job(cast)
-        assert progress.expire_one_progress_deadline() is False  # the jobs' sweep holds too
-        beat(fleet[1], fleet[2])
-        clock.shift(1)
-        assert tasks.expire_heartbeats() == 0  # still overloaded within the window: one event, not two
-    assert health(fleet[0]) == Health.HEALTHY
-    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
-    assert transitions() == ["overloaded"]
-    event = Event.objects.get(kind=EventKind.FLEET_OVERLOAD)
+        beat(fleet[1])
+        shed(redis_counts, cast.tokens["agent"], forged, priority=40, other=900)
+        clock.shift(2)  # T0+7: gpu-01 and gpu-03 past their deadlines (T0+6)
+        assert tasks.expire_heartbeats() == 1
+        assert [health(n) for n in fleet] == [Health.HEALTHY, Health.HEALTHY, Health.UNREACHABLE]
+        assert Node.objects.get(pk=fleet[0].pk).heartbeat_deadline == timezone.now() - timedelta(seconds=2) + \
+            timedelta(seconds=6)  # a timeout after the refusal at T0+5
+        clock.shift(3)
+        beat(fleet[1])
+        assert tasks.expire_heartbeats() == 0  # T0+10: still within a timeout of its last attempt
+        metrics = render().decode()
+        assert "nightwatch_overloaded 1.0" in metrics
+        assert "nightwatch_overload_hold 0.0" in metrics
+        assert "nightwatch_heartbeat_expiry_spared_nodes_total 1.0" in metrics  # at T0+7
+        clock.shift(2)
+        beat(fleet[1])
+        assert tasks.expire_heartbeats() == 1  # T0+12: it stopped trying at T0+5
+    assert [health(n) for n in fleet] == [Health.UNREACHABLE, Health.HEALTHY, Health.UNREACHABLE]
+    assert transitions() == ["overloaded", "recovered"]  # T0+12: a window without a refusal
+    recovered = Event.objects.get(kind=EventKind.FLEET_OVERLOAD, new_state="recovered")
+    assert "deadlines_reset" not in recovered.evidence  # nobody was held, so nothing starts over
+    event = Event.objects.get(kind=EventKind.FLEET_OVERLOAD, new_state="overloaded")
     assert (event.evidence["heartbeats_refused"], event.evidence["refused"]) == (40, 940)
     assert "40 heartbeats refused in the last 6 s" in event.reason
-    assert "nightwatch_overload_hold 1.0" in render().decode()
+    assert "spared one by one" in event.reason
+
+
+@pytest.mark.django_db
+def test_a_job_whose_reports_were_refused_is_not_hung_until_a_timeout_after_its_last_attempt(
+        cast, fleet, redis_counts):
+    _, job_token = ApiToken.issue(name="hooks", scope="job", job=cast.job, generation=1)
+    _, fenced = ApiToken.issue(name="hooks-0", scope="job", job=cast.job, generation=0)
+    with time_machine.travel(T0, tick=False) as clock:
+        job = hung_job(cast)
+        shed(redis_counts, job_token, fenced, other=500)
+        assert progress.expire_one_progress_deadline() is True  # spared: its deadline moved
+        timeout = progress.progress_timeout_s(job, [])
+        assert Job.objects.get(pk=job.pk).progress_deadline == timezone.now() + timedelta(seconds=timeout)
+        assert progress.expire_one_progress_deadline() is False
+        assert not job.incidents.exists()
+        clock.shift(timeout + 1)  # its hooks stopped trying a timeout ago: hung
+        assert progress.expire_one_progress_deadline() is True
+    assert job.incidents.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_fenced_generations_refused_reports_do_not_spare_the_current_one(cast, fleet, redis_counts):
+    _, fenced = ApiToken.issue(name="hooks-0", scope="job", job=cast.job, generation=0)
+    with time_machine.travel(T0, tick=False):
+        job = hung_job(cast)
+        shed(redis_counts, fenced, other=500)
+        assert progress.expire_one_progress_deadline() is True
+    assert job.incidents.count() == 1
 
 
 @pytest.mark.django_db
@@ -89,10 +139,11 @@ def test_the_hold_lifts_after_a_clean_window_and_deadlines_start_over(cast, flee
         beat(*fleet)
         clock.shift(5)
         beat(fleet[1], fleet[2])
-        shed(redis_counts, priority=3)
+        late(redis_counts)  # gpu-01's heartbeat may be one of those waiting in our queue
         clock.shift(2)
         assert tasks.expire_heartbeats() == 0
         job = hung_job(cast)
+        assert progress.expire_one_progress_deadline() is False  # the jobs' sweep holds too
         for _ in range(4):  # 8 s without a refusal: a whole window in which we kept up
             clock.shift(2)
             beat(fleet[1], fleet[2])
@@ -118,14 +169,14 @@ def test_a_hold_longer_than_its_bound_is_given_up(fleet, redis_counts, settings)
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "OVERLOAD_HOLD_S": 10}
     with time_machine.travel(T0, tick=False) as clock:
         beat(*fleet)
-        for _ in range(6):  # 12 s of refused heartbeats; gpu-01 silent throughout
-            shed(redis_counts, priority=5)
+        for _ in range(6):  # 12 s of late heartbeats; gpu-01 silent throughout
+            late(redis_counts)
             clock.shift(2)
             beat(fleet[1], fleet[2])
             tasks.expire_heartbeats()
         assert transitions() == ["overloaded", "given_up"]
         assert health(fleet[0]) == Health.UNREACHABLE
-        assert not overload.held()
+        assert not overload.holding()
         clock.shift(8)  # the overload ends
         beat(fleet[1], fleet[2])
         tasks.expire_heartbeats()
@@ -146,19 +197,19 @@ def test_refused_bulk_below_its_threshold_and_no_refusals_at_all_do_not_hold(fle
 
 
 @pytest.mark.django_db
-def test_refused_bulk_alone_holds_the_hang_sweep_but_not_the_heartbeat_sweep(cast, fleet, redis_counts):
-    """Step reports shed: a job may look hung for want of them. Heartbeats used their reserve:
-    a silent node is silent."""
+def test_refusals_of_others_hold_neither_sweep(cast, fleet, redis_counts):
+    """Heartbeats and reports refused, none of them gpu-01's or the job's: silent is silent."""
     with time_machine.travel(T0, tick=False) as clock:
         beat(*fleet)
         clock.shift(5)
         beat(fleet[1], fleet[2])
-        shed(redis_counts, other=500)
+        shed(redis_counts, cast.tokens["agent2"], priority=30, other=500)
         clock.shift(2)
         assert tasks.expire_heartbeats() == 1
-        hung_job(cast)
-        assert progress.expire_one_progress_deadline() is False
+        job = hung_job(cast)
+        assert progress.expire_one_progress_deadline() is True
     assert health(fleet[0]) == Health.UNREACHABLE
+    assert job.incidents.exists()
     assert transitions() == ["overloaded"]
 
 
