@@ -24,6 +24,7 @@ from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
 from core.models import Event
+from core.text import clip
 from jobs.choices import JobState
 from jobs.models import Incident
 
@@ -115,18 +116,24 @@ def _apply(spec: AlertSpec, now) -> Alert | None:
     return alert
 
 
+#: Bounded columns: a title names a node (up to 253 characters) and an actor (up to 200).
+_TITLE_LEN = Alert._meta.get_field("title").max_length
+_REVISION_LEN = Alert._meta.get_field("revision").max_length
+
+
 def _create(spec: AlertSpec, now, *, state: str) -> Alert:
     return Alert.objects.create(
-        key=spec.key, rule=spec.rule, severity=spec.severity, state=state, title=spec.title,
+        key=spec.key, rule=spec.rule, severity=spec.severity, state=state, title=clip(spec.title, _TITLE_LEN),
         summary=spec.summary, evidence=spec.evidence, link=spec.link, job_id=spec.job_id,
-        incident_id=spec.incident_id, node_id=spec.node_id, revision=spec.revision, created_at=now,
+        incident_id=spec.incident_id, node_id=spec.node_id, revision=clip(spec.revision, _REVISION_LEN), created_at=now,
         updated_at=now, resolved_at=now if state == AlertState.RESOLVED else None,
     )
 
 
 def _refresh(alert: Alert, spec: AlertSpec, now) -> None:
-    alert.title, alert.summary, alert.evidence = spec.title or alert.title, spec.summary, spec.evidence
-    alert.revision, alert.updated_at = spec.revision, now
+    alert.title = clip(spec.title, _TITLE_LEN) or alert.title
+    alert.summary, alert.evidence = spec.summary, spec.evidence
+    alert.revision, alert.updated_at = clip(spec.revision, _REVISION_LEN), now
     if Severity.RANK[spec.severity] > Severity.RANK[alert.severity]:
         alert.severity = spec.severity
 

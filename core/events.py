@@ -19,6 +19,7 @@ from django.db import models
 from django.utils import timezone
 
 from core.models import Event
+from core.text import clean, clip
 
 
 class EventKind(models.TextChoices):
@@ -324,9 +325,9 @@ def record_event(kind: EventKind, *, actor: str, reason: str = "", job: models.M
     evidence = evidence or {}
     check_evidence(kind, evidence)
     job_ref = {"job_id": job} if isinstance(job, int) or job is None else {"job": job}
-    return Event.objects.create(kind=kind, actor=actor, reason=reason, node=node, generation=generation,
-                                old_state=old_state, new_state=new_state, evidence=evidence,
-                                created_at=created_at or timezone.now(), **job_ref)
+    return Event.objects.create(kind=kind, reason=clean(reason), node=node, generation=generation,
+                                evidence=evidence, created_at=created_at or timezone.now(),
+                                **_bounded(actor, old_state, new_state), **job_ref)
 
 
 def record_events(kind: EventKind, rows: list[dict[str, Any]]) -> list[Event]:
@@ -338,8 +339,19 @@ def record_events(kind: EventKind, rows: list[dict[str, Any]]) -> list[Event]:
     for row in rows:
         evidence = row.get("evidence") or {}
         check_evidence(kind, evidence)
-        events.append(Event(kind=kind, actor=row["actor"], reason=row.get("reason", ""), node=row.get("node"),
+        events.append(Event(kind=kind, reason=clean(row.get("reason", "")), node=row.get("node"),
                             job_id=row.get("job"), generation=row.get("generation"),
-                            old_state=row.get("old_state", ""), new_state=row.get("new_state", ""),
+                            **_bounded(row["actor"], row.get("old_state", ""), row.get("new_state", "")),
                             evidence=evidence, created_at=row.get("created_at") or timezone.now()))
     return Event.objects.bulk_create(events)
+
+
+def _bounded(actor: str, old_state: str, new_state: str) -> dict[str, str]:
+    """The bounded columns of a row, clipped: ``node:<a 253-character hostname>`` is longer than the
+    actor column, and an audit row that cannot be written would lose the change it records."""
+    return {"actor": clip(actor, _ACTOR_LEN), "old_state": clip(old_state, _STATE_LEN),
+            "new_state": clip(new_state, _STATE_LEN)}
+
+
+_ACTOR_LEN = Event._meta.get_field("actor").max_length
+_STATE_LEN = Event._meta.get_field("old_state").max_length

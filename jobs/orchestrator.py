@@ -27,6 +27,7 @@ from django.utils import timezone
 from checkpoints.models import Checkpoint
 from core.events import EventKind, record_event
 from core.models import Event
+from core.text import clean_json, clip, one_line
 from jobs import policy, state
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.launching import candidates, end_generations, free_node_count, spec_hash, start_generation
@@ -40,6 +41,10 @@ from nodes.models import Node
 log = logging.getLogger(__name__)
 SYSTEM = "system:orchestrator"
 RESTARTING = frozenset({Decision.RESTART, Decision.RESTART_ON_SPARE, Decision.SHRINK})
+#: ``Incident.classification``'s bound; the full reason is in the incident's evidence.
+CLASSIFICATION_LEN = Incident._meta.get_field("classification").max_length
+#: Further signals kept in an open incident's evidence.
+MAX_FURTHER = 100
 #: A job in these states has a generation whose faults we act on.
 WATCHED = JobState.ACTIVE - {JobState.QUIESCING}
 
@@ -62,17 +67,21 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             open_incident = _open_incident(job)
             if open_incident is not None:
                 further = open_incident.evidence.setdefault("further", [])
-                further.append({"signal": signal, "nodes": list(nodes), "detail": detail or {}, "at": now.isoformat()})
-                open_incident.save(update_fields=["evidence"])
+                if len(further) < MAX_FURTHER:  # a flapping signal must not grow one row without bound
+                    further.append(clean_json({"signal": signal, "nodes": list(nodes), "detail": detail or {},
+                                               "at": now.isoformat()}))
+                    open_incident.save(update_fields=["evidence"])
             return None
         ev = _evidence(job, signal, nodes=nodes, **evidence)
         decision = policy.decide(ev)
         incident = Incident.objects.create(
             job=job, generation=Generation.objects.filter(job=job, number=generation).first(),
-            kind=decision.classification, classification=decision.reason, decision=decision.action,
-            evidence={"signal": signal, "nodes": list(nodes), "detail": detail or {}, **_jsonable(evidence),
-                      "config_hash": ev.config_hash, "propose_rollback": decision.propose_rollback,
-                      "page": decision.page},
+            kind=decision.classification, classification=clip(one_line(decision.reason), CLASSIFICATION_LEN),
+            decision=decision.action,
+            # The full reason is kept here: the classification column is bounded, the error it quotes is not.
+            evidence=clean_json({"signal": signal, "nodes": list(nodes), "detail": detail or {}, **_jsonable(evidence),
+                                 "reason": decision.reason, "config_hash": ev.config_hash,
+                                 "propose_rollback": decision.propose_rollback, "page": decision.page}),
             fault_at=fault_at or now, detected_at=now,
         )
         blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
@@ -176,6 +185,12 @@ def stop_generation(job: Job, *, reason: str, grace_s: float = 10.0) -> None:
         transports.for_nodes(remaining).stop(job, generation.number, remaining, grace_s=grace_s, reason=reason)
 
 
+def full_reason(incident: Incident) -> str:
+    """The incident's reason in full (its classification may be clipped)."""
+    reason = incident.evidence.get("reason") if isinstance(incident.evidence, dict) else None
+    return reason if isinstance(reason, str) and reason else incident.classification
+
+
 def _open_incident(job: Job) -> Incident | None:
     return Incident.objects.filter(job=job, state=IncidentState.OPEN).order_by("-detected_at").first()
 
@@ -224,7 +239,7 @@ def advance_recovery(job_id: int, *, actor: str = SYSTEM) -> bool:
             end_generations(Generation.objects.filter(pk=getattr(generation, "pk", None)), now)
             if incident is not None and incident.decision in RESTARTING:
                 return _move(job, JobState.RECOVERING, actor, "every rank confirmed stopped")
-            reason = incident.classification if incident else "paused by an operator"
+            reason = full_reason(incident) if incident else "paused by an operator"
             return _move(job, JobState.PAUSED, actor, reason, pause_reason=reason)
         if job.quiesce_deadline and now > job.quiesce_deadline:
             missing = sorted(set(generation.nodes.values_list("hostname", flat=True)) - set(generation.stopped_nodes))

@@ -21,8 +21,11 @@ here and one unit test in ``tests/jobs/test_policy.py``.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 
+from core.text import ELLIPSIS, clean, one_line
 from jobs.policies import RecoveryPolicy
 
 # Signals, as the orchestrator names the evidence it saw.
@@ -171,9 +174,29 @@ def _repeats(ev: Evidence) -> bool:
     if ev.signal != EXIT or not ev.history or ev.signature in (None, "signal"):
         return False
     last = ev.history[-1]
-    same_failure = (last.signature, last.error_line) == (ev.signature, ev.error_line)
+    same_failure = (last.signature, failure_key(last.error_line)) == (ev.signature, failure_key(ev.error_line))
     same_step = last.step is None or ev.step is None or last.step == ev.step
     return same_failure and same_step and last.config_hash == ev.config_hash
+
+
+#: Parts of an error line that differ between two runs of the same failure: addresses and ids.
+_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\b(?:pid|tid)[ =:]*\d+", re.IGNORECASE)
+#: A failure key is at most this long: the start of the line, then a hash of the whole of it.
+FAILURE_KEY_LEN = 120
+
+
+def failure_key(error_line: str | None) -> str | None:
+    """What "the same error" means when two failures are compared: the line on one line, cleaned,
+    without addresses and process ids, and bounded (its start plus a hash of all of it). Two runs
+    of a deterministic failure give the same key however long the line is; lines that differ
+    anywhere give different keys."""
+    if error_line is None:
+        return None
+    text = _VOLATILE.sub("#", one_line(clean(error_line)))
+    if len(text) <= FAILURE_KEY_LEN:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{text[:FAILURE_KEY_LEN - 18]}{ELLIPSIS}#{digest}"
 
 
 def _label(ev: Evidence) -> str:

@@ -29,7 +29,7 @@ from agents.protocol.agent import (
 )
 from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
-from agents.supervisor.output import _derived_exit_code, classify_exit
+from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
 from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
@@ -442,7 +442,7 @@ class Supervisor:
 
     @staticmethod
     def _take_line(gen: _Generation, raw: bytes) -> None:
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+        line = decode_line(raw)
         gen.tail.append(line[:MAX_LOG_LINE])
         gen.scan.feed(line)
         if gen.scan.table_complete:

@@ -39,6 +39,13 @@ _EXIT_CODE_SIGNATURES = {EXIT_PAUSED: "paused", EXIT_STALE_GENERATION: "stale_ge
                          EXIT_RESUME_REFUSED: "resume_refused"}
 
 
+def decode_line(raw: bytes) -> str:
+    """One line of torchrun's output as text: bytes that are not UTF-8 become U+FFFD, and NUL
+    (which a program may print, but no message may carry, ``agents.protocol``) becomes U+FFFD too:
+    an exit report quoting it would be refused, and the exit lost."""
+    return raw.decode("utf-8", errors="replace").replace("\x00", "\ufffd").rstrip("\r")
+
+
 class OutputScan:
     """What torchrun's output says, read line by line as it streams (not only the tail, which a
     chatty rank can flush): torchrun's failure table (per-rank exit codes, the first rank to

@@ -32,7 +32,6 @@ from jobs.api.serializers import (
     GenerationSerializer,
     GoodputSerializer,
     IncidentSerializer,
-    IncidentSummarySerializer,
     JobSerializer,
     JobSpecSerializer,
     JobStatusSerializer,
@@ -150,7 +149,9 @@ class JobStatus(APIView):
             "last_step_at": job.last_step_at, "state_changed_at": job.state_changed_at,
             "ettr": goodput_of(job).ettr,
             "open_incidents": incidents.filter(state=IncidentState.OPEN).count(),
-            "recent_incidents": IncidentSummarySerializer(incidents[:5], many=True).data,
+            # The rows, not their representation: the status serializer renders them (rendering them
+            # twice read ``generation.number`` of an int, and every generation came out null).
+            "recent_incidents": list(incidents[:5]),
         }).data)
 
 

@@ -12,6 +12,7 @@ import logging
 
 from django.utils import timezone
 
+from core.text import clip
 from nodes.choices import SlurmAllocationState
 from nodes.models import SlurmAllocation
 from nodes.transports.slurm import controller
@@ -68,10 +69,11 @@ def _follow(row: SlurmAllocation, job: SlurmJob | None) -> int:
     if not job.ended:
         if job.state == "RUNNING" and row.started_at is None:
             SlurmAllocation.objects.filter(pk=row.pk, started_at__isnull=True).update(
-                started_at=timezone.now(), slurm_state=job.state, slurm_reason=job.reason)
+                started_at=timezone.now(), slurm_state=job.state[:32], slurm_reason=clip(job.reason, 200))
             return 1
         if job.state != row.slurm_state:
-            SlurmAllocation.objects.filter(pk=row.pk).update(slurm_state=job.state, slurm_reason=job.reason)
+            SlurmAllocation.objects.filter(pk=row.pk).update(slurm_state=job.state[:32],
+                                                             slurm_reason=clip(job.reason, 200))
         return 0
     return report_ended(row, state=job.state, exit_status=job.exit_status, exit_signal=job.exit_signal,
                         requested_stop=bool(row.cancel_requested_at), note=job.reason)
