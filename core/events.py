@@ -27,6 +27,7 @@ class EventKind(models.TextChoices):
     JOB_STATE = "job.state"
     JOB_EFFICIENCY_TARGET = "job.efficiency_target"
     JOB_CHECKPOINT_REQUEST = "job.checkpoint_request"
+    JOB_REPORTS_REFUSED = "job.reports_refused"
     INCIDENT_OPEN = "incident.open"
     INCIDENT_RESOLVED = "incident.resolved"
     NODE_REGISTER = "node.register"
@@ -144,6 +145,15 @@ class NoEvidence(TypedDict, total=False):
     pass
 
 
+class ReportsRefusedEvidence(TypedDict, total=False):
+    """A report batch refused as implausible (``jobs.plausibility``): how many records, why."""
+
+    records: int  # refused records in the batch (the batch's other records were not stored either)
+    reason: str  # the first refused record's reason code
+    reasons: dict[str, int]  # reason code -> records
+    examples: list[dict[str, Any]]  # the first few: rank, step, reason, detail
+
+
 class FleetSilenceEvidence(TypedDict, total=False):
     silent: int
     expected: int
@@ -244,6 +254,7 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.JOB_STATE: JobStateEvidence,
     EventKind.JOB_EFFICIENCY_TARGET: EfficiencyTargetEvidence,
     EventKind.JOB_CHECKPOINT_REQUEST: CheckpointRequestEvidence,
+    EventKind.JOB_REPORTS_REFUSED: ReportsRefusedEvidence,
     EventKind.INCIDENT_OPEN: IncidentOpenEvidence,
     EventKind.INCIDENT_RESOLVED: IncidentResolvedEvidence,
     EventKind.NODE_REGISTER: NodeRegisterEvidence,

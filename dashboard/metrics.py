@@ -21,7 +21,9 @@ from datetime import timedelta
 
 from celery import current_app
 from django.conf import settings
-from django.db.models import Count, Max, Q
+from django.db.models import Count, IntegerField, Max, Q, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
@@ -33,10 +35,12 @@ from rest_framework.request import Request
 
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from core import degraded, outbox, roles, shared_counts
+from core import roles, shared_counts
 from core.auth import TokenAuthentication, capabilities, client_address
+from core.events import EventKind
+from core.models import Event
 from core.problems import CONTENT_TYPE, problem
-from jobs import efficiency
+from jobs import efficiency, plausibility
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.goodput import goodput_of
 from jobs.goodput_math import KINDS
@@ -78,10 +82,10 @@ class NightwatchCollector:
         yield from self._jobs(jobs, goodputs)
         yield from self._efficiency(jobs, goodputs)
         yield from self._incidents(now)
+        yield from self._refused_reports(jobs)
         yield from self._fleet(now)
         yield from self._checkpoints(now)
         yield from self._queues()
-        yield from self._degraded()
         yield from self._overload()
         scrape = GaugeMetricFamily("nightwatch_scrape_duration_seconds", "Time this scrape spent reading the "
                                    "database.")
@@ -152,6 +156,21 @@ class NightwatchCollector:
         yield from (mfu, tokens, downtime, cost, wasted)
 
     # --- incidents --------------------------------------------------------------------------------
+    @staticmethod
+    def _refused_reports(reported):
+        """Step reports refused as implausible (``jobs.plausibility``), from the job.reports_refused events."""
+        rows = (Event.objects.filter(kind=EventKind.JOB_REPORTS_REFUSED, job__in=[j.pk for j in reported])
+                .annotate(refused_for=KT("evidence__reason"))
+                .values_list("job_id", "refused_for")
+                .annotate(n=Sum(Cast(KT("evidence__records"), IntegerField()))))
+        counts = {(job_id, reason): n or 0 for job_id, reason, n in rows}
+        refused = CounterMetricFamily("nightwatch_job_reports_refused", "Step reports refused as implausible for "
+                                      "the job (HTTP 422), by kind of implausibility.", labels=["job", "kind"])
+        for job in reported:
+            for reason in plausibility.REASONS:
+                refused.add_metric([str(job.pk), reason], counts.get((job.pk, reason), 0))
+        yield refused
+
     def _incidents(self, now):
         counts = {(k, d): n for k, d, n in Incident.objects.values_list("kind", "decision").annotate(n=Count("pk"))}
         total = CounterMetricFamily("nightwatch_incidents", "Incidents by kind (classification) and decision.",
@@ -270,21 +289,6 @@ class NightwatchCollector:
             up.add_metric([], 0)
         yield up
         yield depth
-
-    # --- without Redis ------------------------------------------------------------------------------
-    @staticmethod
-    def _degraded():
-        """What went without Redis (core.degraded: this process's own counts) and what still waits
-        for the broker (core.outbox: every process's, in the database)."""
-        fallbacks = CounterMetricFamily("nightwatch_redis_fallbacks", "Times this process went without Redis "
-                                        "(a rate-limit count kept locally, a Celery message held in the outbox, "
-                                        "a push or relay turn deferred), by component.", labels=["component"])
-        for component, n in sorted(degraded.counts().items()):
-            fallbacks.add_metric([component], n)
-        held = GaugeMetricFamily("nightwatch_outbox_messages", "Celery messages held in the database until the "
-                                 "broker takes them.")
-        held.add_metric([], outbox.held())
-        yield from (fallbacks, held)
 
     # --- overload ---------------------------------------------------------------------------------
     def _overload(self):

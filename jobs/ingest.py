@@ -20,10 +20,11 @@ from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
-from jobs import policy, progress, state
+from core.events import EventKind, record_event
+from jobs import plausibility, policy, progress, state
 from jobs import windows as node_windows
 from jobs.choices import JobState
-from jobs.models import Job, NodeWindow, StepMetric, TrainingEvent
+from jobs.models import Generation, Job, NodeWindow, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
 from jobs.tasks import handle_flags, handle_save_failed
 
@@ -38,7 +39,12 @@ class IngestResult:
 def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -> IngestResult:
     """Store a batch of step reports and hook events; advance the job's progress marks.
 
-    1. Refuse a stale generation (the fencing token), and every generation of a job that ended.
+    1. Refuse a stale generation (the fencing token), and every generation of a job that ended;
+       refuse the whole batch (``ReportsRefused``, 422) when a report is implausible for the job
+       (``jobs.plausibility``), counted in a ``job.reports_refused`` event. Whole, not in part:
+       nothing of a refused batch is written, and the hooks' reporter answers a refused batch by
+       sending its records one at a time, so the plausible ones are stored and only the refused
+       ones let go (``agents.hooks.reporter.Reporter._settle``).
     2. Insert what is new; (job, generation, rank, step), (job, generation, node, last_step,
        exchange time) and (job, generation, key) already stored are duplicates of a replay and are
        counted, not stored again.
@@ -46,6 +52,7 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
        reports its first step is running); hand what the hooks flagged to the orchestrator.
     """
     state.check_live(job, batch.generation)
+    _refuse_implausible(job, batch, actor=actor)
     now = timezone.now()
     with transaction.atomic():
         kept = [r for r in batch.reports if r.rank == 0 or _flagged(r)]
@@ -109,6 +116,45 @@ def _report_failed_saves(job: Job, generation: int, fresh_events: list[hooks_pro
             failure = {**{k: v for k, v in e.detail.items() if k in ("path", "reason", "errno", "error")},
                        "step": e.step, "rank": e.rank, "time": e.time}
             transaction.on_commit(lambda f=failure: handle_save_failed.delay(job.pk, generation, f))
+
+
+# --- refusals (issue 24) ------------------------------------------------------------------------
+
+class ReportsRefused(Exception):
+    """A batch holding implausible reports; ``refusals`` says which and why. Nothing was stored."""
+
+    def __init__(self, refusals: list[plausibility.Refusal]):
+        self.refusals = refusals
+        first = refusals[0]
+        more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        super().__init__(f"implausible step report refused: {first.detail}{more}")
+
+
+def _refuse_implausible(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -> None:
+    """Raise ``ReportsRefused`` (after recording it) when a report of the batch is implausible."""
+    if not batch.reports:
+        return
+    rp = RecoveryPolicy.of(job)
+    first_step = min(r.step for r in batch.reports)
+    earlier = (StepMetric.objects.filter(job=job, generation=batch.generation, rank=0, step__lt=first_step)
+               .order_by("-step").values_list("step", "data_cursor").first())
+    world_size = (Generation.objects.filter(job=job, number=batch.generation)
+                  .values_list("world_size", flat=True).first())
+    known = plausibility.Known(last_step=job.last_step, earlier=earlier, world_size=world_size,
+                               max_steps=rp.max_steps, max_step_jump=rp.max_step_jump)
+    refusals = plausibility.judge(batch.reports, known)
+    if not refusals:
+        return
+    error = ReportsRefused(refusals)
+    reasons: dict[str, int] = {}
+    for refusal in refusals:
+        reasons[refusal.reason] = reasons.get(refusal.reason, 0) + 1
+    record_event(EventKind.JOB_REPORTS_REFUSED, actor=actor, job=job, generation=batch.generation,
+                 reason=str(error), evidence={
+                     "records": len(refusals), "reason": refusals[0].reason, "reasons": reasons,
+                     "examples": [{"rank": r.rank, "step": r.step, "reason": r.reason, "detail": r.detail}
+                                  for r in refusals[:5]]})
+    raise error
 
 
 def _flagged(report: hooks_protocol.StepReport) -> bool:

@@ -35,6 +35,10 @@ class RecoveryPolicy:
     startup_timeout_s: int | None = None
     #: Consecutive loss-spike steps before pausing.
     loss_spike_limit: int = 3
+    #: The job's configured end: a step report past it is refused (``jobs.plausibility``). None: no end.
+    max_steps: int | None = None
+    #: A step report more than max(this, 10 × the reports in its batch) past the job's last step is refused.
+    max_step_jump: int = 1000
 
     @classmethod
     def of(cls, job: _HasRecoveryPolicy) -> RecoveryPolicy:

@@ -132,6 +132,12 @@ class RecoveryPolicySerializer(StrictSerializer):
     loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000,
                                                 default=_RECOVERY.loss_spike_limit,
                                                 help_text="Consecutive loss-spike steps before pausing.")
+    max_steps = serializers.IntegerField(min_value=1, max_value=10**15, allow_null=True, default=_RECOVERY.max_steps,
+                                         help_text="The job's configured end: step reports past it are refused "
+                                                   "(422). Null: no end.")
+    max_step_jump = serializers.IntegerField(min_value=1, max_value=10**12, default=_RECOVERY.max_step_jump,
+                                             help_text="Step reports more than max(this, 10 × the reports in their "
+                                                       "batch) past the job's last step are refused (422).")
 
 
 class JobSpecSerializer(StrictSerializer, serializers.ModelSerializer):

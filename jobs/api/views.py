@@ -22,7 +22,7 @@ from core.api import (
 )
 from core.auth import actor_label
 from core.models import Event
-from core.problems import Conflict
+from core.problems import Conflict, Unprocessable
 from core.schema import protocol_schema
 from jobs import ingest, services
 from jobs.api.access import hooks_message, require_hooks_caller
@@ -177,9 +177,11 @@ class JobReports(APIView):
     required = roles.HOOKS
 
     @extend_schema(request=protocol_schema(hooks_protocol.ReportBatch),
-                   responses={202: protocol_schema(hooks_protocol.ReportsAccepted), 403: None, 409: None},
+                   responses={202: protocol_schema(hooks_protocol.ReportsAccepted), 403: None, 409: None, 422: None},
                    description="Body: agents.protocol.hooks.ReportBatch. 403 when the token does not speak for "
-                               "that generation; 409 when the generation is stale or the job has ended.")
+                               "that generation; 409 when the generation is stale or the job has ended; 422 "
+                               "(nothing stored) when a report is implausible for the job: far past its last "
+                               "step, past its max_steps, a data cursor going backwards, another world size.")
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         batch = hooks_message(request, job, hooks_protocol.ReportBatch, "batch")
@@ -187,6 +189,8 @@ class JobReports(APIView):
             result = ingest.record_reports(job, batch, actor=actor_label(request))
         except TransitionError as exc:
             raise Conflict(str(exc)) from exc
+        except ingest.ReportsRefused as exc:
+            raise Unprocessable({f"reports.{r.index}.step": f"{r.reason}: {r.detail}" for r in exc.refusals}) from exc
         job.refresh_from_db()
         answer = hooks_protocol.ReportsAccepted(accepted=result.accepted, duplicates=result.duplicates,
                                                 ignored=result.ignored,
