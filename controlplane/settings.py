@@ -148,7 +148,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 REDIS_URL = env_str("REDIS_URL")
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
-    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {}
+    # A Redis that is down must cost a publish a second, not a TCP timeout: the message then waits in
+    # the outbox (core.outbox) and the request answers.
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"socket_connect_timeout": 1}
     # redis-py 8 times a read out after 5 s by default, exactly channels-redis's BZPOPMIN wait: an idle
     # consumer's receive then fails with TimeoutError and its WebSocket dies. Give reads more room.
     CHANNEL_LAYERS = {
@@ -184,10 +186,12 @@ CELERY_TASK_ROUTES = {"checkpoints.tasks.*": {"queue": "checkpoints"}}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # The cache holds rate-limit counters: in Redis when there is one, so that every web process
-# counts together; otherwise per process.
+# counts together; otherwise per process. With Redis down it counts per process (core.cache), and a
+# request waits at most one short timeout for it.
 if REDIS_URL:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
-                          "KEY_PREFIX": "nightwatch"}}
+    CACHES = {"default": {"BACKEND": "core.cache.ResilientRedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": "nightwatch",
+                          "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5}}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 # Periodic one-shots. The sweeper finds hung generations and finishes recoveries a dead worker
@@ -199,6 +203,9 @@ CELERY_BEAT_SCHEDULE: dict = {
     **NODES_BEAT_SCHEDULE,
     **CHECKPOINTS_BEAT_SCHEDULE,
     **ALERTS_BEAT_SCHEDULE,
+    # Celery messages held while the broker was down (core.outbox): sent once it answers again.
+    "core-outbox": {"task": "core.tasks.send_outbox", "schedule": env_float("NIGHTWATCH_OUTBOX_INTERVAL_S", 5.0),
+                    "options": {"expires": 30}},
 }
 
 # --- Auth, API ------------------------------------------------------------------------------

@@ -202,3 +202,27 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self):
         return f"{self.owner} {self.key}"
+
+
+class OutboxMessage(models.Model):
+    """A Celery message that could not be published (the broker was down), kept until it can be.
+
+    Written by ``controlplane.celery.OutboxTask`` when a publish fails, read and deleted by
+    ``core.outbox.resend`` (beat) once the broker answers: a request whose follow-up work could not
+    be queued still succeeds, and the work still happens. Tasks take primary keys and are safe to
+    run twice, so a message sent twice (a resend whose delete did not commit) is harmless.
+    """
+
+    task = models.CharField(max_length=200)
+    args = models.JSONField(default=list)
+    kwargs = models.JSONField(default=dict)
+    #: Publish options worth keeping (queue, countdown, priority); never an expiry (those are hints).
+    options = models.JSONField(default=dict)
+    error = models.CharField(max_length=500, blank=True, help_text="Why the first publish failed.")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["pk"]
+
+    def __str__(self):
+        return f"{self.task} held since {self.created_at:%Y-%m-%d %H:%M:%S}"

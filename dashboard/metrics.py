@@ -35,7 +35,7 @@ from rest_framework.request import Request
 
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from core import roles, shared_counts
+from core import degraded, outbox, roles, shared_counts
 from core.auth import TokenAuthentication, capabilities, client_address
 from core.events import EventKind
 from core.models import Event
@@ -86,6 +86,7 @@ class NightwatchCollector:
         yield from self._fleet(now)
         yield from self._checkpoints(now)
         yield from self._queues()
+        yield from self._degraded()
         yield from self._overload()
         scrape = GaugeMetricFamily("nightwatch_scrape_duration_seconds", "Time this scrape spent reading the "
                                    "database.")
@@ -289,6 +290,21 @@ class NightwatchCollector:
             up.add_metric([], 0)
         yield up
         yield depth
+
+    # --- without Redis ------------------------------------------------------------------------------
+    @staticmethod
+    def _degraded():
+        """What went without Redis (core.degraded: this process's own counts) and what still waits
+        for the broker (core.outbox: every process's, in the database)."""
+        fallbacks = CounterMetricFamily("nightwatch_redis_fallbacks", "Times this process went without Redis "
+                                        "(a rate-limit count kept locally, a Celery message held in the outbox, "
+                                        "a push or relay turn deferred), by component.", labels=["component"])
+        for component, n in sorted(degraded.counts().items()):
+            fallbacks.add_metric([component], n)
+        held = GaugeMetricFamily("nightwatch_outbox_messages", "Celery messages held in the database until the "
+                                 "broker takes them.")
+        held.add_metric([], outbox.held())
+        yield from (fallbacks, held)
 
     # --- overload ---------------------------------------------------------------------------------
     def _overload(self):

@@ -36,6 +36,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Max, Q
 
+from core import degraded
 from core.events import CHART_KINDS
 from core.models import Event
 from dashboard import events, sections
@@ -241,11 +242,20 @@ class Relay:
             message = events.push_message(message_id=f"{self.owner}-{next(self._ids)}", job_id=pending.job_id,
                                           points=[p for _, p in sorted(pending.points.items())],
                                           sections=sorted(names), nodes=sorted(pending.nodes), relayed_at=time.time())
+            taken = (pending.sections, pending.points, pending.nodes)
             pending.sections, pending.points, pending.nodes = set(), {}, set()
-            if not pending.slow_sections:
-                del self.pending[group]
+            try:
+                await send(group, message)
+            except Exception as error:  # the channel layer (Redis) is down: keep it for the next turn
+                pending.sections |= taken[0] | names
+                pending.points = {**taken[1], **pending.points}
+                pending.nodes |= taken[2]
+                degraded.note("channel_layer", error)
+                break
+            degraded.recovered("channel_layer")
+            if not (pending.slow_sections or pending.sections):
+                self.pending.pop(group, None)
             self.last_sent[group] = now
-            await send(group, message)
             sent += 1
         return sent
 
@@ -266,9 +276,11 @@ class Relay:
             held = self._redis.set(LEASE_KEY, self.owner, nx=True, px=LEASE_MS)
             if not held and self._redis.get(LEASE_KEY) == self.owner.encode():
                 held = bool(self._redis.pexpire(LEASE_KEY, LEASE_MS))
-        except redis.RedisError:
-            log.warning("dashboard relay: Redis unreachable; not relaying this turn")
-            held = False
+        except redis.RedisError as error:
+            # Not relaying this turn, but keeping our place in the tables: what commits while Redis is
+            # down is pushed once it is back, not skipped as a takeover from another process would be.
+            degraded.note("relay_lease", error)
+            return False
         if held and self.leading is False:  # taking over from another process
             self.mark_now()
         self.leading = bool(held)

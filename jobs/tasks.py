@@ -11,7 +11,7 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator, progress, services, windows
+from jobs import checkpoint_interval, orchestrator, progress, reconcile, services, windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job
 
@@ -26,8 +26,8 @@ def advance_job(job_id: int) -> None:
 
 @shared_task(ignore_result=True)
 def sweep() -> None:
-    """Beat, every few seconds: hung generations, recoveries to finish or re-drive, and pending jobs
-    that waited for nodes."""
+    """Beat, every few seconds: hung generations, recoveries to finish or re-drive, pending jobs
+    that waited for nodes, and exits that no task handled (``jobs.reconcile``)."""
     for _ in range(50):  # bounded: a poison row must not keep a worker busy forever
         if not progress.expire_one_progress_deadline():
             break
@@ -36,6 +36,9 @@ def sweep() -> None:
             break
     for _ in range(50):
         if not orchestrator.start_one_pending():
+            break
+    for _ in range(20):  # exits stored that no task handled (a lost message, a dead worker)
+        if not reconcile.reexamine_one_exit():
             break
 
 
