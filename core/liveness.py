@@ -44,11 +44,15 @@ def age(path: str, *, now: float | None = None) -> float | None:
     return (time.time() if now is None else now) - touched
 
 
-def verdict(path: str, max_age: float, *, now: float | None = None) -> tuple[bool, str]:
-    """(alive, why) for the file at ``path``."""
+def verdict(path: str, max_age: float, *, now: float | None = None, pidfile: str = "") -> tuple[bool, str]:
+    """(alive, why) for the file at ``path``. A worker whose ``pidfile`` is younger than ``max_age``
+    but that has not touched the file yet is starting (connecting to the broker), not dead."""
     seconds = age(path, now=now)
     if seconds is None:
-        return False, f"{path} does not exist: the worker never started or stopped"
+        started = age(pidfile, now=now) if pidfile else None
+        if started is not None and started <= max_age:
+            return True, f"{path} does not exist yet: the worker started {started:.0f} s ago"
+        return False, f"{path} does not exist: the worker never started, or stopped"
     if seconds > max_age:
         return False, f"{path} was last touched {seconds:.0f} s ago (limit {max_age:g} s): the worker is stuck or dead"
     return True, f"{path} touched {seconds:.1f} s ago"
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-age", type=float, default=60.0, help="seconds (default 60)")
     parser.add_argument("--kill-pidfile", default="", help="SIGKILL the process in this pid file when unhealthy")
     args = parser.parse_args(argv)
-    alive, why = verdict(args.file, args.max_age)
+    alive, why = verdict(args.file, args.max_age, pidfile=args.kill_pidfile)
     if not alive and args.kill_pidfile:
         why += _kill(args.kill_pidfile)
     print(("alive: " if alive else "unhealthy: ") + why)

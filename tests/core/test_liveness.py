@@ -37,3 +37,10 @@ def test_the_check_kills_the_process_of_a_stale_worker(tmp_path):
     liveness.touch(str(path))
     ok = subprocess.run([sys.executable, "-m", "core.liveness", str(path)], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stdout
+
+
+def test_a_worker_still_starting_is_not_killed(tmp_path):
+    path, pidfile = str(tmp_path / "alive"), tmp_path / "worker.pid"
+    pidfile.write_text("12345\n")
+    assert liveness.verdict(path, 60, pidfile=str(pidfile))[0] is True
+    assert liveness.verdict(path, 60, pidfile=str(pidfile), now=time.time() + 61)[0] is False

@@ -75,6 +75,9 @@ def test_demo_runs_the_job_recovers_from_a_fault_and_stops_cleanly(tmp_path):
         assert len(status) == 1 and " · gen " in status[0] and "recovered in" in status[0], shown
         assert not any(marker in shown for marker in ('"level"', "HTTP GET", "Task ", "[INFO", "Traceback")), shown
         assert (tmp_path / "logs" / "web.log").stat().st_size > 0 and (tmp_path / "logs" / "agent.log").exists()
+        # Beat is a process of its own, as in production; the worker runs none.
+        assert "Sending due task" in (tmp_path / "logs" / "beat.log").read_text()
+        assert "beat: Starting" not in (tmp_path / "logs" / "worker.log").read_text()
     finally:
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=False)
         deadline = time.monotonic() + 40

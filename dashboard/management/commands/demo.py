@@ -1,7 +1,7 @@
 """The embedded demo: everything on this machine, nothing to install.
 
 ``make demo`` runs this. It migrates (SQLite), makes a demo on-call user, starts the ASGI server
-(daphne), a Celery worker with embedded beat on the filesystem broker, a second worker for the
+(daphne), a Celery worker and beat (its own process) on the filesystem broker, a second worker for the
 ``checkpoints`` queue (verification, replication, retention: never in front of failure handling),
 and a node agent with a scripted GPU; then launches the example job (a 2-rank CPU ``torchrun`` of
 ``examples/train.py``) and, every ``--fault-every`` seconds, injects a fault — a SIGKILLed rank — so
@@ -74,9 +74,11 @@ class Command(BaseCommand):
         children = {
             "web": _spawn(logs, "web", [python, "-m", "daphne", "-b", host, "-p", str(port),
                                         "controlplane.asgi:application"], env),
-            "worker": _spawn(logs, "worker", [python, "-m", "celery", "-A", "controlplane", "worker", "-B",
-                                              "--pool=solo", "--loglevel=INFO", "-n", "demo@%h",
-                                              "-s", str(var / "celerybeat-schedule")], env),
+            "worker": _spawn(logs, "worker", [python, "-m", "celery", "-A", "controlplane", "worker",
+                                              "--pool=solo", "--loglevel=INFO", "-n", "demo@%h"], env),
+            # Beat on its own, as in production: a worker that dies takes no schedule with it.
+            "beat": _spawn(logs, "beat", [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO",
+                                          "-s", str(var / "celerybeat-schedule")], env),
             # Verification, replication and retention (CELERY_TASK_ROUTES) in a worker of their own:
             # a verification in progress never delays the handling of the fault the demo injects.
             "checkpoint-worker": _spawn(logs, "checkpoint-worker", [python, "-m", "celery", "-A", "controlplane",
@@ -104,7 +106,8 @@ class Command(BaseCommand):
                 f"\nNightwatch is up. Open the dashboard: {dashboard}\n"
                 f"  log in as 'demo' (on-call) with password {password}\n"
                 f"Overview: {url}/   nodes: {url}/nodes/   API docs: {url}/api/docs/   readiness: {url}/readyz\n"
-                f"Logs: {logs}/ (web, worker, checkpoint-worker, agent; the job's output under {var}/demo-agent)\n"
+                f"Logs: {logs}/ (web, worker, beat, checkpoint-worker, agent; the job's output under "
+                f"{var}/demo-agent)\n"
                 + (f"{fleet} simulated nodes (8 GPUs each, no agent) fill {url}/nodes/\n" if fleet else "")
                 + "Ctrl-C stops everything.\n"
             ))
