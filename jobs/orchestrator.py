@@ -218,6 +218,79 @@ def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail:
     transaction.on_commit(lambda: _advance_later(job_id))
 
 
+#: A node whose agent is heard from again this soon after it was declared unreachable, confirming
+#: that nothing of the generation runs there, had a crash, not a partition: an agent restart (a
+#: kill of the agent with its ranks, an OOM, an upgrade) takes seconds; a partition lasts.
+AGENT_RETURN_WINDOW_S = 60
+
+
+def _returned_node_crashed(job_id: int, generation: int, hostname: str, detail: dict) -> bool:
+    """Turn a partition incident into a crash when its only lost node came back quickly and
+    reported that the generation had ended there on its own (the exit report of an agent that
+    restarted and found its torchrun gone; not a stop we asked for, which would mean the ranks
+    ran on through the silence: that stays a partition for a human).
+
+    A lost node is a partition because a restart could run beside ranks still alive there (split
+    brain). Once the node's agent answers within ``AGENT_RETURN_WINDOW_S`` of the verdict and
+    confirms its ranks are gone, that risk is over: the fault is judged as the crash it was, by the
+    policy (restart, within the budget, or pause for a repeat), and a job already paused for the
+    partition resumes without an on-call (``_resume_returned``, once the node's confirmation is
+    recorded). Not when another node was lost too, or the node is unhealthy. Returns whether it
+    re-classified."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.generation != generation or job.state not in (JobState.QUIESCING, JobState.PAUSED):
+            return False
+        incident = _open_incident(job)
+        evidence = incident.evidence if incident is not None else {}
+        if (incident is None or evidence.get("signal") != policy.NODE_UNREACHABLE
+                or evidence.get("nodes") != [hostname]
+                or any(f.get("nodes") not in ([], [hostname]) for f in evidence.get("further", []))
+                or timezone.now() - incident.detected_at > timedelta(seconds=AGENT_RETURN_WINDOW_S)):
+            return False
+        gen_nodes = set(Generation.objects.filter(job=job, number=generation).values_list("nodes__hostname",
+                                                                                           flat=True))
+        if (Node.objects.filter(hostname__in=gen_nodes - {hostname}, health=Health.UNREACHABLE).exists()
+                or Node.objects.filter(hostname=hostname, health=Health.UNHEALTHY).exists()):
+            return False
+        signature = detail.get("signature")
+        if signature in (None, "unknown"):
+            signature = "signal"  # the agent died with its ranks: a kill from outside, not the program
+        ev = _evidence(job, policy.EXIT, nodes=(hostname,), signature=signature,
+                       error_line=detail.get("error_line"), step=job.last_step)
+        decision = policy.decide(ev)
+        reason = f"{hostname}'s agent came back and confirmed nothing runs: {decision.reason}"
+        incident.kind, incident.decision = decision.classification, decision.action
+        incident.classification = reason[:200]
+        incident.evidence = {**evidence, "reclassified_from": "partition", "reason": reason,
+                             "returned": {"node": hostname, "at": timezone.now().isoformat(),
+                                          "signature": detail.get("signature")}}
+        incident.save(update_fields=["kind", "decision", "classification", "evidence"])
+        record_event(EventKind.INCIDENT_OPEN, actor=f"node:{hostname}", job=job, generation=generation,
+                     reason=f"re-classified: {reason}", evidence={"incident": incident.pk,
+                                                                 "decision": decision.action})
+        if decision.backoff_s:
+            Job.objects.filter(pk=job.pk).update(relaunch_after=timezone.now()
+                                                 + timedelta(seconds=decision.backoff_s))
+    return True
+
+
+def _resume_returned(job_id: int, generation: int, hostname: str) -> None:
+    """A job paused for a partition that ``_returned_node_crashed`` re-classified as a crash to
+    restart goes on recovering once every node has confirmed (an agent back after the quiesce
+    deadline, or after the pause)."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        incident = _open_incident(job) if job is not None else None
+        if (job is None or job.generation != generation or job.state != JobState.PAUSED or incident is None
+                or incident.decision not in RESTARTING
+                or incident.evidence.get("reclassified_from") != "partition"
+                or not all_stopped(Generation.objects.filter(job=job, number=generation).first())):
+            return
+        _move(job, JobState.RECOVERING, f"node:{hostname}", incident.classification)
+    transaction.on_commit(lambda: _advance_later(job_id))
+
+
 def all_stopped(generation: Generation | None) -> bool:
     if generation is None:
         return True
@@ -348,9 +421,14 @@ def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> No
     - every node exited 0: the job completed;
     - otherwise: a crash, classified with the signature and error line the agent found.
     """
-    confirm_stopped(job_id, generation, hostname, exit_detail=detail)
     signature = detail.get("signature")
-    if detail.get("requested_stop") or signature in policy.REQUESTED_SIGNATURES:
+    requested = detail.get("requested_stop") or signature in policy.REQUESTED_SIGNATURES
+    # Before the confirmation, whose recovery step must already see the crash, not the partition.
+    returned = not requested and _returned_node_crashed(job_id, generation, hostname, detail)
+    confirm_stopped(job_id, generation, hostname, exit_detail=detail)
+    if returned:
+        _resume_returned(job_id, generation, hostname)
+    if requested:
         return
     job = Job.objects.filter(pk=job_id).first()
     if job is None:
@@ -363,21 +441,43 @@ def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> No
         return
     report_fault(job_id, policy.EXIT, generation=generation, nodes=(hostname,), actor=f"node:{hostname}",
                  signature=signature, error_line=detail.get("error_line"), step=job.last_step,
+                 fault_at=exit_fault_time(job, generation, detail),
                  detail={k: detail.get(k) for k in ("exit_code", "ranks", "root_cause_rank", "signature",
                                                     "error_line", "log_tail", "xids")})
 
 
+def exit_fault_time(job: Job, generation: int, detail: dict):
+    """When the generation failed on the node, from the earliest evidence: the time the agent saw
+    it fail (``ended_at``: torchrun closing its worker group, or the log's last write when no agent
+    watched) or reported it (``exited_at``), never before the generation started or the last step
+    its ranks reported (they were alive then), never after now. None without such evidence."""
+    stamps = [t for t in (detail.get("ended_at"), detail.get("exited_at")) if isinstance(t, int | float) and t > 0]
+    if not stamps:
+        return None
+    now = timezone.now()
+    at = datetime.fromtimestamp(min(stamps), tz=UTC)
+    row = Generation.objects.filter(job=job, number=generation).first()
+    alive = StepMetric.objects.filter(job=job, generation=generation).aggregate(m=Max("reported_at"))["m"]
+    floors = [t for t in (row.started_at if row else None, alive) if t is not None]
+    return min(max([at, *floors]), now)
+
+
 def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
-    """A node turned unhealthy or unreachable: every live generation on it is affected."""
+    """A node turned unhealthy or unreachable: every live generation on it is affected. An
+    unreachable node's fault dates from its last heartbeat (the last sign of life), not from the
+    verdict a heartbeat timeout later."""
     signal = {Health.UNHEALTHY: policy.NODE_UNHEALTHY, Health.UNREACHABLE: policy.NODE_UNREACHABLE}.get(new_health)
     if signal is None:
         return
+    fault_at = None
+    if new_health == Health.UNREACHABLE:
+        fault_at = Node.objects.filter(hostname=hostname).values_list("last_heartbeat_at", flat=True).first()
     affected = Generation.objects.filter(nodes__hostname=hostname, ended_at__isnull=True,
                                          job__state__in=WATCHED).select_related("job")
     for generation in affected:
         if generation.number == generation.job.generation:
             report_fault(generation.job_id, signal, generation=generation.number, nodes=(hostname,),
-                         detail={"health": new_health, "reasons": reasons})
+                         detail={"health": new_health, "reasons": reasons}, fault_at=fault_at)
 
 
 def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:

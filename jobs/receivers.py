@@ -26,8 +26,10 @@ from nodes.models import Node
 def on_generation_exited(sender, node, job_id, generation, kind, detail, **kwargs):
     if job_id is None or generation is None:
         return
+    at = kwargs.get("time")
     handle_exit.delay(job_id, generation, node.hostname, {**detail, "requested_stop": kind == "stopped"
-                                                          or detail.get("requested_stop", False)})
+                                                          or detail.get("requested_stop", False),
+                                                          "exited_at": at.timestamp() if at else None})
 
 
 @receiver(signals.command_acked, dispatch_uid="jobs.command_acked")

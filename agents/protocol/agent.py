@@ -546,6 +546,11 @@ class ExitReport:
     #: True when the agent stopped the generation on command (not a failure).
     requested_stop: bool = False
     runtime_s: float = field(default=0.0, min=0)
+    #: Unix time (the node's clock) the generation was first seen failing or ending: torchrun
+    #: closing its worker group, or its exit; for a generation that ended while no agent watched
+    #: it, its log's last write. The control plane dates the fault from it (the event's own time
+    #: is when the report was made, which after an agent restart is much later).
+    ended_at: float | None = field(default=None, min=0, max=MAX_TIME)
     #: Xid codes seen on this node while the generation ran.
     xids: list[int] = field(default_factory=list, max_len=64)
 

@@ -365,11 +365,12 @@ class Supervisor:
         signature, error_line = (None, None) if gen.requested_stop else classify_exit(exit_code, gen.scan)
         runtime_s = (max(0.0, gen.ended_at - gen.started_at) if gen.ended_at is not None
                      else time.monotonic() - gen.started_monotonic)
+        ended_at = gen.ended_at if gen.ended_at is not None else min(gen.failing_since or time.time(), time.time())
         gen.report = ExitReport(
             exit_code=exit_code, ranks=sorted(gen.scan.ranks.values(), key=lambda r: r.rank),
             root_cause_rank=gen.scan.root_cause_rank, signature=signature, error_line=error_line,
             log_tail=list(gen.tail), log_path=str(gen.log_path),
-            requested_stop=gen.requested_stop, runtime_s=runtime_s)
+            requested_stop=gen.requested_stop, runtime_s=runtime_s, ended_at=ended_at)
         with self._lock:
             if self._running.get(gen.job) is gen:
                 del self._running[gen.job]
@@ -399,6 +400,7 @@ class Supervisor:
         now = time.monotonic()
         if gen.closing_since is None:
             gen.closing_since = now
+            gen.failing_since = time.time()
             return
         if now - gen.closing_since < WORKER_CLOSE_GRACE_S:
             return

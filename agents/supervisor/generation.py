@@ -51,6 +51,8 @@ class _Generation:
     closing_since: float | None = None
     #: Wall-clock end of a generation that ended while no agent watched it (from its log's mtime).
     ended_at: float | None = None
+    #: Wall-clock time torchrun was first seen closing its worker group (a worker failed).
+    failing_since: float | None = None
 
     def torchrun_present(self) -> bool:
         """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then

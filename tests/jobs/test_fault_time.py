@@ -1,0 +1,130 @@
+"""Issue 24, item 8: an incident's fault time comes from the earliest evidence, not the detection;
+a node whose agent comes back quickly and confirms nothing runs had a crash, not a partition."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import time_machine
+from django.utils import timezone
+
+from jobs import orchestrator, services
+from jobs.choices import JobState
+from jobs.models import Generation, Incident, Job, StepMetric
+from nodes.choices import Health
+from nodes.models import Node
+
+
+@pytest.fixture
+def job(cast):
+    job = Job.objects.create(name="gpt", entrypoint="examples/train.py", nnodes=1, nproc_per_node=2,
+                             accelerator="cpu", created_by="test",
+                             recovery_policy={"max_restarts": 3, "backoff_seconds": 0})
+    services.start_job(job, actor="test")
+    Generation.objects.filter(job=job).update(started_at=timezone.now() - timedelta(hours=2))
+    job.refresh_from_db()
+    return job
+
+
+def lose(job, hostname="gpu-01", *, heartbeat_age_s=3.0):
+    """The heartbeat sweep's verdict: the node is unreachable, its last heartbeat that long ago."""
+    Node.objects.filter(hostname=hostname).update(health=Health.UNREACHABLE,
+                                                  last_heartbeat_at=timezone.now() - timedelta(seconds=heartbeat_age_s))
+    orchestrator.handle_node_health(hostname, Health.UNREACHABLE, ["no heartbeat"])
+
+
+@pytest.mark.django_db
+def test_an_exit_dates_from_when_the_agent_saw_it_not_from_detection(cast, job):
+    seen = timezone.now() - timedelta(seconds=5.5)
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 1, "signature": "signal", "ended_at": seen.timestamp(),
+                                                   "exited_at": (seen + timedelta(seconds=2)).timestamp()})
+    incident = Incident.objects.get(job=job)
+    assert abs((incident.fault_at - seen).total_seconds()) < 0.01
+    assert (incident.detected_at - incident.fault_at).total_seconds() >= 5.5
+
+
+@pytest.mark.django_db
+def test_the_fault_is_never_dated_before_the_ranks_last_sign_of_life_or_after_now(cast, job):
+    alive = timezone.now() - timedelta(seconds=2)
+    StepMetric.objects.create(job=job, generation=1, rank=0, step=7, loss=1.0, world_size=2, data_cursor=56,
+                              samples=4, reported_at=alive, received_at=alive)
+    long_ago = (timezone.now() - timedelta(hours=1)).timestamp()  # a log last written long before the end
+    assert orchestrator.exit_fault_time(job, 1, {"ended_at": long_ago}) == alive
+    future = (timezone.now() + timedelta(hours=1)).timestamp()  # a node clock running ahead
+    assert orchestrator.exit_fault_time(job, 1, {"ended_at": future}) <= timezone.now()
+    assert orchestrator.exit_fault_time(job, 1, {}) is None
+    started = Generation.objects.get(job=job, number=1).started_at
+    assert orchestrator.exit_fault_time(job, 1, {"ended_at": (started - timedelta(days=1)).timestamp()}) == alive
+
+
+@pytest.mark.django_db
+def test_an_unreachable_node_dates_from_its_last_heartbeat(cast, job):
+    lose(job, heartbeat_age_s=3.0)
+    incident = Incident.objects.get(job=job)
+    assert incident.kind == "partition"
+    assert (incident.detected_at - incident.fault_at).total_seconds() >= 3.0
+
+
+@pytest.mark.django_db
+def test_an_agent_back_within_the_window_confirming_nothing_runs_is_a_crash_restarted(cast, job):
+    lose(job)
+    job.refresh_from_db()
+    assert job.state == JobState.QUIESCING
+    # The restarted agent found the generation's torchrun gone and reports it ended.
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": None, "signature": "unknown", "ranks": []})
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("crash", "restart")
+    assert incident.evidence["reclassified_from"] == "partition"
+    assert "came back and confirmed nothing runs" in incident.classification
+    while orchestrator.advance_recovery(job.pk):
+        pass
+    job.refresh_from_db()
+    assert (job.state, job.generation) == (JobState.INITIALIZING, 2)  # relaunched, nobody approved
+
+
+@pytest.mark.django_db
+def test_a_job_already_paused_for_the_partition_resumes_when_the_agent_returns(cast, job):
+    lose(job)
+    Job.objects.filter(pk=job.pk).update(quiesce_deadline=timezone.now() - timedelta(seconds=1))
+    assert orchestrator.advance_recovery(job.pk)  # the quiesce deadline passed: paused, escalated
+    assert Job.objects.get(pk=job.pk).state == JobState.PAUSED
+    # The agent, back, reports that the generation had ended while it was away.
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": None, "signature": "unknown", "ranks": []})
+    while orchestrator.advance_recovery(job.pk):
+        pass
+    job.refresh_from_db()
+    assert (job.state, job.generation) == (JobState.INITIALIZING, 2)
+    assert Incident.objects.get(job=job).kind == "crash"
+
+
+@pytest.mark.django_db
+def test_a_late_return_stays_a_partition_for_a_human(cast, job):
+    lose(job)
+    with time_machine.travel(timezone.now() + timedelta(seconds=orchestrator.AGENT_RETURN_WINDOW_S + 5)):
+        orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": None, "signature": "unknown", "ranks": []})
+        while orchestrator.advance_recovery(job.pk):
+            pass
+    job.refresh_from_db()
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, job.state) == ("partition", JobState.PAUSED)
+
+
+@pytest.mark.django_db
+def test_not_when_another_node_is_still_lost_or_the_ranks_ran_on_until_stopped(cast, job):
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
+    lose(job)
+    Node.objects.filter(hostname=cast.node2.hostname).update(health=Health.UNREACHABLE)
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": None, "signature": "unknown", "ranks": []})
+    assert Incident.objects.get(job=job).kind == "partition"
+
+
+@pytest.mark.django_db
+def test_a_stop_acknowledged_by_a_returning_node_stays_a_partition(cast, job):
+    """Its ranks ran on through the silence until our stop reached them: a human decides."""
+    lose(job)
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": -15, "requested_stop": True, "ranks": []})
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-01")
+    while orchestrator.advance_recovery(job.pk):
+        pass
+    assert (Incident.objects.get(job=job).kind, Job.objects.get(pk=job.pk).state) == ("partition", JobState.PAUSED)
