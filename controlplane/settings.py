@@ -420,9 +420,14 @@ NIGHTWATCH = {
     "OVERLOAD_LATE_HEARTBEATS": env_int("NIGHTWATCH_OVERLOAD_LATE_HEARTBEATS", 10),
     "OVERLOAD_QUEUE_DEPTH": env_int("NIGHTWATCH_OVERLOAD_QUEUE_DEPTH", 0),
     "OVERLOAD_HOLD_S": env_int("NIGHTWATCH_OVERLOAD_HOLD_S", 300),
-    # Blamed this many times within the window, a node is a lemon: drained until cleared.
+    # Lemon nodes (nodes/policies.py, LemonPolicy, where the defaults are): blamed LEMON_INCIDENTS
+    # times, a node is kept out of placement until cleared (that many hardware incidents within
+    # LEMON_WINDOW_S also drain it); crashes of LEMON_CRASH_JOBS different jobs on one node within
+    # LEMON_CRASH_WINDOW_S blame it and drain it as suspect (defaults: the policy's, a test keeps them equal).
     "LEMON_INCIDENTS": env_int("NIGHTWATCH_LEMON_INCIDENTS", 3),
     "LEMON_WINDOW_S": env_int("NIGHTWATCH_LEMON_WINDOW_S", 7 * 24 * 3600),
+    "LEMON_CRASH_JOBS": env_int("NIGHTWATCH_LEMON_CRASH_JOBS", 3),
+    "LEMON_CRASH_WINDOW_S": env_int("NIGHTWATCH_LEMON_CRASH_WINDOW_S", 24 * 3600),
     # Paging (alerts app, docs/alerting.md): follow-ups of one alert at most once per interval;
     # notifications (never pages) capped per channel and hour; delivery retries with backoff.
     "ALERTS": {

@@ -135,10 +135,13 @@ class NodeHealthEvidence(TypedDict, total=False):
 
 class SchedulabilityEvidence(TypedDict, total=False):
     health: str
+    warning: str  # an undrained lemon: placement still keeps it out until its count is cleared
+    lemon_count: int
 
 
 class NodeBlameEvidence(TypedDict, total=False):
     incident: int
+    jobs: list[int]  # crash blame: the different jobs that crashed on the node inside the window
 
 
 class NoEvidence(TypedDict, total=False):

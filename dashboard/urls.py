@@ -20,4 +20,5 @@ urlpatterns = [
     path("nodes/<int:pk>/", views.node_detail, name="node-detail"),
     path("nodes/<int:pk>/drain", views.drain, name="node-drain"),
     path("nodes/<int:pk>/undrain", views.undrain, name="node-undrain"),
+    path("nodes/<int:pk>/clear-lemon", views.clear_lemon, name="node-clear-lemon"),
 ]

@@ -190,4 +190,15 @@ def undrain(request, pk: int, *, reason: str, actor: str) -> str:
     node = get_object_or_404(Node, pk=pk)
     if not node_services.undrain_node(node, actor=actor, reason=reason):
         raise ActionRefused(409, "conflict", f"{node.hostname} is not drained.")
+    if warning := node_services.lemon_warning(node):
+        return f"{node.hostname}: undrained, but {warning}"
     return f"{node.hostname}: back in scheduling"
+
+
+@action(roles.DRAIN)
+def clear_lemon(request, pk: int, *, reason: str, actor: str) -> str:
+    node = get_object_or_404(Node, pk=pk)
+    if not (cleared := node_services.clear_lemon(node, actor=actor, reason=reason)):
+        raise ActionRefused(409, "conflict", f"{node.hostname} has no lemon count to clear.")
+    return f"{node.hostname}: lemon count {cleared} cleared" + (
+        "; placement may pick it again" if node.schedulability == "active" else f"; it is still {node.schedulability}")

@@ -32,6 +32,7 @@ from jobs.policies import RecoveryPolicy
 from nodes import transports
 from nodes.choices import Health, Schedulability
 from nodes.models import Node
+from nodes.policies import LemonPolicy
 from nodes.services import probe_peers_for
 from nodes.transports import TRANSPORTS
 
@@ -93,8 +94,9 @@ def _free_nodes(*, exclude_job: Job | None):
     busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True)
     if exclude_job is not None:
         busy = busy.exclude(job=exclude_job)
+    # A lemon stays out even when undrained: only clearing its count lets it back (nodes.policies).
     return (Node.objects.filter(schedulability=Schedulability.ACTIVE, health__in=Health.USABLE,
-                                transport__in=list(TRANSPORTS))
+                                transport__in=list(TRANSPORTS), lemon_count__lt=LemonPolicy.current().incidents)
             .exclude(pk__in=busy.values("nodes")))
 
 

@@ -37,6 +37,7 @@ from nodes import services as node_services
 from nodes import transports
 from nodes.choices import Health
 from nodes.models import Node
+from nodes.policies import LemonPolicy
 
 log = logging.getLogger(__name__)
 SYSTEM = "system:orchestrator"
@@ -95,6 +96,8 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             return incident
         _drain(decision.drain, incident, actor=actor)
         _blame_lemons(incident, actor=actor)
+        if signal == policy.EXIT and decision.classification != "hardware":
+            _blame_crashes(incident, nodes, actor=actor)
         _quiesce(job, incident, decision, actor=actor)
     transaction.on_commit(lambda: _advance_later(job_id))
     return incident
@@ -144,14 +147,44 @@ def _drain(hostnames, incident: Incident, *, actor: str) -> None:
 
 def _blame_lemons(incident: Incident, *, actor: str) -> None:
     """A node blamed in repeated incidents (any job) inside the window is kept out until cleared."""
-    since = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["LEMON_WINDOW_S"])
+    lemons = LemonPolicy.current()
+    since = timezone.now() - timedelta(seconds=lemons.window_s)
     for node in incident.nodes.all():
         node_services.blame_node(node, actor=actor, reason=f"incident {incident.pk}")
         blamed = Incident.objects.filter(nodes=node, detected_at__gte=since).count()
-        if blamed >= settings.NIGHTWATCH["LEMON_INCIDENTS"]:
+        if blamed >= lemons.incidents:
             node_services.drain_node(
                 node, actor=actor, reason=f"lemon: blamed in {blamed} incidents; kept out until an operator clears it"
             )
+
+
+def _blame_crashes(incident: Incident, hostnames, *, actor: str) -> None:
+    """Crashes of several *different* jobs on one node within the window point at the node, not at
+    the programs (``nodes.policies.LemonPolicy``): from the ``crash_jobs``-th job on, each further
+    job that crashes there blames it once, and it is drained as suspect.
+
+    The node named is the one whose exit report opened the incident (for a multi-node job, the
+    first to report). Crash incidents do not name nodes in ``Incident.nodes`` (that is hardware
+    blame, which the lemon page counts), so they are found by the hostnames in their evidence; a
+    day's crash incidents of the whole fleet are few."""
+    lemons = LemonPolicy.current()
+    since = timezone.now() - timedelta(seconds=lemons.crash_window_s)
+    crashes = list(Incident.objects.filter(evidence__signal=policy.EXIT, detected_at__gte=since)
+                   .exclude(kind="hardware").exclude(pk=incident.pk)
+                   .values_list("job_id", "evidence__nodes")[:10_000])
+    for node in Node.objects.filter(hostname__in=set(hostnames)):
+        earlier = {job for job, named in crashes if isinstance(named, list) and node.hostname in named}
+        if incident.job_id in earlier:
+            continue  # this job crashed here before: it was counted then
+        jobs = sorted(earlier | {incident.job_id})
+        if len(jobs) < lemons.crash_jobs:
+            continue
+        node_services.blame_node(node, actor=actor, evidence={"incident": incident.pk, "jobs": jobs},
+                                 reason=f"incident {incident.pk}: crashes of {len(jobs)} different jobs on this node "
+                                        f"within {lemons.crash_window_s // 3600} h")
+        node_services.drain_node(node, actor=actor,
+                                 reason=f"suspect: crashes of {len(jobs)} different jobs (jobs "
+                                        f"{', '.join(map(str, jobs))}) within {lemons.crash_window_s // 3600} h")
 
 
 def _quiesce(job: Job, incident: Incident, decision: policy.Decision, *, actor: str) -> None:

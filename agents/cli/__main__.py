@@ -174,10 +174,16 @@ def _evidence(evidence: dict, tail: int, indent: str = "    ") -> None:
 
 
 def drain(client: Client, args) -> int:
+    """drain, undrain, clear-lemon: each its own audited action (an undrain never clears a lemon)."""
     node = _node(client, args.node)
-    verb = "undrain" if args.command == "undrain" else "drain"
+    verb = args.command if args.command in ("undrain", "clear-lemon") else "drain"
     answer = client.post(f"/nodes/{node['id']}/{verb}", {"reason": args.reason})
-    _say(args, f"node {answer['hostname']}: {answer['schedulability']} (health {answer['health']})", answer)
+    text = f"node {answer['hostname']}: {answer['schedulability']} (health {answer['health']})"
+    if answer.get("lemon_cleared") is not None:
+        text += f"; lemon count {answer['lemon_cleared']} cleared"
+    if answer.get("warning"):
+        text += f"\nwarning: {answer['warning']}"
+    _say(args, text, answer)
     return EXIT_OK
 
 
@@ -304,7 +310,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=100, help="newest incidents to show")
     p.set_defaults(handler=logs)
 
-    for verb, text in (("drain", "take a node out of scheduling"), ("undrain", "put a node back into scheduling")):
+    for verb, text in (("drain", "take a node out of scheduling"), ("undrain", "put a node back into scheduling"),
+                       ("clear-lemon", "clear a repaired node's lemon count, so that placement may pick it again")):
         p = sub.add_parser(verb, help=text)
         p.add_argument("node", help="hostname or id")
         p.add_argument("--reason", required=True, help="recorded in the audit log")

@@ -33,6 +33,20 @@ class NodeSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class NodeActionSerializer(NodeSerializer):
+    """The node after an operator's action, with what the operator should know about it."""
+
+    warning = serializers.CharField(allow_null=True, read_only=True,
+                                    help_text="Set when the action did not give the whole effect one might expect, "
+                                              "e.g. an undrained lemon that placement still keeps out.")
+    lemon_cleared = serializers.IntegerField(allow_null=True, read_only=True,
+                                             help_text="clear-lemon: the lemon count the node had.")
+
+    class Meta(NodeSerializer.Meta):
+        fields = [*NodeSerializer.Meta.fields, "warning", "lemon_cleared"]
+        read_only_fields = fields
+
+
 class NodeCommandSerializer(serializers.ModelSerializer):
     class Meta:
         model = NodeCommand

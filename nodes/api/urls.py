@@ -8,6 +8,7 @@ urlpatterns = [
     path("nodes/<int:pk>", views.NodeDetail.as_view(), name="node-detail"),
     path("nodes/<int:pk>/drain", views.NodeDrain.as_view(), name="node-drain"),
     path("nodes/<int:pk>/undrain", views.NodeUndrain.as_view(), name="node-undrain"),
+    path("nodes/<int:pk>/clear-lemon", views.NodeClearLemon.as_view(), name="node-clear-lemon"),
     path("nodes/<int:pk>/commands", views.NodeCommands.as_view(), name="node-commands"),
     path("nodes/<int:pk>/health-check", views.NodeHealthCheck.as_view(), name="node-health-check"),
     path("nodes/<int:pk>/bootstrap-token", views.NodeBootstrapToken.as_view(), name="node-bootstrap-token"),

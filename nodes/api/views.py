@@ -30,6 +30,7 @@ from nodes.api.serializers import (
     DrainSerializer,
     FleetGPUSerializer,
     HealthCheckRequestSerializer,
+    NodeActionSerializer,
     NodeCommandSerializer,
     NodeSerializer,
 )
@@ -95,14 +96,19 @@ class _DrainView(APIView):
     #: ``services.drain_node`` or ``services.undrain_node``.
     verb = None
 
-    @extend_schema(request=DrainSerializer, responses={200: NodeSerializer})
+    @extend_schema(request=DrainSerializer, responses={200: NodeActionSerializer})
     def post(self, request, pk):
         node = get_object_or_404(Node, pk=pk)
         body = DrainSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         # Idempotent: draining a drained node changes nothing, records nothing, and answers 200.
-        type(self).verb(node, actor=actor_label(request), reason=body.validated_data["reason"])
-        return Response(NodeSerializer(Node.objects.prefetch_related("gpus").get(pk=pk)).data)
+        outcome = type(self).verb(node, actor=actor_label(request), reason=body.validated_data["reason"])
+        node = Node.objects.prefetch_related("gpus").get(pk=pk)
+        return Response(NodeActionSerializer(self.answer(node, outcome)).data)
+
+    def answer(self, node: Node, outcome) -> dict:
+        # An undrained (or drained) lemon: placement keeps it out until its count is cleared.
+        return {**NodeSerializer(node).data, "warning": services.lemon_warning(node), "lemon_cleared": None}
 
 
 class NodeDrain(_DrainView):
@@ -115,6 +121,16 @@ class NodeUndrain(_DrainView):
     """Put the node back into scheduling."""
 
     verb = services.undrain_node
+
+
+class NodeClearLemon(_DrainView):
+    """Vouch for a node after a repair: its lemon count starts over, so placement may pick it
+    again once it is active. Separate from undrain on purpose; audited (``node.lemon_cleared``)."""
+
+    verb = services.clear_lemon
+
+    def answer(self, node: Node, outcome) -> dict:
+        return {**NodeSerializer(node).data, "warning": None, "lemon_cleared": outcome}
 
 
 class NodeHealthCheck(APIView):

@@ -23,6 +23,7 @@ from nodes.services.fleet import (
     drain_node,
     finish_drain,
     issue_bootstrap_token,
+    lemon_warning,
     record_heartbeat,
     register_agent,
     set_health,
@@ -40,7 +41,8 @@ __all__ = [
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
     "drain_node", "enqueue_command", "expire_batch", "expire_commands", "expire_heartbeats", "expire_one_heartbeat",
     "finish_drain",
-    "ingest_telemetry", "issue_bootstrap_token", "pending_commands_for", "prune_telemetry", "record_agent_events",
+    "ingest_telemetry", "issue_bootstrap_token", "lemon_warning", "pending_commands_for", "prune_telemetry",
+    "record_agent_events",
     "record_heartbeat",
     "register_agent", "set_health", "thresholds", "undrain_node",
 ]

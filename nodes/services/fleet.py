@@ -28,6 +28,7 @@ from nodes import signals
 from nodes.addresses import address_problem
 from nodes.choices import CommandKind, CommandState, Health, Schedulability, Transport
 from nodes.models import GPU, Node, NodeCommand
+from nodes.policies import LemonPolicy
 from nodes.services.commands import enqueue_command, pending_commands_for
 from nodes.workload import workload
 
@@ -348,11 +349,17 @@ def finish_drain(node: Node, *, actor: str, reason: str) -> bool:
 
 
 def undrain_node(node: Node, *, actor: str, reason: str) -> bool:
-    """Put ``node`` back into scheduling; returns False if it was not out."""
+    """Put ``node`` back into scheduling; returns False if it was not out.
+
+    A lemon is undrained too, but placement still keeps it out until its lemon count is cleared
+    (``clear_lemon``, a separate decision): the audit row says so (``lemon_warning``)."""
     if node.schedulability == Schedulability.ACTIVE:
         return False
+    warning = lemon_warning(node)
+    extra = {"warning": warning, "lemon_count": node.lemon_count} if warning else {}
     with transaction.atomic():
-        if _move_schedulability(node, Schedulability.ACTIVE, kind=EventKind.NODE_UNDRAIN, actor=actor, reason=reason,
+        if _move_schedulability(node, Schedulability.ACTIVE, kind=EventKind.NODE_UNDRAIN, actor=actor,
+                                reason=f"{reason} (warning: {warning})" if warning else reason, evidence=extra,
                                 drain_reason="") is None:
             return False
         # A drain the agent has not picked up yet must not reach it after the undrain.
@@ -361,7 +368,13 @@ def undrain_node(node: Node, *, actor: str, reason: str) -> bool:
     return True
 
 
-def _move_schedulability(node: Node, new: str, *, kind: EventKind, actor: str, reason: str, **fields) -> Event | None:
+def lemon_warning(node: Node) -> str | None:
+    """Why an undrained ``node`` still takes no work, when it is a lemon; else None."""
+    return LemonPolicy.current().warning(node.hostname, node.lemon_count)
+
+
+def _move_schedulability(node: Node, new: str, *, kind: EventKind, actor: str, reason: str,
+                         evidence: dict | None = None, **fields) -> Event | None:
     old = node.schedulability
     now = timezone.now()
     with transaction.atomic():
@@ -370,7 +383,7 @@ def _move_schedulability(node: Node, new: str, *, kind: EventKind, actor: str, r
             node.refresh_from_db(fields=["schedulability", "drain_reason", "schedulability_changed_at"])
             return None
         event = record_event(kind, actor=actor, node=node, old_state=old, new_state=new, reason=reason,
-                             created_at=now, evidence={"health": node.health})
+                             created_at=now, evidence={"health": node.health, **(evidence or {})})
     node.schedulability, node.schedulability_changed_at = new, now
     for name, value in fields.items():
         setattr(node, name, value)
@@ -389,11 +402,15 @@ def blame_node(node: Node, *, actor: str, reason: str, evidence: dict | None = N
     return node.lemon_count
 
 
-def clear_lemon(node: Node, *, actor: str, reason: str) -> None:
-    """An operator vouches for the node again (after a repair): its lemon count starts over."""
+def clear_lemon(node: Node, *, actor: str, reason: str) -> int:
+    """An operator vouches for the node again (after a repair): its lemon count starts over, and
+    placement may pick it again once it is active (undrain is a separate action). Returns the count
+    it had; clearing a count that is already 0 changes and records nothing."""
     with transaction.atomic():
         old = Node.objects.select_for_update().values_list("lemon_count", flat=True).get(pk=node.pk)
-        Node.objects.filter(pk=node.pk).update(lemon_count=0)
-        record_event(EventKind.NODE_LEMON_CLEARED, actor=actor, node=node, old_state=str(old), new_state="0",
-                     reason=reason)
+        if old:
+            Node.objects.filter(pk=node.pk).update(lemon_count=0)
+            record_event(EventKind.NODE_LEMON_CLEARED, actor=actor, node=node, old_state=str(old), new_state="0",
+                         reason=reason)
     node.lemon_count = 0
+    return old

@@ -63,6 +63,7 @@ GRANTS = {
     ("api/v1/nodes/<int:pk>", "GET"): "view",
     ("api/v1/nodes/<int:pk>/drain", "POST"): "drain",
     ("api/v1/nodes/<int:pk>/undrain", "POST"): "drain",
+    ("api/v1/nodes/<int:pk>/clear-lemon", "POST"): "drain",
     ("api/v1/nodes/<int:pk>/commands", "GET"): "view",
     ("api/v1/nodes/<int:pk>/health-check", "POST"): "drain",
     ("api/v1/nodes/<int:pk>/bootstrap-token", "POST"): "drain",

@@ -102,3 +102,20 @@ def test_waiting_gives_up_at_the_timeout(run, tmp_path):
     code, out, err = run("ci", "launch", str(spec), "--wait", "--timeout", "0.5", "--poll", "0.2")
     assert code == EXIT_TIMEOUT, out + err
     assert " pending · generation 0 · step - " in out and "still pending after 0.5 s" in err
+
+
+def test_undrain_of_a_lemon_warns_and_clear_lemon_is_separate(run, world):
+    from jobs.models import Event
+    from nodes.models import Node
+
+    Node.objects.filter(pk=world.cast.node1.pk).update(lemon_count=4, schedulability="drained")
+    code, out, _ = run("operator", "undrain", "gpu-01", "--reason", "rebooted")
+    assert code == EXIT_OK and "gpu-01: active" in out and "warning: gpu-01 is a lemon (blamed in 4 incidents" in out
+    code, out, _ = run("operator", "clear-lemon", "gpu-01", "--reason", "GPU swapped")
+    assert code == EXIT_OK and "lemon count 4 cleared" in out and "warning" not in out
+    assert Event.objects.filter(kind="node.lemon_cleared", node=world.cast.node1, reason="GPU swapped").exists()
+
+
+def test_status_shows_each_incidents_generation(run, world):
+    code, out, _ = run("viewer", "status", str(world.cast.job.pk))
+    assert code == EXIT_OK and f"incident {world.incident.pk} gen 1: crash" in out

@@ -25,6 +25,7 @@ from core.events import EventKind, record_event
 from core.models import ApiToken, Scope
 from nodes.choices import Health, Schedulability, SlurmAllocationState, Transport
 from nodes.models import Node, SlurmAllocation
+from nodes.policies import LemonPolicy
 from nodes.transports.base import Launch
 from nodes.transports.slurm import controller, script
 from nodes.transports.slurm.cli import Slurm, SlurmError, SlurmRefused, SlurmUnavailable
@@ -63,7 +64,7 @@ class SlurmTransport:
 def excluded_nodes(*, exclude: list[str]) -> list[str]:
     """Slurm nodes Nightwatch keeps out (drained, draining, a lemon, unusable): ``--exclude``, so
     that Slurm never places on them even before the mirror has copied the drain into Slurm."""
-    lemon = settings.NIGHTWATCH["LEMON_INCIDENTS"]
+    lemon = LemonPolicy.current().incidents
     out = Node.objects.filter(transport=Transport.SLURM).exclude(
         schedulability=Schedulability.ACTIVE, health__in=Health.USABLE, lemon_count__lt=lemon)
     return sorted(set(out.values_list("hostname", flat=True)) - set(exclude))
