@@ -17,7 +17,7 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from core import roles
+from core import degraded, roles
 from dashboard import events, fleet, queries
 from dashboard import sections as page_sections
 from dashboard.relay import RELAY
@@ -26,6 +26,9 @@ from nodes.models import Node
 
 #: Close codes: not signed in; signed in without the view capability; no such job.
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = 4401, 4403, 4404
+#: The channel layer (Redis) is down: the browser's usual reconnect, with its snapshot, brings it
+#: back live once Redis returns.
+TRY_AGAIN_LATER = 1013
 #: Rendered sections per (message, page, job, capabilities): one render per push, not one per browser.
 _RENDERED: OrderedDict = OrderedDict()
 _RENDERED_MAX = 256
@@ -58,8 +61,14 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 await self.close(code=NOT_FOUND)
                 return
         self.groups_joined = [events.job_group(self.job_id)] if self.job_id else [events.CLUSTER_GROUP]
-        for group in self.groups_joined:
-            await self.channel_layer.group_add(group, self.channel_name)
+        try:
+            for group in self.groups_joined:
+                await self.channel_layer.group_add(group, self.channel_name)
+        except Exception as error:  # the channel layer's Redis is down: no live page until it is back
+            degraded.note("channel_layer", error)
+            self.groups_joined = []
+            await self.close(code=TRY_AGAIN_LATER)
+            return
         await self.accept()
         await RELAY.attach()
         self.attached = True
@@ -67,7 +76,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def disconnect(self, code):
         for group in getattr(self, "groups_joined", []):
-            await self.channel_layer.group_discard(group, self.channel_name)
+            try:
+                await self.channel_layer.group_discard(group, self.channel_name)
+            except Exception as error:  # Redis down: its group memberships expire on their own
+                degraded.note("channel_layer", error)
+                break
         if getattr(self, "attached", False):
             RELAY.detach()
 

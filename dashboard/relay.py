@@ -271,7 +271,8 @@ class Relay:
         import redis
 
         if self._redis is None:
-            self._redis = redis.Redis.from_url(url)
+            # Short timeouts: an unreachable Redis must cost a turn half a second, not hang the relay.
+            self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             held = self._redis.set(LEASE_KEY, self.owner, nx=True, px=LEASE_MS)
             if not held and self._redis.get(LEASE_KEY) == self.owner.encode():

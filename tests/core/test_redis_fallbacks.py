@@ -142,3 +142,29 @@ def test_the_relay_keeps_what_the_channel_layer_did_not_take(cast):
     assert async_to_sync(relay.flush)(layer_up, now=time.monotonic() + 5) >= 1
     cluster = dict(sent)["cluster"]
     assert cluster["nodes"] == [cast.node2.pk] and "health" in cluster["sections"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_page_opened_while_the_channel_layer_is_down_is_told_to_try_again(cast, settings):
+    """Not a crash in the consumer: a close code the browser's reconnect (with its snapshot) handles."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import channel_layers
+    from channels.routing import URLRouter
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.routing import websocket_urlpatterns
+    from core import degraded
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
+        "hosts": [{"address": f"redis://127.0.0.1:{free_port()}/0", "socket_connect_timeout": 0.5}]}}}
+    channel_layers.backends.pop("default", None)
+    try:
+        async def scenario():
+            communicator = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/dashboard/overview/")
+            communicator.scope["user"] = cast.viewer
+            return await communicator.connect(timeout=10)
+
+        assert async_to_sync(scenario)() == (False, 1013)
+        assert degraded.counts() == {"channel_layer": 1}
+    finally:
+        channel_layers.backends.pop("default", None)
