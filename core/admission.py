@@ -8,8 +8,9 @@ most ``limit`` requests; the next one is answered at once with ``503`` and ``Ret
 agents and the training hooks honour with jittered backoff while their spools keep everything.
 
 Not every request is worth the same. A heartbeat that does not get through today makes the sweeper
-call a live node unreachable tomorrow, so ``priority`` requests (heartbeats, registration) may use
-the whole bound, while bulk data (step reports, telemetry, events) and everything else leave
+call a live node unreachable tomorrow, and an agent's events carry the exits and Xids that start a
+recovery, so ``priority`` requests (heartbeats, registration, agent events) may use the whole
+bound, while bulk data (step reports, telemetry, the hooks' events) and everything else leave
 ``reserve`` slots free for them. Probes (``exempt``: liveness, readiness) are always admitted: an
 orchestrator must not restart a process for being busy.
 
@@ -21,9 +22,10 @@ What it refused, and the heartbeats it answered late (``late_s`` after they arri
 other work), are also added to counts every web process shares (``core.shared_counts``): the
 heartbeat sweeper reads them to tell a silent node from a control plane that could not keep up
 (``nodes.services.overload``), and ``/metrics`` exports them. So is *who* was refused: the
-SHA-256 of the bearer token of each refused request (never the token), so that the sweepers can
-tell a node or a job whose requests we turned away (alive, and our fault) from one that fell
-silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
+SHA-256 of the bearer token of each refused request that would have proved its caller alive
+(``witnesses``: an agent's requests, the hooks' step reports; never the token), so that the
+sweepers can tell a node or a job whose requests we turned away (alive, and our fault) from one
+that fell silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
 made-up token names nobody. All of it is batched in memory and handed to Redis from a thread at
 most once per ``FLUSH_S``, so a 503 never waits on Redis and never fails because of it.
 """
@@ -119,7 +121,8 @@ class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
 
     def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int,
-                 priority: Collection[str] = (), exempt: Collection[str] = (), late_s: float | None = None):
+                 priority: Collection[str] = (), exempt: Collection[str] = (), witnesses: Collection[str] = (),
+                 late_s: float | None = None):
         if limit < 0 or reserve < 0 or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= reserve < limit (or limit 0: off), got limit={limit} "
                              f"reserve={reserve}")
@@ -131,6 +134,7 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.priority = frozenset(priority)
         self.exempt = frozenset(exempt)
+        self.witnesses = frozenset(witnesses)
         self.counters = Counters()
         self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
                        if late_s is None else late_s)
@@ -138,13 +142,16 @@ class Admission:
 
     def classify(self, path: str) -> str:
         """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)."""
+        return self._route(path)[0]
+
+    def _route(self, path: str) -> tuple[str, str | None]:
         try:
             name = resolve(path).url_name
         except Resolver404:
-            return OTHER
+            return OTHER, None
         if name in self.exempt:
-            return EXEMPT
-        return PRIORITY if name in self.priority else OTHER
+            return EXEMPT, name
+        return PRIORITY if name in self.priority else OTHER, name
 
     def admits(self, kind: str) -> bool:
         if not self.limit or kind == EXEMPT:
@@ -156,11 +163,11 @@ class Admission:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        kind = self.classify(scope["path"])
+        kind, name = self._route(scope["path"])
         counters = self.counters
         if not self.admits(kind):
             counters.refused[kind] += 1
-            if (token := bearer_token(scope)) is not None:
+            if name in self.witnesses and (token := bearer_token(scope)) is not None:
                 self.shared.refused_caller(hash_token(token))
             self.shared.add(f"refused:{kind}")
             await self._refuse(scope, send, kind)

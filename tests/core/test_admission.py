@@ -11,11 +11,12 @@ import json
 
 import pytest
 
-from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, application
+from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, WITNESS_URLS, application
 from core.admission import Admission
 
 HEARTBEAT = "/api/v1/nodes/7/heartbeat"
 REPORTS = "/api/v1/jobs/3/reports"
+CONTROL = "/api/v1/jobs/3/control"
 PROBE = "/healthz"
 
 
@@ -50,7 +51,7 @@ async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None)
 def admission(limit=3, reserve=1):
     held = Held()
     return held, Admission(held, limit=limit, reserve=reserve, retry_after_s=2, priority=PRIORITY_URLS,
-                           exempt=EXEMPT_URLS)
+                           exempt=EXEMPT_URLS, witnesses=WITNESS_URLS)
 
 
 async def until(predicate):
@@ -118,4 +119,6 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
     assert http.limit == settings.NIGHTWATCH["MAX_IN_FLIGHT"] > http.reserve == settings.NIGHTWATCH[
         "PRIORITY_RESERVE"]
     assert http.classify(HEARTBEAT) == "priority" and http.classify("/api/v1/agents/register") == "priority"
+    assert http.classify("/api/v1/nodes/7/events") == "priority"  # exits and Xids: the verdicts that start recovery
+    assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports"}
     assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"
