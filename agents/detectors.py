@@ -9,10 +9,83 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 #: 1.4826 × MAD estimates the standard deviation of normally distributed data.
 _MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class DetectionPolicy:
+    """Every detector's thresholds, in one place (docs/detection.md explains each one and the figures
+    ``python -m bench.detect`` measured with these defaults).
+
+    The hooks judge loss spikes, level shifts, divergence and a drifting rank with it; the control
+    plane judges stragglers with it. Pure Python, so both sides share it.
+    """
+
+    # -- loss spikes: judged once per step by each rank's hooks ---------------------------------
+    #: Unflagged losses the robust baseline (median, MAD) is taken over.
+    spike_window: int = 100
+    #: The newest unflagged losses whose own spread also bounds the scale (a noisy stretch starts).
+    spike_recent: int = 20
+    #: Steps of history before a loss can be judged at all (warm-up).
+    spike_min_history: int = 20
+    #: Robust z-score a spike must exceed: (loss - median) / (1.4826 × MAD).
+    spike_z: float = 6.0
+    #: ...and its minimum size relative to the baseline median (+10 %): a z-score alone flags tiny
+    #: wobbles on a very smooth curve.
+    spike_min_rel: float = 0.10
+    #: Consecutive spiking steps that pause the job (a single spike pauses too unless the guard
+    #: skipped its update: then it is a marker).
+    spike_run_pause: int = 2
+    # -- the LR schedule (the hooks read the optimizer's LR every step) ---------------------------
+    #: The LR rising by this factor from one step to the next is a restart (or warm-up): expected.
+    lr_jump: float = 1.3
+    #: For this many steps after such a jump the loss may bump: spikes need ``lr_grace_rel`` more,
+    #: and neither level shifts nor divergence are judged.
+    lr_grace_steps: int = 150
+    lr_grace_rel: float = 0.05
+    # -- level shifts (a data-mix change): re-baselined, reported once as a marker -------------
+    #: Recent unflagged steps compared with the older part of the baseline window.
+    shift_window: int = 30
+    #: Relative rise of the recent median that is a level shift...
+    shift_min_rel: float = 0.02
+    #: ...provided the recent steps are flat (their halves differ by less than this part of the rise).
+    shift_flatness: float = 0.35
+    # -- slow divergence: a trend test over a long window ------------------------------------
+    #: Steps per block; the trend is judged on block medians.
+    divergence_block: int = 25
+    #: Rise of the newest block over the lowest block since the last re-baseline (+6 %)...
+    divergence_rel: float = 0.06
+    #: ...and still rising: up by this much over each of the last two spans of ``divergence_lookback`` blocks.
+    divergence_still_rising: float = 0.008
+    divergence_lookback: int = 3
+    # -- a rank whose loss drifts from the others (judged at each cross-rank exchange) ----------
+    #: Relative distance of a rank's mean loss over the exchange window from the other ranks' median.
+    rank_drift_rel: float = 0.02
+    #: Consecutive exchanges the same rank must stay that far off...
+    rank_drift_hold: int = 3
+    #: ...unless it is this far off (then one exchange is enough).
+    rank_drift_now: float = 0.08
+    # -- stragglers: judged by the control plane over the node windows -----------------------
+    #: A rank's phase (compute, communication, input) over the job's median of that phase, as the
+    #: extra seconds it costs relative to the job's median step (+2.5 %).
+    straggler_ratio: float = 1.025
+    #: Exchange windows (of ``GuardSettings.check_every`` steps) judged together...
+    straggler_windows: int = 8
+    #: ...of which the same rank must be that slow, in the same phase, in at least this many.
+    straggler_hold: int = 5
+    #: A window whose job-wide median step is this many times the running median is a whole-job
+    #: stall (a checkpoint): it neither counts nor breaks a hold.
+    straggler_stall_ratio: float = 1.3
+    #: Restarting on a spare costs about this long (checkpoint, relaunch, first step).
+    straggler_restart_cost_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"DetectionPolicy.{f.name} must be positive")
 
 
 @dataclass(frozen=True)
@@ -141,3 +214,184 @@ def young_daly_interval_steps(save_cost_s: float, mtbf_s: float, step_time_s: fl
     if step_time_s <= 0:
         raise ValueError("step time must be > 0")
     return max(1, round(young_daly_interval(save_cost_s, mtbf_s) / step_time_s))
+
+
+# -- loss: robust baseline, spikes, level shifts, divergence ----------------------------------
+
+@dataclass(frozen=True)
+class Baseline:
+    """A robust view of recent losses: the median and 1.4826 × MAD (floored, see below)."""
+
+    median: float
+    scale: float
+
+    def score(self, loss: float) -> float:
+        return (loss - self.median) / self.scale
+
+    def rel(self, loss: float) -> float:
+        return loss / self.median - 1.0 if self.median > 0 else math.inf
+
+
+def robust_baseline(values: Sequence[float], *, recent: int = 0) -> Baseline:
+    """Median and robust scale of ``values`` (not empty, oldest first). The scale is the larger of
+    the MAD of all values and of the newest ``recent`` ones, so that the start of a noisy stretch
+    widens it at once; it is floored at 1e-3 × |median| (and 1e-12) so a perfectly flat window does
+    not turn a tiny wobble into an infinite score."""
+    median = statistics.median(values)
+    mad = statistics.median(abs(x - median) for x in values)
+    if 0 < recent < len(values):
+        tail = list(values)[-recent:]
+        tail_median = statistics.median(tail)
+        mad = max(mad, statistics.median(abs(x - tail_median) for x in tail))
+    return Baseline(median, _MAD_TO_SIGMA * max(mad, 1e-3 * abs(median), 1e-12))
+
+
+def spike_threshold(baseline: Baseline, policy: DetectionPolicy, *, in_grace: bool) -> float:
+    """The loss above which a step is a spike: both ``spike_z`` robust deviations and
+    ``spike_min_rel`` (more within an LR restart's grace) above the baseline median."""
+    rel = policy.spike_min_rel + (policy.lr_grace_rel if in_grace else 0.0)
+    return max(baseline.median + policy.spike_z * baseline.scale, baseline.median * (1.0 + rel))
+
+
+def level_shift(recent: Sequence[float], older: Sequence[float], policy: DetectionPolicy) -> float | None:
+    """The relative size of a step change that stayed, or None.
+
+    ``recent`` (the newest unflagged losses) sits above ``older`` by at least ``shift_min_rel`` and
+    is flat: its two halves differ by less than ``shift_flatness`` × the rise. A slow rise
+    (divergence) is not flat; noise is not that large.
+    """
+    if len(recent) < 4 or not older:
+        return None
+    base = statistics.median(older)
+    if base <= 0:
+        return None
+    rise = statistics.median(recent) / base - 1.0
+    half = len(recent) // 2
+    drift = abs(statistics.median(recent[half:]) - statistics.median(recent[:half])) / base
+    if rise >= policy.shift_min_rel and drift < policy.shift_flatness * rise:
+        return rise
+    return None
+
+
+def divergence(blocks: Sequence[float], policy: DetectionPolicy) -> tuple[int, float] | None:
+    """(index of the lowest block, rise) when the loss has been rising against its own baseline:
+    the newest block median is ``divergence_rel`` above the lowest since the last re-baseline, and
+    it rose over each of the last two spans of ``divergence_lookback`` blocks (by
+    ``divergence_still_rising``). A step change (a level shift) rises over one span only; noise
+    does not rise twice. None otherwise. ``blocks`` are block medians, oldest first."""
+    lookback = policy.divergence_lookback
+    if len(blocks) <= 2 * lookback:
+        return None
+    low = min(range(len(blocks)), key=blocks.__getitem__)
+    if blocks[low] <= 0:
+        return None
+    rise = blocks[-1] / blocks[low] - 1.0
+    step = 1.0 + policy.divergence_still_rising
+    rising = (blocks[-1] > blocks[-1 - lookback] * step
+              and blocks[-1 - lookback] > blocks[-1 - 2 * lookback] * step)
+    if rise >= policy.divergence_rel and rising:
+        return low, rise
+    return None
+
+
+# -- a rank that drifts from the others ----------------------------------------------------
+
+def rank_drift(means: Sequence[float]) -> list[float]:
+    """Each rank's window-mean loss relative to the median of the *other* ranks' (0 = in line;
+    inf for a non-finite mean). With two ranks each is measured against the other."""
+    out = []
+    for i, value in enumerate(means):
+        others = [v for j, v in enumerate(means) if j != i and math.isfinite(v)]
+        if not math.isfinite(value):
+            out.append(math.inf)
+        elif not others:
+            out.append(0.0)
+        else:
+            ref = statistics.median(others)
+            out.append(value / ref - 1.0 if ref > 0 else 0.0)
+    return out
+
+
+# -- stragglers -------------------------------------------------------------------------------
+
+#: The step phases a straggler is judged on, and what each means in words. The checkpoint phase is
+#: a whole-job stall by nature and never counts.
+STRAGGLER_PHASES = {"compute": "compute", "optimizer": "communication", "input": "input"}
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    """One node's figures in one exchange window (what ``NodeWindow`` carries)."""
+
+    node: int
+    ranks: int
+    step_median_s: float
+    slowest_rank: int
+    slowest_s: float
+    slowest_phases: Mapping[str, float]
+    phases: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    node: int
+    phase: str  # a key of STRAGGLER_PHASES
+    ratio: float  # the rank's step time over the job's median step time
+    lost_fraction: float  # throughput the whole job loses to it: 1 - 1 / ratio
+    windows: int  # consecutive windows it was seen in
+
+
+def window_straggler(window: Sequence[WindowFigures], policy: DetectionPolicy) -> tuple[int, int, str, float] | None:
+    """The slowest rank of one exchange window, when it is ``straggler_ratio`` slow: (rank, node,
+    phase, ratio). Each node's slowest rank is compared phase by phase with the median over the
+    *other* nodes of their ranks' mean phase (and over its own node when it has 3+ ranks); the extra
+    seconds of its worst phase, over the job's median step, give the ratio."""
+    best: tuple[int, int, str, float] | None = None
+    for figures in window:
+        others = [w for w in window if w is not figures]
+        if figures.ranks >= 3:
+            others.append(figures)
+        if not others:
+            continue
+        step = statistics.median(w.step_median_s for w in others)
+        if step <= 0:
+            continue
+        for phase in STRAGGLER_PHASES:
+            typical = statistics.median(w.phases.get(phase, 0.0) for w in others)
+            extra = figures.slowest_phases.get(phase, 0.0) - typical
+            ratio = 1.0 + extra / step
+            if ratio >= policy.straggler_ratio and (best is None or ratio > best[3]):
+                best = (figures.slowest_rank, figures.node, phase, ratio)
+    return best
+
+
+def find_straggler(windows: Sequence[Sequence[WindowFigures]], policy: DetectionPolicy) -> Straggler | None:
+    """A rank slow in the same phase in ``straggler_hold`` of the last ``straggler_windows`` judged
+    windows (given oldest first), its median ratio over those at least ``straggler_ratio``.
+
+    Whole-job stalls are left out (the window's median step is ``straggler_stall_ratio`` above the
+    median of all windows given): they neither count nor take a place among the windows judged. A
+    one-step hiccup lifts one window at most, so the hold ignores it.
+    """
+    if not windows:
+        return None
+    steps = [statistics.median(w.step_median_s for w in window) for window in windows if window]
+    if not steps:
+        return None
+    usual = statistics.median(steps)
+    judged = [window for window in windows
+              if window and statistics.median(w.step_median_s for w in window) <= policy.straggler_stall_ratio * usual]
+    judged = judged[-policy.straggler_windows:]
+    seen: dict[tuple[int, int, str], list[float]] = {}
+    for window in judged:
+        found = window_straggler(window, policy)
+        if found is not None:
+            seen.setdefault(found[:3], []).append(found[3])
+    if not seen:
+        return None
+    (rank, node, phase), ratios = max(seen.items(), key=lambda item: len(item[1]))
+    if len(ratios) < policy.straggler_hold:
+        return None
+    ratio = statistics.median(ratios)
+    return Straggler(rank, node, phase, ratio, 1.0 - 1.0 / ratio, len(ratios))

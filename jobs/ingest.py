@@ -21,12 +21,12 @@ from django.utils import timezone
 from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
 from core.events import EventKind, record_event
-from jobs import plausibility, policy, progress, state
+from jobs import detection, plausibility, progress, state
 from jobs import windows as node_windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job, NodeWindow, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
-from jobs.tasks import handle_flags, handle_save_failed
+from jobs.tasks import check_stragglers, handle_flags, handle_save_failed
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
                                       now, actor=actor)
         _raise_flags(job, batch.generation, fresh, fresh_events)
+        if batch.windows:
+            transaction.on_commit(lambda: check_stragglers.delay(job.pk, batch.generation))
         _report_failed_saves(job, batch.generation, fresh_events)
     return IngestResult(accepted=len(fresh), duplicates=len(kept) - len(fresh),
                         ignored=len(batch.reports) - len(kept))
@@ -91,22 +93,19 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
 
 def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport],
                  fresh_events: list[hooks_protocol.Event]) -> None:
-    """Hand NaN, spike runs and cross-rank disagreements to the orchestrator (after commit).
-
-    The spike run is the hooks' own count: each rank counts its consecutive spiking steps and sends
-    the count with every ``spike`` event (``detail.consecutive``); the longest run in the batch is
-    the one judged, by ``jobs.policy``.
-    """
-    nan = any(r.nan or not math.isfinite(r.loss) for r in fresh)
-    inconsistent = any(r.inconsistent for r in fresh)
-    spikes = max((_consecutive(e) for e in fresh_events if e.kind == "spike"), default=0)
-    if nan or inconsistent or policy.spike_run_pauses(spikes, RecoveryPolicy.of(job).loss_spike_limit):
+    """Hand NaN, pausing spikes, divergence and cross-rank disagreements to the orchestrator (after
+    commit). The hooks judged each step as it happened; ``jobs.detection`` reads their verdicts, so
+    the batching cannot change the outcome."""
+    flags = detection.judge_batch(fresh, fresh_events, spike_limit=RecoveryPolicy.of(job).loss_spike_limit)
+    if flags.any:
         detail = None
-        if inconsistent:
+        if flags.inconsistent:
             event = TrainingEvent.objects.filter(job=job, generation=generation, kind="inconsistency").last()
             detail = {"step": event.step, **event.detail} if event else {"note": "flagged by a step report"}
+        spikes = int(flags.spike.get("consecutive") or 1) if flags.spike else 0
         transaction.on_commit(
-            lambda: handle_flags.delay(job.pk, generation, nan=nan, spikes=spikes, inconsistent=detail))
+            lambda: handle_flags.delay(job.pk, generation, nan=flags.nan, spikes=spikes, inconsistent=detail,
+                                       spike=flags.spike, divergence=flags.divergence))
 
 
 def _report_failed_saves(job: Job, generation: int, fresh_events: list[hooks_protocol.Event]) -> None:
@@ -174,12 +173,6 @@ def _store_windows(job: Job, windows: list[hooks_protocol.NodeWindow], now: date
                         slowest_phases=w.slowest_phases, phases=w.phases, reported_at=_utc(w.time),
                         received_at=now) for w in windows],
             ignore_conflicts=True, batch_size=500)
-
-
-def _consecutive(event: hooks_protocol.Event) -> int:
-    """The run length a ``spike`` event carries (1: the spike itself, from hooks that sent none)."""
-    count = event.detail.get("consecutive")
-    return count if isinstance(count, int) and count > 0 else 1
 
 
 def _step_metric(job: Job, r: hooks_protocol.StepReport, now: datetime) -> StepMetric:

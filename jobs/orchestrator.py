@@ -133,7 +133,8 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
     )
 
 
-_EVIDENCE_FIELDS = {"signature", "error_line", "step", "consecutive_spikes"}
+_EVIDENCE_FIELDS = {"signature", "error_line", "step", "consecutive_spikes", "spike_verdict", "since_step", "rise",
+                    "lost_fraction", "remaining_s", "restart_cost_s"}
 
 
 def _jsonable(evidence: dict) -> dict:
@@ -513,15 +514,42 @@ def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
                          detail={"health": new_health, "reasons": reasons}, fault_at=fault_at)
 
 
-def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
-    """The hooks flagged NaN, consecutive loss spikes or a cross-rank disagreement."""
+def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None,
+                      spike: dict | None = None, divergence: dict | None = None) -> None:
+    """The hooks flagged NaN, a rank that disagrees with the others, a pausing loss spike or a
+    divergence (``jobs.detection``). A disagreeing rank takes precedence over loss spikes and
+    divergence: when it arrives while the job is already stopping for one, that incident is
+    re-classified as corruption naming the rank (the loss that moved was that rank's own)."""
     if nan:
         report_fault(job.pk, policy.NAN, generation=generation, detail={"last_step": job.last_step})
     elif inconsistent:
-        report_fault(job.pk, policy.INCONSISTENCY, generation=generation, detail=inconsistent)
-    elif spikes:  # a run the policy judged long enough (jobs.policy.spike_run_pauses)
+        if report_fault(job.pk, policy.INCONSISTENCY, generation=generation, detail=inconsistent) is None:
+            _spike_was_a_bad_rank(job, generation, inconsistent)
+    elif divergence:
+        report_fault(job.pk, policy.DIVERGENCE, generation=generation, detail=divergence,
+                     since_step=divergence.get("since_step"), rise=divergence.get("rise"))
+    elif spikes or spike:  # a spike the hooks (or, for older hooks, the run-length limit) said pauses
         report_fault(job.pk, policy.SPIKE, generation=generation, consecutive_spikes=spikes,
-                     detail={"last_step": job.last_step})
+                     spike_verdict=(spike or {}).get("action", ""),
+                     detail={"last_step": job.last_step, **(spike or {})})
+
+
+def _spike_was_a_bad_rank(job: Job, generation: int, inconsistent: dict) -> None:
+    with transaction.atomic():
+        incident = (Incident.objects.select_for_update()
+                    .filter(job=job, generation__number=generation,
+                            evidence__signal__in=[policy.SPIKE, policy.DIVERGENCE],
+                            state=IncidentState.OPEN).order_by("-detected_at").first())
+        if incident is None:
+            return
+        rank, node = inconsistent.get("suspect_rank"), inconsistent.get("suspect_node")
+        incident.kind = IncidentKind.CORRUPTION
+        incident.classification = (f"rank {rank} (node {node}) disagrees with the other ranks: the loss it "
+                                   "stopped for was that rank's own (possible silent data corruption)")[:200]
+        incident.evidence = {**incident.evidence, "signal": policy.INCONSISTENCY, "detail": inconsistent,
+                             "spike": incident.evidence.get("detail"),
+                             "reclassified_from": incident.evidence.get("signal")}
+        incident.save(update_fields=["kind", "classification", "evidence"])
 
 
 def handle_save_failed(job_id: int, generation: int, failure: dict) -> Incident | None:

@@ -10,11 +10,13 @@ here and one unit test in ``tests/jobs/test_policy.py``.
     no step progress past the timeout          hang                kill the group, restart
       …ranks stuck at different steps          hang (mismatch)     pause
     same signature twice, same config          deterministic       pause
-    NaN loss / N consecutive spikes            numerical           pause, propose rollback
+    NaN loss / a spike the hooks said pauses   numerical           pause, propose rollback
+    loss rising for hundreds of steps          numerical           pause, rollback to before the rise
     cross-rank spread above threshold          corruption          pause with per-rank values
     many nodes lost in a short window          partition           pause and escalate
     a node of the generation unreachable       partition           pause and escalate (split brain)
-    straggler                                  straggler           alert (replace when it pays)
+    straggler                                  straggler           alert, or restart on a spare when the
+                                                                   time it saves exceeds the restart cost
     restarts in the window over the budget     retry storm         open the breaker (pause)
     a checkpoint save failed (disk full, ...)  checkpoint          alert and page; training goes on
 """
@@ -37,6 +39,7 @@ NAN = "nan"
 SPIKE = "spike"
 INCONSISTENCY = "inconsistency"
 STRAGGLER = "straggler"
+DIVERGENCE = "divergence"
 CHECKPOINT_FAILED = "checkpoint_failed"
 
 #: Exit signatures that say the hardware, not the program, failed.
@@ -71,6 +74,16 @@ class Evidence:
     #: spike: how many consecutive steps spiked; the job's limit.
     consecutive_spikes: int = 0
     spike_limit: int = _DEFAULTS.loss_spike_limit
+    #: spike: the hooks' own verdict ("pause" or "marker"; "" from hooks that send none).
+    spike_verdict: str = ""
+    #: divergence: the step the rise started from, and its size.
+    since_step: int | None = None
+    rise: float | None = None
+    #: straggler: the share of throughput the job loses to it, the seconds of training left (None:
+    #: unknown), and what restarting on a spare costs.
+    lost_fraction: float = 0.0
+    remaining_s: float | None = None
+    restart_cost_s: float = 300.0
     #: partition: how many distinct nodes became unreachable inside the window.
     nodes_lost_in_window: int = 0
     partition_threshold: int = 2
@@ -120,8 +133,17 @@ def decide(ev: Evidence) -> Decision:
 def _classify(ev: Evidence) -> Decision:
     if ev.signal == NAN:
         return Decision("numerical", "pause", "the loss became NaN/Inf", propose_rollback=True, page=True)
+    if ev.signal == DIVERGENCE:
+        since = f" since step {ev.since_step}" if ev.since_step is not None else ""
+        rise = f" ({ev.rise:+.1%})" if ev.rise is not None else ""
+        return Decision("numerical", "pause", propose_rollback=True, page=True,
+                        reason=f"the loss has been rising against its own baseline{since}{rise}: roll back to the "
+                               "last checkpoint before the rise")
     if ev.signal == SPIKE:
-        if spike_run_pauses(ev.consecutive_spikes, ev.spike_limit):
+        if ev.spike_verdict == "pause" and not spike_run_pauses(ev.consecutive_spikes, ev.spike_limit):
+            return Decision("numerical", "pause", propose_rollback=True, page=True,
+                            reason="a loss spike the guard did not absorb (its update was applied)")
+        if spike_run_pauses(ev.consecutive_spikes, ev.spike_limit) or ev.spike_verdict == "pause":
             return Decision("numerical", "pause", propose_rollback=True, page=True,
                             reason=f"{ev.consecutive_spikes} consecutive loss spikes (limit {ev.spike_limit})")
         return Decision("numerical", "alert", f"loss spike ({ev.consecutive_spikes} in a row)")
@@ -138,7 +160,7 @@ def _classify(ev: Evidence) -> Decision:
                         reason=f"checkpoint save{at} failed: {ev.error_line or 'unknown cause'}; training goes on "
                                "from the previous checkpoint")
     if ev.signal == STRAGGLER:
-        return Decision("straggler", "alert", f"straggler on {', '.join(ev.nodes) or 'a node'}")
+        return _straggler(ev)
     if ev.signal == NODE_UNREACHABLE or ev.nodes_lost_in_window >= ev.partition_threshold:
         return Decision("partition", "escalate", page=True,
                         reason=f"{max(ev.nodes_lost_in_window, 1)} node(s) of the job lost contact: a restart could "
@@ -160,6 +182,32 @@ def _classify(ev: Evidence) -> Decision:
                             reason=f"{', '.join(blamed)} unhealthy, no spare, and the job may not shrink")
         return Decision("crash", "restart", f"a rank exited ({_label(ev)})")
     raise ValueError(f"unknown signal {ev.signal!r}")
+
+
+def straggler_gain_s(ev: Evidence) -> float | None:
+    """Seconds a restart on a spare would save over the rest of the job: the time lost to the
+    straggler (``lost_fraction`` of what is left) minus the restart cost; None when the remaining
+    time is unknown."""
+    if ev.remaining_s is None:
+        return None
+    return ev.lost_fraction * ev.remaining_s - ev.restart_cost_s
+
+
+def _straggler(ev: Evidence) -> Decision:
+    where = ", ".join(ev.nodes) or "a node"
+    gain = straggler_gain_s(ev)
+    cost = f"the job runs {ev.lost_fraction:.0%} slower"
+    if gain is not None and gain > 0 and ev.spares_available >= 1 and ev.nodes:
+        return Decision("straggler", "restart_on_spare", drain=tuple(ev.nodes),
+                        reason=f"straggler on {where}: {cost}; replacing it saves about {gain:.0f} s over the "
+                               f"rest of the job, more than the restart costs ({ev.restart_cost_s:.0f} s)")
+    if gain is None:
+        why = "the job's remaining time is unknown"
+    elif gain <= 0:
+        why = f"a restart ({ev.restart_cost_s:.0f} s) would cost more than it saves"
+    else:
+        why = "no spare node is free"
+    return Decision("straggler", "alert", f"straggler on {where}: {cost}; alert only ({why})")
 
 
 def spike_run_pauses(consecutive_spikes: int, spike_limit: int) -> bool:

@@ -11,7 +11,7 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator, progress, reconcile, services, windows
+from jobs import checkpoint_interval, orchestrator, progress, reconcile, services, stragglers, windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job
 
@@ -63,10 +63,12 @@ def handle_nodes_health(new_health: str, reasons: dict) -> None:
 
 
 @shared_task(ignore_result=True)
-def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None) -> None:
+def handle_flags(job_id: int, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None,
+                 spike: dict | None = None, divergence: dict | None = None) -> None:
     job = Job.objects.filter(pk=job_id).first()
     if job is not None:
-        orchestrator.handle_hook_flags(job, generation, nan=nan, spikes=spikes, inconsistent=inconsistent)
+        orchestrator.handle_hook_flags(job, generation, nan=nan, spikes=spikes, inconsistent=inconsistent,
+                                       spike=spike, divergence=divergence)
 
 
 @shared_task(ignore_result=True)
@@ -103,3 +105,11 @@ def maintain_node_windows() -> None:
 def push_checkpoint_intervals() -> int:
     """Beat: recompute the Young/Daly interval and push it to running jobs whose policy is "auto"."""
     return checkpoint_interval.push_intervals()
+
+
+@shared_task(ignore_result=True)
+def check_stragglers(job_id: int, generation: int) -> None:
+    """New node windows arrived: is one rank holding the job back (``jobs.stragglers``)?"""
+    job = Job.objects.filter(pk=job_id, generation=generation, state__in=orchestrator.WATCHED).first()
+    if job is not None:
+        stragglers.check_stragglers(job, generation)

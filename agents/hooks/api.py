@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from agents.hooks import resume, state
 from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure
 from agents.hooks.data import GlobalCursorSampler
-from agents.hooks.guards import GradientGuard, GuardSettings, SpikeWatch
+from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
 from agents.hooks.settings import Environment
 from agents.hooks.staging import stable_tensors
 from agents.hooks.telemetry import Exchange, Telemetry
@@ -102,7 +102,7 @@ class Hooks:
         self.resumed_from: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grad_guard = GradientGuard(self.guard_settings)
-        self._spikes = SpikeWatch(self.guard_settings)
+        self._loss_watch = LossWatch(self.guard_settings.detection, speaks_for_job=self.topology.rank == 0)
         self._last_saved_step: int | None = None
         self._last_loss = math.nan
         self._inconsistent = False
@@ -162,8 +162,9 @@ class Hooks:
         decision = self._grad_guard.judge(grad_norm)
         nan = not math.isfinite(loss_value) or (self.scaler is None and not math.isfinite(grad_norm))
         skip = decision.skip and self.guard_settings.skip_bad_steps
+        lr = self._learning_rate()  # the rate this step was taken with: a restart is expected, not a fault
         skipped = self._update(skip)
-        spike, score = self._spikes.observe(loss_value)
+        verdict = self._loss_watch.observe(loss_value, lr=lr, skipped=skipped)
         self.step_count += 1
         trained_at = self.sampler.next_cursor(self.data_cursor)
         if trained_at != self.data_cursor:
@@ -174,7 +175,8 @@ class Hooks:
         self._last_loss = loss_value
         exchange = None
         if self.step_count % self.guard_settings.check_every == 0:
-            exchange = self.telemetry.exchange(self.step_count, loss_value, grad_norm)
+            exchange = self.telemetry.exchange(self.step_count, loss_value, grad_norm,
+                                               self._loss_watch.take_window_mean())
             self._inconsistent = exchange.consistency.inconsistent
             if exchange.checkpoint_interval:
                 self.checkpoint_every = exchange.checkpoint_interval
@@ -183,8 +185,8 @@ class Hooks:
             self._save()
         checkpoint_s = time.perf_counter() - before_checkpoint
         optimizer_s = before_checkpoint - entered
-        outcome = StepOutcome(self.step_count, loss_value, grad_norm, skipped, spike, nan, self._inconsistent)
-        self.telemetry.step_done(outcome, decision, score, self._spikes.consecutive, compute_s=compute_s,
+        outcome = StepOutcome(self.step_count, loss_value, grad_norm, skipped, verdict.spike, nan, self._inconsistent)
+        self.telemetry.step_done(outcome, decision, verdict, compute_s=compute_s,
                                  optimizer_s=optimizer_s, checkpoint_s=checkpoint_s,
                                  data_cursor=self.data_cursor, samples=self.batch_size,
                                  tokens=self.batch_size * self.tokens_per_sample)
@@ -219,6 +221,11 @@ class Hooks:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, total, foreach=True)
         return float(total)
+
+    def _learning_rate(self) -> float | None:
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        return float(lr) if isinstance(lr, (int, float)) else None
 
     def _update(self, skip: bool) -> bool:
         """Apply (or skip) the optimizer and scheduler step; True when the update was not applied."""

@@ -3,8 +3,9 @@
 - ``GradientGuard``: skip a step whose gradient norm is non-finite or above k × the median of
   the last W kept steps. Under DDP every rank holds the same all-reduced gradients, hence the
   same norm, history and decision, so the ranks skip together without a collective.
-- ``SpikeWatch``: flag a loss far above its rolling median (robust z-score); reported, not
-  skipped, since the reference treats spikes as evidence for the circuit breaker.
+- ``LossWatch``: judge each step's loss once, as it happens: NaN, spikes (robust score and a
+  minimum size), LR restarts, level shifts, slow divergence; the verdict says marker or pause.
+- ``DriftWatch``: at each exchange, a rank whose mean loss drifts from the others' by a few per cent.
 - ``judge_consistency``: given every rank's (loss, gradient norm), flag a relative spread above
   the threshold, naming the rank farthest from the others.
 """
@@ -12,8 +13,10 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from agents import detectors
 
@@ -26,13 +29,13 @@ class GuardSettings:
     grad_window: int = 100
     min_history: int = 10  # steps of history before the median rules are applied
     skip_bad_steps: bool = True  # False: report exploding/NaN steps but still apply them
-    spike_z: float = 6.0
-    spike_window: int = 50
     check_every: int = 10  # steps between cross-rank exchanges (consistency + control)
     spread_threshold: float = 0.5  # relative spread of loss or gradient norm that is flagged
+    #: Loss spikes, level shifts, divergence and a drifting rank (docs/detection.md).
+    detection: detectors.DetectionPolicy = field(default_factory=detectors.DetectionPolicy)
 
     def __post_init__(self) -> None:
-        for name in ("grad_window", "spike_window", "check_every"):
+        for name in ("grad_window", "check_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GuardSettings.{name} must be at least 1")
 
@@ -51,22 +54,192 @@ class GradientGuard:
         return decision
 
 
-class SpikeWatch:
-    def __init__(self, settings: GuardSettings):
-        self.settings = settings
-        self._recent: deque[float] = deque(maxlen=settings.spike_window)
-        self.consecutive = 0
+@dataclass(frozen=True)
+class LossVerdict:
+    """What the loss watch made of one step; ``action`` is "none", "marker" or "pause"."""
 
-    def observe(self, loss: float) -> tuple[bool, float | None]:
-        """(is this loss a spike, its robust z-score or None while warming up)."""
-        score = detectors.loss_spike_score(loss, self._recent, min_history=self.settings.min_history)
-        spike = score is not None and score > self.settings.spike_z
-        self.consecutive = self.consecutive + 1 if spike else 0
-        if math.isfinite(loss):
-            # Spikes stay in the window: if the loss level genuinely moved, the window follows
-            # it instead of flagging every step from then on.
-            self._recent.append(loss)
-        return spike, score
+    kind: str | None = None  # "nan", "spike", "level_shift", "divergence" or None
+    action: str = "none"
+    reason: str = ""
+    score: float | None = None  # robust z-score against the baseline
+    baseline: float | None = None  # the baseline median
+    threshold: float | None = None  # the loss above which a step is a spike
+    consecutive: int = 0  # spiking steps in a row, this one included
+    since_step: int | None = None  # divergence: the step the rise started from (roll back before it)
+    rise: float | None = None  # level shift / divergence: relative size
+
+    @property
+    def spike(self) -> bool:
+        return self.kind == "spike"
+
+    def detail(self, loss: float) -> dict[str, Any]:
+        """The event detail: what the detector saw (the dashboard explains markers with it)."""
+        return {"loss": loss, "action": self.action, "score": self.score, "baseline": self.baseline,
+                "threshold": self.threshold, "consecutive": self.consecutive, "since_step": self.since_step,
+                "rise": self.rise, "reason": self.reason}
+
+
+class LossWatch:
+    """Judges every step's loss once, as it happens (``agents.detectors.DetectionPolicy``).
+
+    - NaN/Inf: pause (as before).
+    - A spike is a loss above both ``spike_z`` robust deviations and ``spike_min_rel`` over the
+      median of the last ``spike_window`` *unflagged* losses (flagged steps never move the
+      baseline). A lone spike whose update the gradient guard skipped is a marker; a run of
+      ``spike_run_pause`` spikes, or a spike whose update was applied, pauses (rollback proposed).
+    - The LR the scheduler set is read every step: a jump (restart, warm-up) opens a grace period
+      in which the loss may bump: spikes need more, and level shifts and divergence wait.
+    - A step change that stays (flat, above the older baseline) is a level shift: the baseline
+      restarts from the new level and one marker says so.
+    - Divergence: block medians of ``divergence_block`` steps; the newest ``divergence_rel`` above
+      the lowest since the last re-baseline and still rising pauses, proposing a rollback to before
+      the lowest block.
+    """
+
+    def __init__(self, policy: detectors.DetectionPolicy, *, speaks_for_job: bool = True):
+        self.policy = policy
+        #: Rank 0 speaks for the job: its spikes and divergence may pause. Another rank's are markers
+        #: only, since a loss that moves on one rank alone is that rank's problem, named by the
+        #: cross-rank drift check, not a job-wide spike (NaN pauses from any rank).
+        self.speaks_for_job = speaks_for_job
+        self._window: deque[float] = deque(maxlen=policy.spike_window)
+        self.consecutive = 0
+        self._step = 0
+        self._lr: float | None = None
+        self._grace_until = 0
+        self._blocks: list[tuple[int, float]] = []  # (first step, median) of complete blocks
+        self._block: list[float] = []
+        self._block_start = 1
+        self._diverged = False
+        self._window_sum = 0.0
+        self._window_n = 0
+
+    def observe(self, loss: float, *, lr: float | None = None, skipped: bool = False) -> LossVerdict:
+        policy = self.policy
+        self._step += 1
+        self._watch_lr(lr)
+        in_grace = self._step <= self._grace_until
+        if not math.isfinite(loss):
+            self.consecutive = 0
+            return LossVerdict("nan", "pause", "non-finite loss")
+        self._window_sum += loss
+        self._window_n += 1
+        verdict = LossVerdict()
+        if len(self._window) >= policy.spike_min_history:
+            base = detectors.robust_baseline(self._window, recent=policy.spike_recent)
+            threshold = detectors.spike_threshold(base, policy, in_grace=in_grace)
+            score = base.score(loss)
+            if loss > threshold:
+                self.consecutive += 1
+                if self.consecutive >= policy.spike_run_pause:
+                    action, why = "pause", f"{self.consecutive} loss spikes in a row"
+                elif skipped:
+                    action, why = "marker", "loss spike; the guard skipped the update"
+                else:
+                    action, why = "pause", "loss spike the skip did not absorb (the update was applied)"
+                if action == "pause" and not self.speaks_for_job:
+                    action, why = "marker", why + " (this rank only: a marker; rank 0 speaks for the job)"
+                verdict = LossVerdict("spike", action, why, score, base.median, threshold, self.consecutive)
+                self._add_to_block(loss, in_grace)
+                if self.consecutive >= policy.spike_window:  # a new level, not a spike: start again
+                    self._window.clear()
+                return verdict
+            verdict = LossVerdict(score=score, baseline=base.median, threshold=threshold)
+        self.consecutive = 0
+        self._window.append(loss)
+        if not in_grace:
+            shift = self._level_shift()
+            if shift is not None:
+                recent = list(self._window)[-policy.shift_window:]
+                self._window.clear()
+                self._window.extend(recent)
+                # The divergence test keeps its blocks: it tells a step from a rise by itself, and a
+                # slow rise misread as a shift must not be forgotten.
+                return LossVerdict("level_shift", "marker", f"loss level moved {shift:+.1%} and stayed: re-baselined",
+                                   verdict.score, verdict.baseline, verdict.threshold, rise=shift)
+        diverged = self._add_to_block(loss, in_grace)
+        return diverged or verdict
+
+    def take_window_mean(self) -> float:
+        """The mean finite loss since the last call (NaN when there was none): the exchange's figure
+        for the cross-rank drift check."""
+        mean = self._window_sum / self._window_n if self._window_n else math.nan
+        self._window_sum, self._window_n = 0.0, 0
+        return mean
+
+    def _watch_lr(self, lr: float | None) -> None:
+        if lr is None or not math.isfinite(lr):
+            return
+        if self._lr is not None and self._lr > 0 and lr > self._lr * self.policy.lr_jump:
+            self._grace_until = self._step + self.policy.lr_grace_steps
+            self._blocks.clear()
+            self._block.clear()
+            self._diverged = False
+        self._lr = lr
+
+    def _level_shift(self) -> float | None:
+        n = self.policy.shift_window
+        if len(self._window) < 2 * n:
+            return None
+        values = list(self._window)
+        # The steps just before against the newest: a ramp rises as much inside the newest steps
+        # as between the two, a step does not.
+        return detectors.level_shift(values[-n:], values[-2 * n:-n], self.policy)
+
+    def _add_to_block(self, loss: float, in_grace: bool) -> LossVerdict | None:
+        if in_grace:
+            self._block.clear()
+            self._block_start = self._step + 1
+            return None
+        if not self._block:
+            self._block_start = self._step
+        self._block.append(loss)
+        if len(self._block) < self.policy.divergence_block:
+            return None
+        self._blocks.append((self._block_start, statistics.median(self._block)))
+        self._block = []
+        if self._diverged:
+            return None
+        found = detectors.divergence([m for _, m in self._blocks], self.policy)
+        if found is None:
+            return None
+        low, rise = found
+        self._diverged = True  # said once; a resume starts a new watch
+        since = self._blocks[low][0]
+        return LossVerdict("divergence", "pause" if self.speaks_for_job else "marker",
+                           f"loss rising for {self._step - since} steps: {rise:+.1%} over its low at step {since}",
+                           since_step=since, rise=rise)
+
+
+class DriftWatch:
+    """At each cross-rank exchange: is one rank's loss drifting from the others'?
+
+    A rank whose mean loss over the window is ``rank_drift_rel`` off the other ranks' median for
+    ``rank_drift_hold`` exchanges in a row (or ``rank_drift_now`` off at once) is named. The same
+    on every rank: every rank sees the same all-gathered figures.
+    """
+
+    def __init__(self, policy: detectors.DetectionPolicy):
+        self.policy = policy
+        self._suspect: int | None = None
+        self._held = 0
+
+    def judge(self, means: list[float]) -> tuple[int, float] | None:
+        """(rank, relative drift) once the drift is established, else None."""
+        if len(means) < 2:
+            return None
+        drift = detectors.rank_drift(means)
+        worst = max(range(len(drift)), key=lambda i: abs(drift[i]))
+        size = abs(drift[worst])
+        if len(means) == 2 or size < self.policy.rank_drift_rel:
+            # With two ranks a drift cannot say which one moved; the spread check still runs.
+            self._suspect, self._held = None, 0
+            return None
+        self._held = self._held + 1 if worst == self._suspect else 1
+        self._suspect = worst
+        if self._held >= self.policy.rank_drift_hold or size >= self.policy.rank_drift_now:
+            return worst, drift[worst]
+        return None
 
 
 @dataclass(frozen=True)
@@ -77,13 +250,21 @@ class Consistency:
     loss_spread: float
     grad_norm_spread: float
     suspect_rank: int | None
+    drift: float | None = None  # the suspect's relative drift from the others (DriftWatch)
 
 
-def judge_consistency(losses: list[float], grad_norms: list[float], threshold: float) -> Consistency:
-    loss_spread = detectors.relative_spread(losses)
-    grad_spread = detectors.relative_spread(grad_norms)
-    inconsistent = loss_spread > threshold or grad_spread > threshold
+def judge_consistency(losses: list[float], grad_norms: list[float], threshold: float,
+                      drift: tuple[int, float] | None = None) -> Consistency:
+    """Inconsistent when this step's losses or gradient norms spread beyond ``threshold``, or when
+    ``drift`` (``DriftWatch.judge``) names a rank drifting over the windows; the drift names the rank."""
+    # Non-finite values are the NaN detector's: it pauses on its own, with a rollback.
+    loss_spread = detectors.relative_spread([v for v in losses if math.isfinite(v)] or [0.0])
+    grad_spread = detectors.relative_spread([v for v in grad_norms if math.isfinite(v)] or [0.0])
+    inconsistent = loss_spread > threshold or grad_spread > threshold or drift is not None
     suspect = None
-    if inconsistent:
+    if drift is not None:
+        suspect = drift[0]
+    elif inconsistent:
         suspect = detectors.outlier_rank(losses if loss_spread >= grad_spread else grad_norms)
-    return Consistency(inconsistent, losses, grad_norms, loss_spread, grad_spread, suspect)
+    return Consistency(inconsistent, losses, grad_norms, loss_spread, grad_spread, suspect,
+                       drift[1] if drift is not None else None)

@@ -91,8 +91,11 @@ class Reporter:
             return
         self._incoming.append((WINDOW, window, f"window:{window.generation}:{window.node}:{window.last_step}"))
 
-    def event(self, event: Event) -> None:
+    def event(self, event: Event, *, urgent: bool = False) -> None:
+        """Queue ``event``; an ``urgent`` one (it may pause the job) is sent now, not at the next tick."""
         self._incoming.append((EVENT, event, f"event:{event.generation}:{event.key}"))
+        if urgent:
+            self._wake.set()
 
     def commit(self, commit: CheckpointCommit) -> None:
         self._incoming.append((CHECKPOINT, commit, f"checkpoint:{commit.generation}:{commit.path}"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agents.detectors import GuardDecision
-from agents.hooks.guards import Consistency, GuardSettings, judge_consistency
+from agents.hooks.guards import Consistency, DriftWatch, GuardSettings, LossVerdict, judge_consistency
 from agents.hooks.reporter import DROPPABLE, Reporter
 from agents.hooks.settings import Environment
 from agents.hooks.topology import Topology
@@ -34,7 +34,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("nightwatch.hooks")
 
 SPOOL_MAX_RECORDS = 100_000
-CONTROL_FIELDS = 6  # the exchange's leading floats: loss, grad norm and rank 0's control flags
+#: The exchange's leading floats: loss, grad norm, rank 0's control flags and the rank's mean loss
+#: over the window (for the drift check).
+CONTROL_FIELDS = 7
+#: Event kinds that may pause the job: sent at once rather than at the next flush.
+URGENT = frozenset({"nan", "spike", "divergence", "inconsistency"})
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Telemetry:
         self._batch_handed_out = time.perf_counter()
         self._event_numbers: Counter[tuple[int, str]] = Counter()
         self._timings = RankTimings()
+        self._drift = DriftWatch(settings.detection)
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -76,7 +81,7 @@ class Telemetry:
 
     # -- the cross-rank exchange ---------------------------------------------------------------
 
-    def exchange(self, step: int, loss: float, grad_norm: float) -> Exchange:
+    def exchange(self, step: int, loss: float, grad_norm: float, window_loss: float = math.nan) -> Exchange:
         """All-gather (loss, grad norm, control flags, step timings): a collective, called at the
         same step everywhere.
 
@@ -95,28 +100,37 @@ class Telemetry:
                 interval = reporter.checkpoint_interval or 0
         timings, self._timings = self._timings, RankTimings()
         rows = self.topology.all_gather_floats(
-            [loss, grad_norm, float(stale), float(pause), float(checkpoint_now), float(interval),
+            [loss, grad_norm, float(stale), float(pause), float(checkpoint_now), float(interval), window_loss,
              *timings.row(self.topology.node)])
         if reporter is not None and self.topology.rank == 0:
             for window in node_windows([r[CONTROL_FIELDS:] for r in rows], job=self.env.job,
                                        generation=self.env.generation, time=time.time()):
                 reporter.window(window)
-        consistency = judge_consistency([r[0] for r in rows], [r[1] for r in rows], self.settings.spread_threshold)
+        drift = self._drift.judge([r[6] for r in rows])
+        consistency = judge_consistency([r[0] for r in rows], [r[1] for r in rows], self.settings.spread_threshold,
+                                        drift)
         if consistency.inconsistent:
+            suspect = consistency.suspect_rank
+            node = int(rows[suspect][CONTROL_FIELDS]) if suspect is not None else None
+            drifted = (f", its mean loss {consistency.drift:+.1%} off the others'" if consistency.drift is not None
+                       else "")
             self.event(step, "inconsistency",
                        f"ranks disagree at step {step}: loss spread {consistency.loss_spread:.3g}, "
-                       f"grad-norm spread {consistency.grad_norm_spread:.3g}, suspect rank {consistency.suspect_rank}",
+                       f"grad-norm spread {consistency.grad_norm_spread:.3g}, suspect rank {suspect}"
+                       f" on node {node}{drifted}",
                        {"losses": consistency.losses, "grad_norms": consistency.grad_norms,
                         "loss_spread": consistency.loss_spread, "grad_norm_spread": consistency.grad_norm_spread,
-                        "suspect_rank": consistency.suspect_rank}, level=logging.WARNING)
+                        "suspect_rank": suspect, "suspect_node": node, "drift": consistency.drift,
+                        "window_losses": [r[6] if math.isfinite(r[6]) else None for r in rows]},
+                       level=logging.WARNING)
         leader = rows[0]
         return Exchange(consistency, stale=any(r[2] for r in rows), pause=bool(leader[3]),
                         checkpoint_now=bool(leader[4]), checkpoint_interval=int(leader[5]) or None)
 
     # -- per step ------------------------------------------------------------------------------
 
-    def step_done(self, outcome: StepOutcome, decision: GuardDecision, spike_score: float | None,
-                  consecutive_spikes: int, *, compute_s: float, optimizer_s: float, checkpoint_s: float,
+    def step_done(self, outcome: StepOutcome, decision: GuardDecision, verdict: LossVerdict, *,
+                  compute_s: float, optimizer_s: float, checkpoint_s: float,
                   data_cursor: int, samples: int, tokens: int) -> None:
         step = outcome.step
         if decision.skip:
@@ -128,9 +142,13 @@ class Telemetry:
         if outcome.nan and (own_loss_bad or self.topology.rank == 0):
             self.event(step, "nan", f"non-finite {'loss' if own_loss_bad else 'gradient norm'} at step {step}",
                        {"loss": outcome.loss, "grad_norm": outcome.grad_norm}, level=logging.WARNING, local=True)
-        if outcome.spike:
-            self.event(step, "spike", f"loss spike at step {step}: {outcome.loss:.4g} (z={spike_score:.1f})",
-                       {"loss": outcome.loss, "score": spike_score, "consecutive": consecutive_spikes},
+        if verdict.kind in ("spike", "level_shift", "divergence"):
+            # Judged here, once, as the step happened: the control plane acts on ``action`` and does
+            # not re-judge, so how the reports are batched cannot change the outcome.
+            score = f", z={verdict.score:.1f}" if verdict.score is not None else ""
+            baseline = f" over baseline {verdict.baseline:.4g}" if verdict.baseline is not None else ""
+            self.event(step, verdict.kind, f"{verdict.reason} at step {step}: loss {outcome.loss:.4g}{baseline}"
+                       f"{score} ({verdict.action})", verdict.detail(outcome.loss),
                        level=logging.WARNING, local=True)
         phases = {"input": self._input_s, "compute": compute_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
         self._timings.add(step, phases)
@@ -152,6 +170,7 @@ class Telemetry:
             log.log(level, message)
         if self.reporter is None or not (local or self.topology.rank == 0):
             return
+        urgent = kind in URGENT and (kind != "spike" or (detail or {}).get("action") == "pause")
         number = self._event_numbers[(step, kind)]
         self._event_numbers[(step, kind)] += 1
         # The key names the occurrence, so a replay after a crash is recognised as the same event,
@@ -159,7 +178,7 @@ class Telemetry:
         key = f"{self.topology.restart_count}:{self.topology.rank}:{step}:{kind}:{number}"
         self.reporter.event(Event(job=self.env.job, generation=self.env.generation, rank=self.topology.rank,
                                   step=step, kind=kind, key=key, message=message[:2000],
-                                  detail=_without_nulls(detail), time=time.time()))
+                                  detail=_without_nulls(detail), time=time.time()), urgent=urgent)
 
     def checkpoint_committed(self, commit: Commit, config_hash: str) -> None:
         """Called on rank 0 by the commit thread once the marker is on disk."""

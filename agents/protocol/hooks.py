@@ -47,7 +47,9 @@ EVENT_KINDS = (
     "world_size_change",    # detail: previous, current, data_cursor
     "guard_skip",           # detail: grad_norm, median, reason
     "nan",                  # detail: loss, grad_norm
-    "spike",                # detail: loss, score, consecutive
+    "spike",                # detail: loss, action (marker|pause), score, baseline, threshold, consecutive, reason
+    "level_shift",          # detail: loss, action (marker), rise, baseline, reason (re-baselined, not paused)
+    "divergence",           # detail: loss, action (pause), since_step, rise, reason
     "inconsistency",        # detail: losses, grad_norms, loss_spread, grad_norm_spread, suspect_rank
     "checkpoint_saved",     # detail: path, blocking_s, total_s
     "checkpoint_failed",    # detail: path, reason (the cause in words), errno, error

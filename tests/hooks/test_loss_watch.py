@@ -1,0 +1,177 @@
+"""The loss detectors judged per step (``LossWatch``), the cross-rank drift check (``DriftWatch``),
+the straggler detector over node windows, and the control plane's reading of the verdicts: pure,
+literal or seeded data, fast."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from agents import detectors
+from agents.hooks.guards import DriftWatch, LossWatch, judge_consistency
+from agents.protocol.hooks import Event
+from jobs import detection, policy
+
+POLICY = detectors.DetectionPolicy()
+
+
+def curve(steps: int, seed: int = 0, noise: float = 0.01, level: float = 2.0) -> list[float]:
+    rng = random.Random(seed)
+    return [level * (1 + 0.5 * (t + 50) ** -0.5) * (1 + noise * rng.gauss(0, 1)) for t in range(steps)]
+
+
+def run(losses, *, lrs=None, skipped=(), watch=None):
+    watch = watch or LossWatch(POLICY)
+    verdicts = []
+    for t, loss in enumerate(losses, start=1):
+        lr = lrs[t - 1] if lrs else 1e-3
+        verdicts.append((t, watch.observe(loss, lr=lr, skipped=t in skipped)))
+    return [(t, v) for t, v in verdicts if v.kind]
+
+
+class TestSpikes:
+    def test_a_one_step_spike_whose_update_was_applied_pauses_at_once(self):
+        losses = curve(400)
+        losses[300] *= 1.25
+        seen = run(losses)
+        assert [(t, v.kind, v.action) for t, v in seen] == [(301, "spike", "pause")]
+        v = seen[0][1]
+        assert v.score > POLICY.spike_z and v.baseline and losses[300] > v.threshold > v.baseline
+
+    def test_a_lone_spike_the_guard_skipped_is_a_marker_but_a_run_pauses(self):
+        losses = curve(400)
+        losses[300] *= 6
+        assert [(t, v.action) for t, v in run(losses, skipped={301})] == [(301, "marker")]
+        losses[301] *= 6
+        assert [(t, v.action) for t, v in run(losses, skipped={301, 302})] == [(301, "marker"), (302, "pause")]
+
+    def test_noise_a_hard_batch_and_a_drop_are_not_spikes(self):
+        losses = curve(600, noise=0.015)
+        losses[200] *= 1.07  # a hard batch: within the minimum size
+        losses[400] *= 0.5
+        assert run(losses) == []
+
+    def test_a_nan_pauses_and_does_not_enter_the_baseline(self):
+        losses = curve(300)
+        losses[250] = math.nan
+        seen = run(losses)
+        assert [(t, v.kind, v.action) for t, v in seen] == [(251, "nan", "pause")]
+
+    def test_another_rank_only_marks_its_own_spikes(self):
+        losses = curve(400)
+        losses[300] *= 2
+        seen = run(losses, watch=LossWatch(POLICY, speaks_for_job=False))
+        assert [(t, v.kind, v.action) for t, v in seen] == [(301, "spike", "marker")]
+
+
+class TestLookAlikes:
+    def test_an_lr_restart_bump_is_expected(self):
+        losses, lrs = curve(1200, noise=0.01), []
+        for t in range(1200):
+            lrs.append(1e-3 if t < 600 else 1e-3 * (3 if t >= 600 else 1))
+            if t >= 600:
+                losses[t] *= 1 + 0.09 * math.exp(-(t - 600) / 50)  # +9 %: over the minimum size without the grace
+        assert run(losses, lrs=lrs) == []
+
+    def test_a_level_shift_is_one_marker_and_never_a_pause(self):
+        losses = curve(1200, seed=3)
+        losses = [x * (1.05 if t >= 600 else 1) for t, x in enumerate(losses)]
+        seen = run(losses)
+        assert [(v.kind, v.action) for _, v in seen] == [("level_shift", "marker")]
+        assert 600 < seen[0][0] <= 660 and seen[0][1].rise == pytest.approx(0.05, abs=0.015)
+
+
+class TestDivergence:
+    def test_a_slow_rise_pauses_within_300_steps_naming_where_it_began(self):
+        losses = curve(1500, seed=5)
+        losses = [x * (1 + 0.0004 * max(0, t - 700)) for t, x in enumerate(losses)]
+        seen = run(losses)
+        assert [(v.kind, v.action) for _, v in seen] == [("divergence", "pause")]
+        step, verdict = seen[0]
+        assert 700 < step <= 1000
+        assert 600 <= verdict.since_step <= 750 and verdict.rise >= POLICY.divergence_rel
+
+
+class TestDrift:
+    def test_a_rank_a_few_per_cent_off_is_named_after_the_hold(self):
+        watch = DriftWatch(POLICY)
+        means = [2.0, 2.01, 1.99, 2.07]  # rank 3: +3.5 %
+        assert [watch.judge(means) for _ in range(3)][:2] == [None, None]
+        assert watch.judge(means)[0] == 3
+        consistency = judge_consistency(means, [1.0] * 4, 0.5, (3, 0.035))
+        assert consistency.inconsistent and consistency.suspect_rank == 3
+
+    def test_noise_and_two_ranks_name_nobody(self):
+        watch = DriftWatch(POLICY)
+        assert all(watch.judge([2.0, 2.02, 1.99, 2.01]) is None for _ in range(10))
+        assert all(DriftWatch(POLICY).judge([2.0, 2.5]) is None for _ in range(5))
+
+    def test_a_nan_is_left_to_the_nan_detector(self):
+        assert not judge_consistency([2.0, math.nan, 2.0], [1.0, 1.0, 1.0], 0.5).inconsistent
+
+
+def windows(slow_rank=None, slow_by=0.0, phase="compute", stall=False, hiccup_rank=None):
+    """One exchange window of 4 nodes × 2 ranks (rank = 2 × node + i)."""
+    out = []
+    for node in range(4):
+        ranks = []
+        for i in range(2):
+            rank = 2 * node + i
+            p = {"input": 0.02, "compute": 0.7 * (1 + 0.003 * i), "optimizer": 0.2, "checkpoint": 5.0 if stall else 0.0}
+            if rank == slow_rank:
+                p[phase] += slow_by * 0.9
+            if rank == hiccup_rank:
+                p["input"] += 0.9
+            ranks.append((rank, p))
+        slow, sp = max(ranks, key=lambda r: sum(r[1].values()))
+        out.append(detectors.WindowFigures(node, 2, sorted(sum(p.values()) for _, p in ranks)[0] / 2
+                                           + sorted(sum(p.values()) for _, p in ranks)[1] / 2,
+                                           slow, sum(sp.values()), sp,
+                                           {k: sum(p[k] for _, p in ranks) / 2 for k in sp}))
+    return out
+
+
+class TestStragglers:
+    def test_a_rank_slow_for_the_hold_is_named_with_its_node_phase_and_cost(self):
+        seen = [windows()] * 3 + [windows(slow_rank=5, slow_by=0.10, phase="optimizer")] * 5
+        found = detectors.find_straggler(seen, POLICY)
+        assert (found.rank, found.node, found.phase) == (5, 2, "optimizer")
+        assert found.ratio == pytest.approx(1.09, abs=0.02) and found.lost_fraction == pytest.approx(0.08, abs=0.02)
+
+    def test_checkpoint_stalls_and_one_window_hiccups_never_count(self):
+        seen = [windows(), windows(stall=True), windows(hiccup_rank=3), windows(stall=True)] * 4
+        assert detectors.find_straggler(seen, POLICY) is None
+        assert detectors.find_straggler([windows(slow_rank=1, slow_by=0.1)] * 4, POLICY) is None  # not held yet
+
+    def test_the_policy_replaces_only_when_it_pays(self):
+        ev = dict(signal=policy.STRAGGLER, nodes=("gpu-03",), lost_fraction=0.2, restart_cost_s=300.0)
+        assert policy.decide(policy.Evidence(**ev)).action == "alert"  # remaining time unknown
+        assert policy.decide(policy.Evidence(**ev, remaining_s=1000.0, spares_available=1)).action == "alert"
+        replace = policy.decide(policy.Evidence(**ev, remaining_s=36000.0, spares_available=1))
+        assert replace.action == "restart_on_spare" and replace.drain == ("gpu-03",) and "saves about" in replace.reason
+
+
+def event(step, kind, rank=0, **detail):
+    return Event(job="j", generation=1, rank=rank, step=step, kind=kind, key=f"{rank}:{step}:{kind}",
+                 message="m", detail=detail, time=1.0)
+
+
+class TestServerReading:
+    def test_the_verdict_not_the_batching_decides(self):
+        events = [event(t, "spike", action="marker", consecutive=1) for t in (5, 9)] + [
+            event(12, "spike", action="pause", consecutive=1)]
+        one_batch = detection.judge_batch([], events, spike_limit=3)
+        per_step = [detection.judge_batch([], [e], spike_limit=3) for e in events]
+        assert one_batch.spike["step"] == 12
+        assert [f.spike is not None for f in per_step] == [False, False, True]
+
+    def test_older_hooks_still_pause_on_a_run_and_divergence_is_read(self):
+        assert detection.judge_batch([], [event(3, "spike", consecutive=3)], spike_limit=3).spike
+        assert not detection.judge_batch([], [event(3, "spike", consecutive=2)], spike_limit=3).any
+        flags = detection.judge_batch([], [event(900, "divergence", action="pause", since_step=650, rise=0.07)],
+                                      spike_limit=3)
+        assert flags.divergence["since_step"] == 650
+        decision = policy.decide(policy.Evidence(signal=policy.DIVERGENCE, since_step=650, rise=0.07))
+        assert decision.action == "pause" and decision.propose_rollback and "since step 650" in decision.reason
