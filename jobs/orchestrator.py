@@ -82,6 +82,7 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             # The full reason is kept here: the classification column is bounded, the error it quotes is not.
             evidence=clean_json({"signal": signal, "nodes": list(nodes), "detail": detail or {}, **_jsonable(evidence),
                                  "reason": decision.reason, "config_hash": ev.config_hash,
+                                 "restarts_in_window": ev.restarts_in_window, "max_restarts": ev.max_restarts,
                                  "propose_rollback": decision.propose_rollback, "page": decision.page}),
             fault_at=fault_at or now, detected_at=now,
         )
@@ -126,11 +127,44 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> poli
         spike_limit=rp.loss_spike_limit,
         nodes_lost_in_window=lost.values("node").distinct().count(),
         partition_threshold=settings.NIGHTWATCH["PARTITION_NODES"],
-        restarts_in_window=restarts, max_restarts=rp.max_restarts,
+        restarts_in_window=restarts, max_restarts=restart_allowance(job, rp)[0],
         backoff_base_s=rp.backoff_seconds, spares_available=len(spares),
         allow_shrink=rp.allow_shrink, history=history,
         **{k: v for k, v in given.items() if k in _EVIDENCE_FIELDS},
     )
+
+
+def restart_allowance(job: Job, rp: RecoveryPolicy) -> tuple[int, int]:
+    """The automatic restarts the job may make in its window now, and how many approved retry storms
+    in a row (without a clean run between them) reduced it.
+
+    An approval resets the breaker's window; were the whole budget granted again, a storm that
+    still rages would run it out and page again. So each approved storm halves the allowance
+    (``max_restarts``, then 1/2, 1/4, never below 1) until the job runs clean: ``clean_run_minutes``
+    from an approval to the next restart-worthy fault (or to now).
+
+    1. The job's storms, newest first; none (the usual case): the whole budget, one query.
+    2. For each: the first approval after it (paused → recovering: a resume or a rollback), and the
+       first fault after that approval. A clean run between them ends the chain.
+    """
+    storms = list(Incident.objects.filter(job=job, kind="retry_storm").order_by("-detected_at")
+                  .values_list("detected_at", flat=True)[:8])
+    if not storms or not rp.max_restarts:
+        return rp.max_restarts, 0
+    approvals = sorted(Event.objects.filter(job=job, kind=EventKind.JOB_STATE, old_state=JobState.PAUSED,
+                                            new_state=JobState.RECOVERING, created_at__gt=storms[-1])
+                       .values_list("created_at", flat=True))
+    faults = sorted(Incident.objects.filter(Q(decision__in=RESTARTING) | Q(kind="retry_storm"), job=job,
+                                            detected_at__gt=storms[-1]).values_list("detected_at", flat=True))
+    clean, now, reduced = timedelta(minutes=rp.clean_run_minutes), timezone.now(), 0
+    for storm in storms:
+        approval = next((a for a in approvals if a > storm), None)
+        if approval is None:
+            break
+        if next((f for f in faults if f > approval), now) - approval >= clean:
+            break
+        reduced += 1
+    return max(1, rp.max_restarts >> reduced), reduced
 
 
 _EVIDENCE_FIELDS = {"signature", "error_line", "step", "consecutive_spikes", "spike_verdict", "since_step", "rise",

@@ -35,6 +35,9 @@ class RecoveryPolicy:
     startup_timeout_s: int | None = None
     #: Consecutive loss-spike steps before pausing.
     loss_spike_limit: int = 3
+    #: After an approved retry storm the budget is halved (then quartered, …) until the job has run
+    #: this long without an automatic restart; then the whole budget is back.
+    clean_run_minutes: int = 60
     #: The job's configured end: a step report past it is refused (``jobs.plausibility``). None: no end.
     max_steps: int | None = None
     #: A step report more than max(this, 10 × the reports in its batch) past the job's last step is refused.

@@ -15,10 +15,10 @@ from django.utils import timezone
 from checkpoints.services import verified_copy
 from core.events import EventKind, record_event
 from jobs import state
-from jobs.choices import JobState
+from jobs.choices import IncidentState, JobState
 from jobs.launching import Resume, start_generation
-from jobs.models import Generation, Job
-from jobs.orchestrator import all_stopped, stop_generation
+from jobs.models import Generation, Incident, Job
+from jobs.orchestrator import all_stopped, resolve_incident, stop_generation
 
 
 @transaction.atomic
@@ -37,10 +37,16 @@ def launch_job(spec: dict, *, actor: str) -> Job:
 
 
 def cancel_job(job: Job, *, actor: str, reason: str) -> Job:
-    """Cancel a job that has not ended, and stop whatever of its generation still runs."""
+    """Cancel a job that has not ended, and stop whatever of its generation still runs.
+
+    Its open incidents are over too: nothing will recover from them. Each is resolved and logged
+    (``incident.resolved`` by the canceller), so no page stays open for a job nobody runs."""
     with transaction.atomic():
         cancelled = state.transition(job, JobState.CANCELLED, actor=actor, reason=reason).job
         stop_generation(cancelled, reason=f"cancelled: {reason}")
+        now = timezone.now()
+        for incident in Incident.objects.filter(job=cancelled, state=IncidentState.OPEN).select_related("generation"):
+            resolve_incident(incident, now=now, actor=actor, reason=f"job cancelled: {reason}")
     return cancelled
 
 

@@ -33,7 +33,8 @@ STR, INT, BOOL = "a string", "an integer", "true or false"
 CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto"), "interval_steps": INT,
                      "keep_last": INT, "permanent_every_hours": INT}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
-                   "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT}
+                   "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT,
+                   "clean_run_minutes": INT}
 TOP_LEVEL = {"name": STR, "entrypoint": STR, "module": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
              "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY}

@@ -132,6 +132,11 @@ class RecoveryPolicySerializer(StrictSerializer):
     loss_spike_limit = serializers.IntegerField(min_value=1, max_value=1000,
                                                 default=_RECOVERY.loss_spike_limit,
                                                 help_text="Consecutive loss-spike steps before pausing.")
+    clean_run_minutes = serializers.IntegerField(
+        min_value=1, max_value=7 * 24 * 60, default=_RECOVERY.clean_run_minutes,
+        help_text="After an on-call approves a resume from a retry storm, the restart budget is halved for each "
+                  "such storm in a row (max_restarts, then 1/2, 1/4, at least 1) until the job runs this many "
+                  "minutes without an automatic restart.")
     max_steps = serializers.IntegerField(min_value=1, max_value=10**15, allow_null=True, default=_RECOVERY.max_steps,
                                          help_text="The job's configured end: step reports past it are refused "
                                                    "(422). Null: no end.")
