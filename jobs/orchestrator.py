@@ -618,8 +618,18 @@ def handle_save_failed(job_id: int, generation: int, failure: dict) -> Incident 
                             actor="hooks")
 
 
-def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
-    """A node refused to launch (failed its pre-launch check): nothing runs there; replace it."""
+def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str, *,
+                          job_problem: bool = False) -> None:
+    """A node refused to launch: nothing runs there. A failed health check is the node's: replace
+    it. A failed pre-flight of the job itself (``job_problem``: its entrypoint is not there, its
+    checkpoint directory takes no write; ``agents.preflight``) would fail on every node and every
+    restart alike: the job pauses with the reason, and no restart is spent on it."""
     confirm_stopped(job_id, generation, hostname)
+    if job_problem:
+        report_fault(job_id, policy.LAUNCH_PREFLIGHT, generation=generation, nodes=(hostname,),
+                     actor=f"node:{hostname}", error_line=reason,
+                     signature="checkpoint_dir" if "checkpoint directory" in reason else "entrypoint",
+                     detail={"launch_refused": reason})
+        return
     report_fault(job_id, policy.NODE_UNHEALTHY, generation=generation, nodes=(hostname,), actor=f"node:{hostname}",
                  detail={"launch_refused": reason})

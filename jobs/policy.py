@@ -19,6 +19,8 @@ here and one unit test in ``tests/jobs/test_policy.py``.
                                                                    time it saves exceeds the restart cost
     restarts in the window over the budget     retry storm         open the breaker (pause)
     a checkpoint save failed (disk full, ...)  checkpoint          alert and page; training goes on
+    the job's pre-flight on a node failed      deterministic /     pause, page: no restart spent
+      (entrypoint missing, ckpt dir unwritable)  checkpoint
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ INCONSISTENCY = "inconsistency"
 STRAGGLER = "straggler"
 DIVERGENCE = "divergence"
 CHECKPOINT_FAILED = "checkpoint_failed"
+LAUNCH_PREFLIGHT = "launch_preflight"
 
 #: Exit signatures that say the hardware, not the program, failed.
 HARDWARE_SIGNATURES = frozenset({"xid", "cuda_error"})
@@ -151,6 +154,14 @@ def _classify(ev: Evidence) -> Decision:
         return Decision("corruption", "pause", page=True,
                         reason="ranks disagree on loss or gradient norm beyond the threshold: possible silent "
                                "data corruption")
+    if ev.signal == LAUNCH_PREFLIGHT:
+        # The job's own spec or storage, found by the agent before torchrun started: every node and
+        # every restart would fail the same way, so none is spent on it.
+        kind = "checkpoint" if ev.signature == "checkpoint_dir" else "deterministic"
+        where = f" on {', '.join(ev.nodes)}" if ev.nodes else ""
+        return Decision(kind, "pause", page=True,
+                        reason=f"the job cannot start{where}: {ev.error_line or 'pre-flight failed'}; "
+                               "retrying cannot help")
     if ev.signal == CHECKPOINT_FAILED:
         # Training goes on from the previous checkpoint, so nothing is to be recovered; but every
         # save that fails makes the next fault lose more work, and a full disk does not empty

@@ -14,6 +14,7 @@ from collections.abc import Collection
 
 from django.dispatch import receiver
 
+from agents.protocol.agent import JOB_CHECKS
 from jobs import progress
 from jobs.choices import JobState
 from jobs.models import Generation, Job
@@ -46,7 +47,9 @@ def on_launch_refused(sender, node, job_id, generation, reason, **kwargs):
     again, until placement picks it)."""
     if job_id is None or generation is None:
         return
-    handle_launch_refused.delay(job_id, generation, node.hostname, reason)
+    checks = (kwargs.get("detail") or {}).get("checks") or []
+    job_problem = any(c.get("name") in JOB_CHECKS and not c.get("ok") for c in checks if isinstance(c, dict))
+    handle_launch_refused.delay(job_id, generation, node.hostname, reason, job_problem=job_problem)
 
 
 @receiver(signals.node_health_changed, dispatch_uid="jobs.node_health_changed")

@@ -89,8 +89,9 @@ def confirm_stopped(job_id: int, generation: int, hostname: str) -> None:
 
 
 @shared_task(ignore_result=True)
-def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str) -> None:
-    orchestrator.handle_launch_refused(job_id, generation, hostname, reason)
+def handle_launch_refused(job_id: int, generation: int, hostname: str, reason: str, *,
+                          job_problem: bool = False) -> None:
+    orchestrator.handle_launch_refused(job_id, generation, hostname, reason, job_problem=job_problem)
 
 
 @shared_task(ignore_result=True)

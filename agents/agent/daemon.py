@@ -30,6 +30,7 @@ from agents.agent.registration import (
 )
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
+from agents.preflight import check_launch
 from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.agent import (
     HEARTBEAT_PATH,
@@ -276,6 +277,14 @@ class Agent:
             hooks_url=payload.hooks_url or self.config.control_plane_url,
             workdir=payload.workdir or str(self.config.code_dir or Path.cwd()),
         )
+        # The job's own pre-flight: an entrypoint that is not there or a checkpoint directory that
+        # takes no write would fail every restart the same way; refused now, with the reason.
+        job_checks = check_launch(payload, Path(payload.workdir or "."))
+        if not all(check.ok for check in job_checks):
+            refused = HealthReport(ok=False, reason="; ".join(c.detail for c in job_checks if not c.ok)[:2000],
+                                   checks=job_checks)
+            self.outbox.add_event("launch_refused", refused, job=job, generation=generation)
+            return "refused", f"pre-flight failed: {refused.reason}"
         launched = self.supervisor.launch(job, generation, payload)
         self.outbox.add_event("launched", launched, job=job, generation=generation)
         return "done", f"torchrun started, pid {launched.pid}"

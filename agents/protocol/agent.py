@@ -65,7 +65,9 @@ EVENT_KINDS = ("agent_started", "launched", "launch_refused", "exited", "stopped
 #: Why a generation ended, as read from exit codes and the log (``None``: clean exit).
 EXIT_SIGNATURES = ("oom", "nccl_timeout", "nccl_watchdog", "cuda_error", "xid", "paused",
                    "stale_generation", "resume_refused", "traceback", "signal", "unknown")
-HEALTH_CHECKS = ("gpu_reachable", "temperature", "ecc", "xid", "nvlink", "memory_free", "row_remap")
+#: The job's own pre-flight checks (``agents.preflight``): a failure is the job's, not the node's.
+JOB_CHECKS = ("entrypoint", "checkpoint_dir")
+HEALTH_CHECKS = ("gpu_reachable", "temperature", "ecc", "xid", "nvlink", "memory_free", "row_remap", *JOB_CHECKS)
 
 
 # --- registration -----------------------------------------------------------------------------
