@@ -570,8 +570,8 @@ def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inco
 
 def _spike_was_a_bad_rank(job: Job, generation: int, inconsistent: dict) -> None:
     with transaction.atomic():
-        incident = (Incident.objects.select_for_update()
-                    .filter(job=job, generation__number=generation,
+        incident = (Incident.objects.select_for_update(of=("self",))
+                    .filter(Q(generation__number=generation) | Q(generation__isnull=True), job=job,
                             evidence__signal__in=[policy.SPIKE, policy.DIVERGENCE],
                             state=IncidentState.OPEN).order_by("-detected_at").first())
         if incident is None:

@@ -37,13 +37,13 @@ def check_stragglers(job: Job, generation: int, detection: DetectionPolicy | Non
     found = find_straggler(windows, detection)
     if found is None:
         return None
-    if Incident.objects.filter(job=job, generation__number=generation, kind=IncidentKind.STRAGGLER,
+    if Incident.objects.filter(job=job, kind=IncidentKind.STRAGGLER, evidence__detail__generation=generation,
                                evidence__detail__rank=found.rank).exists():
         return None
     hostname = _hostname(job, generation, found.node)
     return orchestrator.report_fault(
         job.pk, policy.STRAGGLER, generation=generation, nodes=(hostname,) if hostname else (),
-        detail=_detail(found, hostname, exchanges[0]), lost_fraction=found.lost_fraction,
+        detail=_detail(found, hostname, generation, exchanges[0]), lost_fraction=found.lost_fraction,
         restart_cost_s=detection.straggler_restart_cost_s)
 
 
@@ -52,8 +52,9 @@ def _figures(w: NodeWindow) -> WindowFigures:
                          slowest_s=w.slowest_s, slowest_phases=w.slowest_phases or {}, phases=w.phases or {})
 
 
-def _detail(found: Straggler, hostname: str | None, last_step: int) -> dict:
-    return {"rank": found.rank, "node": found.node, "hostname": hostname, "phase": STRAGGLER_PHASES[found.phase],
+def _detail(found: Straggler, hostname: str | None, generation: int, last_step: int) -> dict:
+    return {"rank": found.rank, "node": found.node, "hostname": hostname, "generation": generation,
+            "phase": STRAGGLER_PHASES[found.phase],
             "ratio": round(found.ratio, 4), "lost_throughput": round(found.lost_fraction, 4),
             "windows": found.windows, "last_step": last_step}
 
