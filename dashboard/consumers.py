@@ -11,11 +11,13 @@ relay's pushes (``dashboard.relay``), re-rendering the changed sections for its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from redis.exceptions import RedisError
 
 from core import degraded, roles
 from dashboard import events, fleet, queries
@@ -37,6 +39,16 @@ _IN_FLIGHT: dict = {}
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
     page: str = ""
+
+    async def __call__(self, scope, receive, send):
+        """Channels reads the consumer's channel from the layer for the socket's whole life: when the
+        layer's Redis goes away (before the handshake or after), close with 1013 instead of failing."""
+        try:
+            await super().__call__(scope, receive, send)
+        except (RedisError, OSError) as error:
+            degraded.note("channel_layer", error)
+            with contextlib.suppress(Exception):
+                await send({"type": "websocket.close", "code": TRY_AGAIN_LATER})
 
     async def connect(self):
         user = self.scope.get("user")

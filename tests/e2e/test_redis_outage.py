@@ -9,9 +9,12 @@ incident opened, by the worker, from the message the web process could not publi
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import pytest
+from websockets.exceptions import InvalidStatus
 
 from tests.e2e.cluster import Cluster, api, wait_for
 from tests.e2e.redis_server import RedisServer
@@ -21,12 +24,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 @pytest.fixture
 def outage(transactional_db, tmp_path, request):
+    from django.conf import settings
     from django.db import connection
 
     server = RedisServer(tmp_path / "redis")
     server.start()
     cluster = Cluster(tmp_path, database_name=connection.settings_dict["NAME"], redis_db=0, settings={
         "REDIS_URL": server.url, "NIGHTWATCH_OUTBOX_INTERVAL_S": "1",
+        # The test signs a dashboard session in: the server must share its key.
+        "SECRET_KEY": settings.SECRET_KEY,
         # Nodes of this test are driven by hand: none may turn unreachable while it pauses.
         "NIGHTWATCH_HEARTBEAT_MISSES": "100"})
     try:
@@ -64,6 +70,7 @@ def test_the_api_answers_while_redis_is_down_and_queued_work_runs_when_it_return
 
     cluster, server = outage
     node, agent, job, job_token = _running_job()
+    session = _session("otto")  # the operator of the e2e cast, signed in to the dashboard
     server.kill()
     started = time.monotonic()
 
@@ -86,6 +93,8 @@ def test_the_api_answers_while_redis_is_down_and_queued_work_runs_when_it_return
                          "error_line": "killed by the test"}}
     status, body = api(cluster, agent, "POST", f"/api/v1/nodes/{node.pk}/events", {"events": [exited]})
     assert status in (200, 202), body
+    with pytest.raises(InvalidStatus):  # a live page is refused at once (the browser retries), not hung
+        asyncio.run(_watch(cluster, session, job.pk, until=lambda frame: True))
     down_for = time.monotonic() - started
     assert down_for < 10, f"the six requests took {down_for:.1f} s without Redis"
     # Nothing could be queued: the exit's task waits in the outbox, and no worker has handled it.
@@ -102,3 +111,42 @@ def test_the_api_answers_while_redis_is_down_and_queued_work_runs_when_it_return
     status, _ = api(cluster, agent, "POST", f"/api/v1/nodes/{node.pk}/heartbeat",
                     {"node_id": str(node.pk), "seq": 2, "time": time.time()})
     assert status == 200
+    # Live pages work again: a page opened now gets its snapshot, then the push of an operator's pause.
+    paused = asyncio.run(_watch(cluster, session, job.pk, until=lambda frame: "banner" in frame.get("html", {}),
+                                then=lambda: api(cluster, tokens["operator"], "POST", f"/api/v1/jobs/{job.pk}/pause",
+                                                 {"reason": "after the Redis outage"})))
+    assert paused["type"] == "update"
+    web_log = cluster.procs["web"].log()
+    assert "Traceback" not in web_log and '" 500 ' not in web_log, "the outage failed a request somewhere"
+
+
+def _session(username: str) -> str:
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY
+    from django.contrib.auth.models import User
+    from django.contrib.sessions.backends.db import SessionStore
+
+    user = User.objects.get(username=username)
+    session = SessionStore()
+    session.update({SESSION_KEY: str(user.pk), BACKEND_SESSION_KEY: "django.contrib.auth.backends.ModelBackend",
+                    HASH_SESSION_KEY: user.get_session_auth_hash()})
+    session.create()
+    return session.session_key
+
+
+async def _watch(cluster, session: str, job_id: int, *, until, then=None, timeout: float = 30) -> dict:
+    """Open the job's live page; after its snapshot run ``then`` (in a thread), and return the first
+    frame for which ``until`` holds."""
+    from websockets.asyncio.client import connect
+
+    async with asyncio.timeout(timeout):
+        async with connect(f"ws://127.0.0.1:{cluster.port}/ws/dashboard/jobs/{job_id}/", open_timeout=10,
+                           additional_headers={"Cookie": f"sessionid={session}"}, origin=cluster.url,
+                           max_size=2**24) as ws:
+            snapshot = json.loads(await ws.recv())
+            assert snapshot["type"] == "snapshot", snapshot
+            if then is not None:
+                await asyncio.to_thread(then)
+            while True:
+                frame = json.loads(await ws.recv())
+                if until(frame):
+                    return frame
