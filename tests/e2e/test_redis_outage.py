@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from tests.e2e.cluster import Cluster, api, wait_for
+from tests.e2e.cluster import Cluster, Proc, api, wait_for
 from tests.e2e.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -37,7 +38,12 @@ def outage(transactional_db, tmp_path, request):
         "NIGHTWATCH_HEARTBEAT_MISSES": "100"})
     try:
         cluster.start_web()
-        cluster.start_worker()
+        # Beat as a process of its own, as in production (docker-compose.yml): both must ride out the outage.
+        cluster.procs["beat"] = Proc("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat",
+                                              "--loglevel=INFO", "-s", str(tmp_path / "beat-schedule")],
+                                     env=cluster.env, log_dir=cluster.logs)
+        worker = cluster._start_celery("worker", ["-Q", "celery,checkpoints"])
+        wait_for(lambda: "ready." in worker.log() or not worker.alive, timeout=60, what="the worker to start")
         yield cluster, server
     finally:
         cluster.close()
@@ -116,6 +122,7 @@ def test_the_api_answers_while_redis_is_down_and_queued_work_runs_when_it_return
                                 then=lambda: api(cluster, tokens["operator"], "POST", f"/api/v1/jobs/{job.pk}/pause",
                                                  {"reason": "after the Redis outage"})))
     assert paused["type"] == "update"
+    assert cluster.procs["worker"].alive and cluster.procs["beat"].alive, "the outage ended neither"
     web_log = cluster.procs["web"].log()
     assert "Traceback" not in web_log and '" 500 ' not in web_log, "the outage failed a request somewhere"
 
