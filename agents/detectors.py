@@ -32,7 +32,7 @@ class DetectionPolicy:
     #: Steps of history before a loss can be judged at all (warm-up).
     spike_min_history: int = 20
     #: Robust z-score a spike must exceed: (loss - median) / (1.4826 × MAD).
-    spike_z: float = 6.0
+    spike_z: float = 7.0
     #: ...and its minimum size relative to the baseline median (+10 %): a z-score alone flags tiny
     #: wobbles on a very smooth curve.
     spike_min_rel: float = 0.10
@@ -59,7 +59,7 @@ class DetectionPolicy:
     #: Rise of the newest block over the lowest block since the last re-baseline (+6 %)...
     divergence_rel: float = 0.06
     #: ...and still rising: up by this much over each of the last two spans of ``divergence_lookback`` blocks.
-    divergence_still_rising: float = 0.008
+    divergence_still_rising: float = 0.01
     divergence_lookback: int = 3
     # -- a rank whose loss drifts from the others (judged at each cross-rank exchange) ----------
     #: Relative distance of a rank's mean loss over the exchange window from the other ranks' median.
@@ -234,15 +234,17 @@ class Baseline:
 
 def robust_baseline(values: Sequence[float], *, recent: int = 0) -> Baseline:
     """Median and robust scale of ``values`` (not empty, oldest first). The scale is the larger of
-    the MAD of all values and of the newest ``recent`` ones, so that the start of a noisy stretch
-    widens it at once; it is floored at 1e-3 × |median| (and 1e-12) so a perfectly flat window does
-    not turn a tiny wobble into an infinite score."""
+    the MAD of all values and the spread of the newest ``recent`` ones (from their differences),
+    so that the start of a noisy stretch widens it at once. It is floored at 1e-3 × |median| (and
+    1e-12) so a perfectly flat window does not turn a tiny wobble into an infinite score."""
     median = statistics.median(values)
     mad = statistics.median(abs(x - median) for x in values)
     if 0 < recent < len(values):
-        tail = list(values)[-recent:]
-        tail_median = statistics.median(tail)
-        mad = max(mad, statistics.median(abs(x - tail_median) for x in tail))
+        # Differences of neighbours: a rise inside the tail (a broad spike building up) does not
+        # widen it, noise does. MAD(diff) / sqrt(2) estimates the same spread as the MAD.
+        tail = list(values)[-recent - 1:]
+        diffs = [b - a for a, b in zip(tail, tail[1:], strict=False)]
+        mad = max(mad, statistics.median(abs(d) for d in diffs) / math.sqrt(2.0))
     return Baseline(median, _MAD_TO_SIGMA * max(mad, 1e-3 * abs(median), 1e-12))
 
 
@@ -282,10 +284,13 @@ def divergence(blocks: Sequence[float], policy: DetectionPolicy) -> tuple[int, f
     lookback = policy.divergence_lookback
     if len(blocks) <= 2 * lookback:
         return None
-    low = min(range(len(blocks)), key=blocks.__getitem__)
-    if blocks[low] <= 0:
+    # The baseline is the lowest median of three neighbouring blocks: the lowest single block of a
+    # noisy stretch sits below the level by its noise.
+    smooth = [statistics.median(blocks[i:i + 3]) for i in range(len(blocks) - 2)]
+    low = min(range(len(smooth)), key=smooth.__getitem__)
+    if smooth[low] <= 0:
         return None
-    rise = blocks[-1] / blocks[low] - 1.0
+    rise = blocks[-1] / smooth[low] - 1.0
     step = 1.0 + policy.divergence_still_rising
     rising = (blocks[-1] > blocks[-1 - lookback] * step
               and blocks[-1 - lookback] > blocks[-1 - 2 * lookback] * step)
