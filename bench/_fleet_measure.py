@@ -94,3 +94,28 @@ def incidents_between(conn, since: float, until: float) -> list[str]:
 
 def queue_depth(redis_client) -> int:
     return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints"))
+
+
+def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[float, float]) -> dict[str, Any]:
+    """How soon each step of ``job`` reported during ``window`` reached each browser: the wall time a
+    client got the step (``arrivals``, one dict per client) minus the moment the control plane stored
+    it (the step row's ``received_at``, set in the transaction that commits it: the figure includes
+    the commit, an upper bound by a few ms). Steps a client never got count as missing."""
+    rows = conn.execute("SELECT step, extract(epoch FROM received_at) FROM jobs_stepmetric WHERE job_id = %s "
+                        "AND rank = 0 AND received_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)",
+                        (job, window[0], window[1] - 2.0)).fetchall()  # the last 2 s: still on their way
+    stored = {int(step): float(at) for step, at in rows}
+    latencies, missing = [], 0
+    for client in arrivals:
+        for step, at in stored.items():
+            if step in client:
+                latencies.append(max(0.0, client[step] - at) * 1000)
+            else:
+                missing += 1
+    if not latencies:
+        return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
+    latencies.sort()
+    return {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
+            "p50_ms": round(latencies[len(latencies) // 2], 1),
+            "p95_ms": round(latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))], 1),
+            "missing": missing}

@@ -84,6 +84,13 @@ def _page(timings: dict, page: str) -> str:
     return f"{_v(timings.get(page))} ({_v(size)}; {timings.get(page + '_503', '—')})"
 
 
+def _push(r: dict) -> str:
+    push = r.get("live_push")
+    if not push:
+        return "not measured"
+    return f"{_v(push['p50_ms'])} / {_v(push['p95_ms'])} ({push['clients']}; {push['missing']})"
+
+
 def _v(value, unit: str = "") -> str:
     return "—" if value is None else f"{value:g}{unit}"
 
@@ -129,6 +136,7 @@ def markdown(result: dict) -> str:
     row("nodes falsely unreachable", lambda r: str(r["false_unreachable"]))
     for page in ("overview", "nodes", "biggest_job"):
         row(f"dashboard `{page}` s (KB; 503s first)", lambda r, p=page: _page(r["dashboard_s"], p))
+    row("live push to browsers on the biggest job's page: p50 / p95 ms (clients; steps missed)", _push)
     row("storm: backlog before / peak (records)",
         lambda r: f"{r['storm'].get('backlog_before_records')} / {r['storm']['backlog_peak_records']}")
     row("storm: back to the pre-outage backlog after (s)", lambda r: _v(r["storm"]["flush_s"]))
@@ -171,8 +179,6 @@ def markdown(result: dict) -> str:
     lines += [f"| {name} | {_v(exponent(points))} |" for name, points in growth.items()]
     lines += ["", plateau(sizes, details), "", "## What saturates first", "", saturation(sizes), "",
               "## What a deployment needs", "", sizing(sizes), "", "## Not measured here", "",
-              "- Live push to browsers while the fleet runs: `bench.live_push` measures it on its own; here the "
-              "fleet already holds both cores, and 20 WebSocket clients would measure the contention, not the push.",
               "- A straggler incident: no rule turns a slow rank into an incident (it is shown on the job page's "
               "skew view, from the node windows), so `slow_rank` reads *not detected* by design of the run, not "
               "as a miss.",

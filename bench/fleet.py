@@ -45,6 +45,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bench import _fleet_measure as measure
@@ -279,7 +280,19 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         setup_figures.update(agents_registered=sims.total("registered"), registrations_refused=sims.total("refused"),
                              nodes_healthy=conn.execute(healthy).fetchone()[0],
                              jobs_running=conn.execute(running).fetchone()[0])
-        result = steady(nodes, opts, plane, sims, conn, cast, jobs, sizes)
+        browsers = None
+        if opts.browsers:
+            from bench.live_push import Sockets
+
+            browsers = Sockets(SimpleNamespace(port=plane.ports[1], job=jobs[0], session=cast["session"]),
+                               opts.browsers, clock=time.time)
+        try:
+            result = steady(nodes, opts, plane, sims, conn, cast, jobs, sizes)
+        finally:
+            if browsers is not None:
+                browsers.close()
+        window = result.pop("window")
+        result["live_push"] = measure.live_push(conn, jobs[0], browsers.arrivals, window) if browsers else None
         result["setup"] = setup_figures
         result["storm"] = storm(opts, plane, sims, conn, result["killed"])
         for fault in result["faults"]:  # read last: a detection delayed past the window still counts, late
@@ -395,7 +408,8 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     killed = {f["hostname"] for f in plan if f["kind"] == "node_death"}
     offered = sum(sum(codes.values()) for codes in book["status"].values())
     accepted = sum(n for codes in book["status"].values() for code, n in codes.items() if 200 <= code < 300)
-    return {"window_s": round(window, 1), "faults": faults, "killed": sorted(killed),
+    return {"window_s": round(window, 1), "window": (started, started + window), "faults": faults,
+            "killed": sorted(killed),
             "cpu_s_per_node_minute": round(cpu / nodes / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
             "simulator_cores": round(sim_cpu / window, 2),
             "step_reports_made_per_s": round(made / window, 1),
@@ -526,6 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--storm-limit", type=float, help="how long to wait for the spools to empty (120; --quick 60)")
     parser.add_argument("--processes", type=int, help="simulator processes (default: 1-3 by fleet size)")
     parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--browsers", type=int, default=20, help="WebSocket clients on the biggest job's page "
+                        "during the steady window, for the live push's latency (0: none)")
     parser.add_argument("--add", action="store_true", help="add these sizes to bench/results/fleet.json's (a size "
                         "run again replaces its earlier figures) instead of starting a new result")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, plans) for a post-mortem")

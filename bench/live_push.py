@@ -176,8 +176,10 @@ class Server:
 class Sockets:
     """``n`` clients on the job page's socket, in an event loop of their own (a thread)."""
 
-    def __init__(self, server: Server, n: int):
-        self.server, self.n = server, n
+    def __init__(self, server: Server, n: int, clock=time.monotonic):
+        """``server``: anything with ``port``, ``job`` and a viewer's ``session``; ``clock``: what each
+        arrival is stamped with (wall time where it is compared with the database's ``received_at``)."""
+        self.server, self.n, self.clock = server, n, clock
         self.arrivals: list[dict[int, float]] = [{} for _ in range(n)]
         self.frames: list[list[float]] = [[] for _ in range(n)]
         self.loop = asyncio.new_event_loop()
@@ -213,7 +215,7 @@ class Sockets:
 
     async def _listen(self, i: int, ws) -> None:
         async for raw in ws:
-            now = time.monotonic()
+            now = self.clock()
             frame = json.loads(raw)
             self.frames[i].append(now)
             for point in frame.get("points") or []:
