@@ -9,7 +9,9 @@ a reader can sum any recent window.
 
 Counting must never cost a request anything or make one fail: writers batch their counts in memory
 and hand them over off the request path (``core.admission``), every Redis call has a short timeout,
-and a Redis that is down loses those counts (logged) instead of raising. Without ``REDIS_URL`` (the
+and a Redis that is down loses those counts instead of raising: logged and counted through
+``core.degraded``, which also skips Redis for a moment after a failure, so that readers answer
+"unknown" at once instead of each waiting out a timeout. Without ``REDIS_URL`` (the
 embedded demo: one web process, SQLite) there is nothing to share: adds are dropped and reads answer
 ``None``, "unknown".
 """
@@ -21,6 +23,8 @@ import logging
 import math
 
 from django.conf import settings
+
+from core import degraded
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ KEEP_S = 3600
 REFUSED_CALLERS = PREFIX + "refused-callers"
 #: A Redis that does not answer within this long counts as down (the caller goes on without it).
 TIMEOUT_S = 0.5
+#: Failures are logged and counted (``nightwatch_redis_fallbacks_total{component="shared_counts"}``).
+COMPONENT = "shared_counts"
 
 
 @functools.cache
@@ -45,8 +51,11 @@ def _client_for(url: str):
 
 
 def client():
-    """The Redis client, or None without ``REDIS_URL``."""
-    return _client_for(settings.REDIS_URL) if settings.REDIS_URL else None
+    """The Redis client, or None without ``REDIS_URL`` or while Redis is skipped after a failure
+    (``core.degraded``: every caller then answers "unknown" at once instead of waiting out a timeout)."""
+    if not settings.REDIS_URL or degraded.down(COMPONENT):
+        return None
+    return _client_for(settings.REDIS_URL)
 
 
 def _bucket_key(second: int) -> str:
@@ -71,10 +80,11 @@ def add(counts: dict[str, int], *, at: float, refused: dict[str, float] | None =
         pipe.zremrangebyscore(REFUSED_CALLERS, "-inf", at - KEEP_S)
     try:
         pipe.execute()
-    except Exception:  # any Redis failure: these counts are lost, the caller is not
-        log.warning("shared counts: Redis did not take %s (and %d refused callers)", counts, len(refused or ()),
-                    exc_info=True)
+    except Exception as error:  # any Redis failure: these counts are lost, the caller is not
+        log.info("shared counts: Redis did not take %s (and %d refused callers)", counts, len(refused or ()))
+        degraded.note(COMPONENT, error)
         return False
+    degraded.recovered(COMPONENT)
     return True
 
 
@@ -85,8 +95,8 @@ def totals() -> dict[str, int] | None:
         return None
     try:
         return _decoded(redis.hgetall(TOTALS))
-    except Exception:
-        log.warning("shared counts: Redis did not answer", exc_info=True)
+    except Exception as error:
+        degraded.note(COMPONENT, error)
         return None
 
 
@@ -103,8 +113,8 @@ def within(seconds: float, *, now: float) -> dict[str, int] | None:
         pipe.hgetall(_bucket_key(second))
     try:
         buckets = pipe.execute()
-    except Exception:
-        log.warning("shared counts: Redis did not answer", exc_info=True)
+    except Exception as error:
+        degraded.note(COMPONENT, error)
         return None
     summed: dict[str, int] = {}
     for bucket in buckets:
@@ -127,7 +137,7 @@ def refused_callers(seconds: float, *, now: float) -> dict[str, float] | None:
         return None
     try:
         members = redis.zrangebyscore(REFUSED_CALLERS, now - seconds, "+inf", withscores=True)
-    except Exception:
-        log.warning("shared counts: Redis did not answer", exc_info=True)
+    except Exception as error:
+        degraded.note(COMPONENT, error)
         return None
     return {(m.decode() if isinstance(m, bytes) else m): float(score) for m, score in members}

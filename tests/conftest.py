@@ -40,6 +40,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(autouse=True)
+def redis_not_skipped():
+    """A test that made Redis fail must not leave it skipped (``core.degraded``'s short circuit) for
+    the next test in the same process."""
+    from core import degraded
+
+    degraded.reset()
+    yield
+    degraded.reset()
+
+
 @pytest.fixture
 def cast(db):
     from django.contrib.auth.models import Group, User

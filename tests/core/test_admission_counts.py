@@ -19,6 +19,7 @@ def counts(monkeypatch):
     """Shared counts starting empty, handed over at every chance (no one-second batching)."""
     monkeypatch.setattr(admission_module, "FLUSH_S", 0.0)
     redis = shared_counts.client()
+    assert redis is not None, "these tests need REDIS_URL"
 
     def clear():
         for key in redis.scan_iter(f"{shared_counts.PREFIX}*"):
