@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -32,7 +33,8 @@ from agents.hooks.manifest import (
 )
 from checkpoints.paths import confine
 
-__all__ = ["TRASH_SUFFIX", "UnsafePath", "copy_checkpoint", "remove_checkpoint_dir"]
+__all__ = ["SAVE_DIRNAME", "TRASH_SUFFIX", "UnsafePath", "copy_checkpoint", "free_space", "remove_checkpoint_dir",
+           "remove_torn_dir"]
 
 _CHECKPOINT_FILES = (MARKER, MANIFEST, DCP_METADATA)
 MANIFEST_MAX_BYTES = Budget().max_manifest_bytes
@@ -146,3 +148,58 @@ def _make_directories(root: str, parts: list[str]) -> None:
             pass
         finally:
             os.close(parent)
+
+
+#: A save directory's name as the hooks make it (``agents.hooks.manifest.checkpoint_dirname``), and
+#: what ``remove_checkpoint_dir`` leaves behind when it is interrupted.
+SAVE_DIRNAME = re.compile(r"step-(\d+)-g(\d+)-[0-9a-f]+")
+TRASH_DIRNAME = re.compile(r"step-\d+-g\d+-[0-9a-f]+\.[0-9a-f]{8}" + re.escape(TRASH_SUFFIX))
+
+
+def remove_torn_dir(location: str, roots: list[str]) -> int:
+    """Remove a save directory that was never committed (a torn save); returns the bytes freed
+    (0 when it was already gone).
+
+    The same care as ``remove_checkpoint_dir``: confined to ``roots`` right before, reached without
+    following a symlink, renamed away before it is removed. It must be named as the hooks name a
+    save (or be an interrupted removal's ``.deleting`` directory), hold no commit marker and only
+    regular files: anything else is refused (``UnsafePath``), never touched.
+    """
+    root = confine(location, roots, what="torn save directory to remove")
+    *parents, name = inside(location, root).parts
+    if not (SAVE_DIRNAME.fullmatch(name) or TRASH_DIRNAME.fullmatch(name)):
+        raise UnsafePath(f"refusing to remove {location!r}: not named as a checkpoint save")
+    try:
+        parent = open_directory_beneath(root, tuple(parents))
+    except FileNotFoundError:
+        return 0
+    try:
+        try:
+            directory = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        except FileNotFoundError:
+            return 0
+        except (NotADirectoryError, OSError) as error:
+            raise UnsafePath(f"refusing to remove {location!r}: not a directory ({error})") from error
+        try:
+            size = 0
+            for entry in os.listdir(directory):
+                status = os.stat(entry, dir_fd=directory, follow_symlinks=False)
+                if entry == MARKER or not stat.S_ISREG(status.st_mode):
+                    raise UnsafePath(f"refusing to remove {location!r}: it holds {entry!r} (committed, or not "
+                                     "a save's file)")
+                size += status.st_size
+        finally:
+            os.close(directory)
+        trash = name if TRASH_DIRNAME.fullmatch(name) else f"{name}.{uuid.uuid4().hex[:8]}{TRASH_SUFFIX}"
+        if trash != name:
+            os.rename(name, trash, src_dir_fd=parent, dst_dir_fd=parent)
+        shutil.rmtree(trash, dir_fd=parent)
+    finally:
+        os.close(parent)
+    return size
+
+
+def free_space(directory: str) -> tuple[int, int]:
+    """(bytes free to an unprivileged writer, bytes in all) of the file system holding ``directory``."""
+    status = os.statvfs(directory)
+    return status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize

@@ -32,6 +32,12 @@ class CheckpointPolicy:
     keep_last: int = 3
     #: 0 disables permanent checkpoints.
     permanent_every_hours: int = 12
+    #: Disk pressure below this much free space (percent of the file system; at least room for two
+    #: saves): retention deletes the oldest unprotected checkpoints first (``services.retention``).
+    min_free_percent: float = 5.0
+    #: Under disk pressure, permanent checkpoints that retention promoted itself may go too (never
+    #: one an operator pinned).
+    release_permanent_under_pressure: bool = True
 
     @classmethod
     def of(cls, job: _HasCheckpointPolicy) -> CheckpointPolicy:

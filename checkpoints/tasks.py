@@ -32,6 +32,16 @@ def retention_sweep() -> int:
 
 
 @shared_task(ignore_result=True)
+def relieve_disk_pressure(job_id: int) -> None:
+    """A save of the job failed for want of space: retention for it now, as under disk pressure,
+    rather than at the next sweep (the job trains on without new checkpoints meanwhile)."""
+    job_model = Checkpoint._meta.get_field("job").related_model  # the checkpoints app does not import jobs
+    job = job_model.objects.filter(pk=job_id).first()
+    if job is not None:
+        services.apply_retention(job, out_of_space=True)
+
+
+@shared_task(ignore_result=True)
 def replica_sweep() -> int:
     """Beat: re-queue copies that were lost, failed or abandoned."""
     return services.replica_sweep()

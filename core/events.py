@@ -56,6 +56,8 @@ class EventKind(models.TextChoices):
     CHECKPOINT_DELETE_FAILED = "checkpoint.delete_failed"
     CHECKPOINT_REPLICA = "checkpoint.replica"
     CHECKPOINT_RESTORE_FROM_REPLICA = "checkpoint.restore_from_replica"
+    STORAGE_TORN_REMOVED = "storage.torn_removed"
+    STORAGE_PRESSURE = "storage.pressure"
     ALERT_CHANNEL = "alert.channel"
     ALERT_CHANNEL_TEST = "alert.channel.test"
 
@@ -146,6 +148,29 @@ class NodeBlameEvidence(TypedDict, total=False):
 
 class NoEvidence(TypedDict, total=False):
     pass
+
+
+class TornSaveEvidence(TypedDict, total=False):
+    """Retention removed a save directory that was never committed (a torn save)."""
+
+    location: str
+    generation: int | None  # the generation that wrote it
+    size_bytes: int
+    idle_s: float  # since its last write
+
+
+class StoragePressureEvidence(TypedDict, total=False):
+    """Retention found the job's checkpoint file system short of space, and what it deleted."""
+
+    directory: str
+    free_bytes: int
+    total_bytes: int
+    target_bytes: int  # free space retention works towards
+    out_of_space: bool  # a save failed with ENOSPC since the last commit
+    deleted: list[int]  # checkpoints deleted for space, oldest first
+    released_permanent: list[int]  # of them, permanent ones retention itself had promoted
+    freed_bytes: int
+    still_short: bool  # nothing more may be deleted and the target is not reached
 
 
 class ReportsRefusedEvidence(TypedDict, total=False):
@@ -286,6 +311,8 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.CHECKPOINT_DELETE_FAILED: CheckpointEvidence,
     EventKind.CHECKPOINT_REPLICA: CheckpointEvidence,
     EventKind.CHECKPOINT_RESTORE_FROM_REPLICA: CheckpointEvidence,
+    EventKind.STORAGE_TORN_REMOVED: TornSaveEvidence,
+    EventKind.STORAGE_PRESSURE: StoragePressureEvidence,
     EventKind.ALERT_CHANNEL: AlertChannelEvidence,
     EventKind.ALERT_CHANNEL_TEST: AlertChannelTestEvidence,
 }

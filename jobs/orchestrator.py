@@ -16,6 +16,7 @@ processes are gone — one active generation, always.
 
 from __future__ import annotations
 
+import errno
 import logging
 from datetime import UTC, datetime, timedelta
 
@@ -25,6 +26,7 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from checkpoints.models import Checkpoint
+from checkpoints.tasks import relieve_disk_pressure
 from core.events import EventKind, record_event
 from core.models import Event
 from core.text import clean_json, clip, one_line
@@ -613,6 +615,9 @@ def handle_save_failed(job_id: int, generation: int, failure: dict) -> Incident 
                                 "at": timezone.now().isoformat()})
                 previous.save(update_fields=["evidence"])
             return previous
+        if failure.get("errno") == errno.ENOSPC or reason == "no space left on device":
+            # Retention frees space now (torn saves, the oldest unprotected checkpoints), not at its next sweep.
+            transaction.on_commit(lambda: relieve_disk_pressure.delay(job_id))
         return report_fault(job_id, policy.CHECKPOINT_FAILED, generation=generation, detail=failure,
                             error_line=reason, step=step if isinstance(step, int) else None, fault_at=fault_at,
                             actor="hooks")

@@ -25,18 +25,41 @@ hash, manifest and parent, in state ``deleted``.
 
 Deleting removes the directory (and the replica's), marks the row deleted and records an event
 (``registry.delete_checkpoint``). A dry run returns the same plan and changes nothing.
+
+Two things the registry alone cannot see (issue 24: a full disk that retention freed nothing of):
+
+7. Torn saves: save directories never committed (a save killed before its marker) are removed
+   first (``checkpoints.services.torn``; each a ``storage.torn_removed`` event).
+8. Disk pressure: when the file system holding the job's checkpoints has less free space than
+   the target — ``min_free_percent`` of it, and at least room for two more saves of the newest
+   size — or a save failed with "no space left on device" since the last commit
+   (``out_of_space``, from the control plane's checkpoint incident), the oldest checkpoints that
+   are not protected are deleted first, beyond ``keep_last``, until the target is reached: first
+   the ordinary ones, then the permanent ones that retention itself promoted (the first checkpoint
+   of the job, then one every K hours) when ``release_permanent_under_pressure`` (the default).
+   Never the newest restorable checkpoint, the latest verified one, one a live generation resumed
+   from, or one an operator made permanent. A ``storage.pressure`` event says what was found and
+   what was deleted.
+
+   Why auto-promoted permanent ones may go: they are retention's own long-term samples, not a
+   promise an operator made; while the disk is full the job cannot save, so each further fault
+   loses more work and, at worst, recovery restarts from the very checkpoint kept "permanent" at
+   step 10. An operator who wants them kept whatever happens sets
+   ``release_permanent_under_pressure: false``, or pins them by hand (a pin is never released).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.db.models import Count, Min, Q, Sum
 from django.utils import timezone
 
+from agents.hooks.manifest import UnsafePath
+from checkpoints import disk, paths
 from checkpoints.choices import CheckpointState, ReplicaState
 from checkpoints.models import Checkpoint
 from checkpoints.policies import CheckpointPolicy
@@ -48,8 +71,11 @@ from checkpoints.services.registry import (
     latest_verified_checkpoint,
     protection_reasons,
     remove_files,
+    unpin,
 )
-from core.events import EventKind
+from checkpoints.services.torn import TornSave, find_torn_saves, remove_torn_saves
+from core.events import EventKind, record_event
+from core.models import Event
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +109,21 @@ class StorageUsage:
 
 
 @dataclass(frozen=True)
+class DiskPressure:
+    """Free space of the file system holding a job's checkpoints, against retention's target."""
+
+    directory: str
+    free_bytes: int
+    total_bytes: int
+    target_bytes: int
+    out_of_space: bool  # a save failed with ENOSPC since the last commit
+
+    @property
+    def under(self) -> bool:
+        return self.out_of_space or self.free_bytes < self.target_bytes
+
+
+@dataclass(frozen=True)
 class RetentionPlan:
     job: int
     now: datetime
@@ -92,6 +133,8 @@ class RetentionPlan:
     storage: StorageUsage
     decisions: list[RetentionDecision] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    pressure: DiskPressure | None = None
+    torn: list[TornSave] = field(default_factory=list)
 
     @property
     def keep(self) -> list[RetentionDecision]:
@@ -116,9 +159,13 @@ def storage_used(job) -> StorageUsage:
 
 
 def apply_retention(job, *, now: datetime | None = None, dry_run: bool = False,
-                    actor: str = RETENTION_ACTOR) -> RetentionPlan:
-    """Decide (and unless ``dry_run``, carry out) retention for one job; see the module doc."""
+                    actor: str = RETENTION_ACTOR, out_of_space: bool = False) -> RetentionPlan:
+    """Decide (and unless ``dry_run``, carry out) retention for one job; see the module doc.
+
+    ``out_of_space``: a save of the job failed for want of space since its last commit."""
     now = now or timezone.now()
+    torn = find_torn_saves(job, now=now.timestamp()) if dry_run else remove_torn_saves(job, actor=actor,
+                                                                                       now=now.timestamp())
     policy = CheckpointPolicy.of(job)
     # At least one: the window below starts at the N-th last restorable checkpoint.
     keep_last, every_hours = max(1, policy.keep_last), policy.permanent_every_hours
@@ -155,11 +202,93 @@ def apply_retention(job, *, now: datetime | None = None, dry_run: bool = False,
             created_at=c.created_at, size_bytes=c.size_bytes, keep=keep, reason=reason,
             make_permanent=c.pk in promote,
         ))
+    pressure = disk_pressure(job, policy, restorable, out_of_space=out_of_space)
+    released: list[int] = []
+    if pressure is not None and pressure.under:
+        decisions, released = _relieve(decisions, pressure, policy, restorable, _auto_permanent(job, rows, promote))
     plan = RetentionPlan(job=job.pk, now=now, dry_run=dry_run, keep_last=keep_last,
-                         permanent_every_hours=every_hours, storage=storage_used(job), decisions=decisions)
+                         permanent_every_hours=every_hours, storage=storage_used(job), decisions=decisions,
+                         pressure=pressure, torn=torn)
     if not dry_run:
-        _carry_out(plan, {c.pk: c for c in rows}, actor=actor)
+        _carry_out(plan, {c.pk: c for c in rows}, actor=actor, released=set(released))
+        if pressure is not None and pressure.under:
+            _record_pressure(job, plan, pressure, released, actor=actor)
     return plan
+
+
+def disk_pressure(job, policy: CheckpointPolicy, restorable: list[Checkpoint], *,
+                  out_of_space: bool = False) -> DiskPressure | None:
+    """The free space of the job's checkpoint file system against the target (module doc, 8);
+    None when the directory cannot be examined (not there yet, outside the root)."""
+    newest = restorable[-1].size_bytes if restorable else 0
+    try:
+        directory = paths.job_checkpoint_root(job)
+        free, total = disk.free_space(directory)
+    except (OSError, UnsafePath):
+        return None
+    target = max(int(total * policy.min_free_percent / 100), 2 * newest)
+    return DiskPressure(directory=directory, free_bytes=free, total_bytes=total, target_bytes=target,
+                        out_of_space=out_of_space)
+
+
+def _auto_permanent(job, rows: list[Checkpoint], promote: dict[int, str]) -> set[int]:
+    """The permanent checkpoints retention promoted itself (its last pin event is retention's);
+    one an operator pinned, or pinned again, is not among them."""
+    permanent = {c.pk for c in rows if c.permanent}
+    last_pinned_by: dict[int, str] = {}
+    if permanent:
+        pins = (Event.objects.filter(job=job, kind=EventKind.CHECKPOINT_PIN, evidence__checkpoint__in=list(permanent))
+                .order_by("created_at", "pk").values_list("evidence__checkpoint", "actor"))
+        last_pinned_by = dict(pins)
+    return {pk for pk in permanent if last_pinned_by.get(pk) == RETENTION_ACTOR} | set(promote)
+
+
+def _relieve(decisions: list[RetentionDecision], pressure: DiskPressure, policy: CheckpointPolicy,
+             restorable: list[Checkpoint], auto_permanent: set[int]) -> tuple[list[RetentionDecision], list[int]]:
+    """Turn keeps into deletions, oldest first, until the projected free space reaches the target
+    (module doc, 8); returns the new decisions and the permanent checkpoints released."""
+    newest = restorable[-1].pk if restorable else None
+    free = 0 if pressure.out_of_space else pressure.free_bytes
+    projected = free + sum(d.size_bytes for d in decisions if not d.keep)
+    words = ("a save failed: no space left on device" if pressure.out_of_space else
+             f"{pressure.free_bytes} of {pressure.total_bytes} bytes free, below the target of "
+             f"{pressure.target_bytes}")
+    ordinary = [d for d in decisions if d.keep and d.checkpoint != newest
+                and (d.reason.startswith("one of the last") or d.reason.startswith("corrupt"))]
+    permanent = ([d for d in decisions if d.keep and d.checkpoint != newest and d.checkpoint in auto_permanent]
+                 if policy.release_permanent_under_pressure else [])
+    chosen: dict[int, RetentionDecision] = {}
+    released = []
+    for d in [*ordinary, *permanent]:
+        if projected >= pressure.target_bytes:
+            break
+        extra = "; it was permanent by retention's own promotion" if d.checkpoint in auto_permanent else ""
+        chosen[d.checkpoint] = replace(d, keep=False, make_permanent=False,
+                                       reason=f"disk pressure ({words}): the oldest unprotected checkpoints go "
+                                              f"first{extra}")
+        if d.checkpoint in auto_permanent:
+            released.append(d.checkpoint)
+        projected += d.size_bytes
+    return [chosen.get(d.checkpoint, d) for d in decisions], released
+
+
+def _record_pressure(job, plan: RetentionPlan, pressure: DiskPressure, released: list[int], *, actor: str) -> None:
+    deleted = [d for d in plan.delete if d.reason.startswith("disk pressure")]
+    freed = sum(d.size_bytes for d in plan.delete) + sum(t.size_bytes for t in plan.torn)
+    still_short = not pressure.out_of_space and pressure.free_bytes + freed < pressure.target_bytes
+    cause = ("a save failed with no space left on device" if pressure.out_of_space else
+             f"{pressure.free_bytes / 2**20:.1f} MiB of {pressure.total_bytes / 2**20:.1f} MiB free, below "
+             f"{pressure.target_bytes / 2**20:.1f} MiB")
+    reason = (f"disk pressure on {pressure.directory}: {cause}; deleted {len(deleted)} checkpoint(s), oldest "
+              f"unprotected first ({', '.join(f'step {d.step}' for d in deleted) or 'none left to delete'}"
+              f"{f'; {len(released)} permanent by retention released' if released else ''}), "
+              f"{len(plan.torn)} torn save(s) removed, {freed / 2**20:.1f} MiB freed"
+              f"{'; still short of the target: nothing else may be deleted' if still_short else ''}")
+    record_event(EventKind.STORAGE_PRESSURE, actor=actor, job=job, reason=reason, evidence={
+        "directory": pressure.directory, "free_bytes": pressure.free_bytes, "total_bytes": pressure.total_bytes,
+        "target_bytes": pressure.target_bytes, "out_of_space": pressure.out_of_space,
+        "deleted": [d.checkpoint for d in deleted], "released_permanent": released, "freed_bytes": freed,
+        "still_short": still_short})
 
 
 def _promotions(restorable: list[Checkpoint], every_hours: int) -> dict[int, str]:
@@ -182,10 +311,13 @@ def _promotions(restorable: list[Checkpoint], every_hours: int) -> dict[int, str
     return promote
 
 
-def _carry_out(plan: RetentionPlan, rows: dict[int, Checkpoint], *, actor: str) -> None:
+def _carry_out(plan: RetentionPlan, rows: dict[int, Checkpoint], *, actor: str,
+               released: frozenset[int] | set[int] = frozenset()) -> None:
     for decision in plan.decisions:
         checkpoint = rows[decision.checkpoint]
         try:
+            if decision.checkpoint in released and checkpoint.permanent:
+                checkpoint = unpin(checkpoint, actor=actor, reason=decision.reason)
             if decision.make_permanent:
                 if Checkpoint.objects.filter(pk=checkpoint.pk, permanent=False).update(permanent=True):
                     checkpoint_event(EventKind.CHECKPOINT_PIN, checkpoint, actor=actor, reason=decision.reason)

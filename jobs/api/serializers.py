@@ -66,6 +66,14 @@ class CheckpointPolicySerializer(StrictSerializer):
     permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30,
                                                      default=_CHECKPOINT.permanent_every_hours,
                                                      help_text="0 disables permanent checkpoints.")
+    min_free_percent = serializers.FloatField(
+        min_value=0, max_value=90, default=_CHECKPOINT.min_free_percent,
+        help_text="Disk pressure below this much free space (percent of the checkpoint file system, and at least "
+                  "room for two saves): retention deletes the oldest unprotected checkpoints first.")
+    release_permanent_under_pressure = serializers.BooleanField(
+        default=_CHECKPOINT.release_permanent_under_pressure,
+        help_text="Under disk pressure, permanent checkpoints retention promoted itself (the first one, then one "
+                  "every permanent_every_hours) may be deleted too, oldest first; never one an operator pinned.")
 
     def validate_dir(self, value):
         # Confined like every checkpoint path (realpath: neither ".." nor a symlink inside the root may

@@ -2,8 +2,9 @@
 mounted by the test holds the job's checkpoints; once the first checkpoint is verified, the disk is
 filled to the last few kilobytes. The next saves fail (DCP's ``CheckpointException``, from ENOSPC,
 on both ranks); the 2-rank torchrun trains on, the control plane raises a ``checkpoint`` incident
-that says "no space left on device" (``/status`` shows it), and once space is freed checkpoints
-commit again and the job completes.
+that says "no space left on device" (``/status`` shows it), retention runs for the full disk at once
+(a ``storage.pressure`` event), and once space is freed checkpoints commit again and the job
+completes.
 
 Mounting needs root: CI runs as root on this kind of machine. Elsewhere the test is skipped,
 never under CI (``CI=1``), where not being able to mount is a failure.
@@ -59,6 +60,7 @@ def fill(where: Path, leave_bytes: int = 8192) -> Path:
 
 def test_a_full_disk_fails_saves_without_ending_training_and_says_why(cluster, tokens, tmp_path, small_tmpfs):
     from checkpoints.models import Checkpoint
+    from core.models import Event
     from jobs.models import Incident
     from nodes.models import Node
 
@@ -82,6 +84,10 @@ def test_a_full_disk_fails_saves_without_ending_training_and_says_why(cluster, t
     status, body = api(cluster, tokens["operator"], "GET", f"/api/v1/jobs/{job_id}/status")
     assert status == 200 and any("no space left on device" in i["classification"]
                                  for i in body["recent_incidents"]), body
+    # Retention ran at once for the full disk, and said so.
+    pressure = wait_for(lambda: Event.objects.filter(job_id=job_id, kind="storage.pressure").first(), timeout=30,
+                        what="retention's disk-pressure event")
+    assert pressure.evidence["out_of_space"] is True
     # Rank 0 removed the failed saves' partial shards: only committed checkpoints lie on the disk.
     leftovers = [p.name for p in small_tmpfs.glob("step-*") if not (p / "COMMITTED").exists()]
     assert not leftovers, leftovers
