@@ -21,7 +21,7 @@ from dashboard.events import points_from_rows
 from jobs import efficiency
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of
-from jobs.models import Generation, Incident, Job, NodeWindow, StepMetric
+from jobs.models import Generation, Incident, Job, NodeWindow, StepMetric, TrainingEvent
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node
 
@@ -120,6 +120,12 @@ def breaker(job: Job) -> dict | None:
             "incident": incident, "evidence": incident.evidence if incident else {}}
 
 
+#: The hooks' detector events the chart explains, at most this many (the newest).
+DETECTION_KINDS = ("spike", "level_shift", "divergence")
+DETECTION_ROWS = 200
+DETECTION_FIELDS = ("action", "score", "baseline", "threshold", "rise", "since_step", "reason")
+
+
 def chart(job: Job) -> dict:
     """Every point of the loss / gradient-norm chart and its markers (spikes and skipped steps are
     flags of the points; checkpoints and restarts are steps)."""
@@ -128,11 +134,16 @@ def chart(job: Job) -> dict:
     checkpoints = list(Checkpoint.objects.filter(job=job).order_by("step").values("pk", "step", "state"))
     restarts = list(Generation.objects.filter(job=job, number__gt=1, first_step__isnull=False)
                     .order_by("number").values("number", "first_step"))
+    detections = list(TrainingEvent.objects.filter(job=job, kind__in=DETECTION_KINDS).order_by("-pk")
+                      .values("step", "rank", "kind", "detail")[:DETECTION_ROWS])
     return {
         "job": job.pk,
         "points": [p.as_dict() for p in points_from_rows(rows)],
         "checkpoints": [{"step": c["step"], "state": c["state"], "id": c["pk"]} for c in checkpoints],
         "restarts": [{"step": g["first_step"], "generation": g["number"]} for g in restarts],
+        # What each detector saw, so a marker explains itself (docs/detection.md).
+        "detections": [{"step": d["step"], "rank": d["rank"], "kind": d["kind"],
+                        **{k: d["detail"].get(k) for k in DETECTION_FIELDS}} for d in reversed(detections)],
     }
 
 

@@ -108,3 +108,18 @@ def test_a_straggler_is_named_with_rank_host_and_cost_once_and_never_for_a_check
     assert "gpu-02" in incident.classification and "alert only" in incident.classification
     assert detail["last_step"] <= 13 * 10 + 8 * 10  # within the 8 windows it takes to see 5
     assert running.state == JobState.RUNNING  # an alert, nothing to recover
+
+
+def test_the_chart_explains_each_marker_with_what_the_detector_saw(
+        running, eager_celery, django_capture_on_commit_callbacks):
+    from dashboard.queries import chart
+
+    send(running, django_capture_on_commit_callbacks, [report(running, 40, spike=True, skipped=True)],
+         [event(running, 40, "spike", action="marker", consecutive=1, score=31.5, baseline=2.0, threshold=2.3,
+                reason="loss spike; the guard skipped the update"),
+          event(running, 41, "level_shift", action="marker", rise=0.04, reason="re-baselined")])
+    assert chart(running)["detections"] == [
+        {"step": 40, "rank": 0, "kind": "spike", "action": "marker", "score": 31.5, "baseline": 2.0,
+         "threshold": 2.3, "rise": None, "since_step": None, "reason": "loss spike; the guard skipped the update"},
+        {"step": 41, "rank": 0, "kind": "level_shift", "action": "marker", "score": None, "baseline": None,
+         "threshold": None, "rise": 0.04, "since_step": None, "reason": "re-baselined"}]

@@ -94,12 +94,28 @@
     }
   }
 
+  function describeDetection(d) {
+    // What the detector saw: docs/detection.md explains each rule.
+    const num = (x) => (x == null ? "?" : Number(x).toPrecision(4));
+    const what = { spike: "loss spike", level_shift: "level shift", divergence: "divergence" }[d.kind] || d.kind;
+    let seen = "";
+    if (d.kind === "spike") seen = `: score ${num(d.score)}, baseline ${num(d.baseline)}, threshold ${num(d.threshold)}`;
+    else if (d.rise != null) seen = `: ${(100 * d.rise).toFixed(1)} % over the baseline` +
+      (d.since_step != null ? ` since step ${d.since_step}` : "");
+    return `${what} at step ${d.step} (rank ${d.rank})${seen} → ${d.action || "marker"}`;
+  }
+
   function renderMarkers() {
     const list = document.getElementById("markers");
     if (!list) return;
     const markers = [];
+    const explained = new Set();
+    for (const d of chartMeta.detections || []) {
+      explained.add(d.step);
+      markers.push([d.kind, d.step, describeDetection(d)]);
+    }
     for (const p of nw.points.values()) {
-      if (p.spike) markers.push(["spike", p.step, `loss spike at step ${p.step}`]);
+      if (p.spike && !explained.has(p.step)) markers.push(["spike", p.step, `loss spike at step ${p.step}`]);
       if (p.nan) markers.push(["nan", p.step, `non-finite loss at step ${p.step}`]);
       if (p.skipped) markers.push(["skipped", p.step, `step ${p.step} skipped`]);
     }
@@ -123,7 +139,8 @@
 
   function setChart(chart) {
     if (!chart) return;
-    chartMeta = { checkpoints: chart.checkpoints || [], restarts: chart.restarts || [] };
+    chartMeta = { checkpoints: chart.checkpoints || [], restarts: chart.restarts || [],
+                  detections: chart.detections || [] };
     if (chart.points) { nw.points.clear(); chart.points.forEach(mergePoint); }
     drawChart();
   }
