@@ -219,3 +219,22 @@ def test_the_training_thread_never_waits_for_a_hung_server(make_reporter):
         hang.set()
         server.shutdown()
         server.server_close()
+
+
+def test_an_implausible_report_refused_with_422_is_dropped_and_its_batch_mates_delivered(
+        make_reporter, control_plane, monkeypatch):
+    """Issue 24, item 6: the server refuses a whole batch holding an implausible step (422, nothing
+    stored); the reporter then sends the batch's records one at a time, so only the bad one is lost."""
+    accept = control_plane.accept_reports
+
+    def plausible_only(body):
+        if any(report["step"] > 10_000 for report in body["reports"]):
+            return 422, {"status": 422, "detail": "step_far_ahead", "errors": [{"field": "reports.0.step"}]}
+        return accept(body)
+
+    monkeypatch.setattr(control_plane, "accept_reports", plausible_only)
+    reporter = make_reporter()
+    for step in (1, 2, 100_154, 3, 4):
+        reporter.report(step_report(step))
+    wait_for(lambda: delivered_steps(control_plane) == [1, 2, 3, 4] and len(reporter.spool) == 0, timeout=10,
+             what="the plausible reports delivered", interval=POLL_S)
