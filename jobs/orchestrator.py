@@ -33,7 +33,7 @@ from core.text import clean_json, clip, one_line
 from jobs import policy, state
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.launching import candidates, end_generations, free_node_count, spec_hash, start_generation
-from jobs.models import Generation, Incident, Job, StepMetric
+from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
 from jobs.policies import RecoveryPolicy
 from nodes import services as node_services
 from nodes import transports
@@ -86,7 +86,7 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
                                  "reason": decision.reason, "config_hash": ev.config_hash,
                                  "restarts_in_window": ev.restarts_in_window, "max_restarts": ev.max_restarts,
                                  "propose_rollback": decision.propose_rollback, "page": decision.page}),
-            fault_at=fault_at or now, detected_at=now,
+            fault_at=fault_at or flagged_fault_time(job, signal, generation, now), detected_at=now,
         )
         blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
         if blamed:
@@ -104,6 +104,24 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
         _quiesce(job, incident, decision, actor=actor)
     transaction.on_commit(lambda: _advance_later(job_id))
     return incident
+
+
+#: What the hooks flag, and the training event (or step report) that carries the flag's own time.
+_FLAG_EVENTS = {policy.SPIKE: "spike", policy.INCONSISTENCY: "inconsistency", policy.DIVERGENCE: "divergence"}
+
+
+def flagged_fault_time(job: Job, signal: str, generation: int, now):
+    """When a fault the hooks flagged happened, by the hooks' clock: the first NaN step of the
+    generation, or the newest event of the flag's kind, never after ``now`` (a node clock ahead);
+    ``now`` for a signal with no earlier evidence (the verdict is the fault's first sign)."""
+    at = None
+    if signal == policy.NAN:
+        at = (StepMetric.objects.filter(job=job, generation=generation, nan=True).order_by("step")
+              .values_list("reported_at", flat=True).first())
+    elif signal in _FLAG_EVENTS:
+        at = (TrainingEvent.objects.filter(job=job, generation=generation, kind=_FLAG_EVENTS[signal])
+              .order_by("-reported_at").values_list("reported_at", flat=True).first())
+    return min(at, now) if at is not None else now
 
 
 def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> policy.Evidence:

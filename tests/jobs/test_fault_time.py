@@ -128,3 +128,23 @@ def test_a_stop_acknowledged_by_a_returning_node_stays_a_partition(cast, job):
     while orchestrator.advance_recovery(job.pk):
         pass
     assert (Incident.objects.get(job=job).kind, Job.objects.get(pk=job.pk).state) == ("partition", JobState.PAUSED)
+
+
+@pytest.mark.django_db
+def test_a_nan_dates_from_the_step_that_went_nan(cast, job, eager_celery):
+    from jobs.models import TrainingEvent
+
+    went_nan = timezone.now() - timedelta(seconds=4)
+    for step, nan in ((5, False), (6, True), (7, True)):
+        at = went_nan + timedelta(seconds=step - 6)
+        StepMetric.objects.create(job=job, generation=1, rank=0, step=step, loss=None if nan else 1.0, nan=nan,
+                                  world_size=2, data_cursor=8 * step, samples=4, reported_at=at, received_at=at)
+    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
+    job.refresh_from_db()
+    orchestrator.handle_hook_flags(job, 1, nan=True, spikes=0, inconsistent=None)
+    incident = Incident.objects.get(job=job)
+    assert incident.kind == "numerical" and incident.fault_at == went_nan
+    disagreed = timezone.now() - timedelta(seconds=2)
+    TrainingEvent.objects.create(job=job, generation=1, rank=0, step=9, kind="inconsistency", key="k",
+                                 message="ranks disagree", detail={}, reported_at=disagreed, received_at=disagreed)
+    assert orchestrator.flagged_fault_time(job, "inconsistency", 1, timezone.now()) == disagreed
