@@ -8,6 +8,7 @@ import time
 import pytest
 
 from agents.protocol import hooks as hooks_protocol
+from alerts.rules import for_incident
 from checkpoints.models import Checkpoint
 from jobs import ingest
 from jobs.choices import IncidentKind, IncidentState, JobState
@@ -48,6 +49,8 @@ def test_a_full_disk_raises_one_checkpoint_incident_that_says_why(running, eager
     assert incident.fault_at < incident.detected_at  # the hooks' time of the failure
     assert running.state == JobState.RUNNING  # training goes on: nothing to recover
     assert incident.state == IncidentState.RESOLVED  # an alert: born resolved, as stragglers are
+    page = for_incident(incident)  # what the on-call receives says why
+    assert page.severity == "page" and "no space left on device" in page.summary
 
     # The next save fails for the same cause: the same condition, not a second page.
     record(running, failed_save(running, 30), django_capture_on_commit_callbacks)
