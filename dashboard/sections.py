@@ -14,6 +14,7 @@ from django.template.loader import render_to_string
 
 from core import roles
 from dashboard import fleet, lineage, node_page, queries
+from jobs import fit
 from jobs.models import Job
 from nodes.models import Node
 
@@ -44,7 +45,8 @@ PAGES: dict[str, dict[str, Section]] = {
     "job": {
         "summary": Section("dashboard/sections/summary.html", lambda on: queries.job_summary(on.job)),
         "banner": Section("dashboard/sections/banner.html",
-                          lambda on: {"job": on.job, "breaker": queries.breaker(on.job)}),
+                          lambda on: {"job": on.job, "breaker": queries.breaker(on.job),
+                                      "waiting": fit.waiting(on.job)}),
         "skew": Section("dashboard/sections/skew.html", lambda on: {"job": on.job, "skew": queries.rank_skew(on.job)}),
         "timeline": Section("dashboard/sections/timeline.html", lambda on: {"job": on.job, **queries.timeline(on.job)}),
         "incidents": Section("dashboard/sections/incidents.html",

@@ -65,7 +65,7 @@ def launch(client: Client, args) -> int:
     try:
         job = client.post("/jobs", spec.body, headers=headers)
     except ApiError as exc:
-        if exc.status == 400 and exc.errors:
+        if exc.status in (400, 422) and exc.errors:  # 422: a spec the fleet can never hold
             problems = [specs.Problem(spec.locate(e.get("field", "")), e.get("field", ""), e.get("reason", ""))
                         for e in exc.errors]
             return _fail(f"the control plane refused the job spec:\n{specs.SpecError(spec.path, problems)}",
@@ -109,7 +109,8 @@ def _progress(status: dict) -> str:
     step = status["last_step"] if status["last_step"] is not None else "-"
     return (f"[{time.strftime('%H:%M:%S')}] job {status['id']} {status['state']} · generation {status['generation']}"
             f" · step {step} · restarts {status['restart_count']} · open incidents {status['open_incidents']}"
-            f" · ettr {status['ettr']:.2f}")
+            f" · ettr {status['ettr']:.2f}"
+            + (f"\n  waiting: {status['waiting']['reason']}" if status.get("waiting") else ""))
 
 
 def status(client: Client, args) -> int:

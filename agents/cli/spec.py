@@ -37,7 +37,7 @@ RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds"
                    "clean_run_minutes": INT}
 TOP_LEVEL = {"name": STR, "entrypoint": STR, "module": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
-             "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY}
+             "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY, "queue": BOOL}
 REQUIRED = ("name",)
 #: What torchrun runs: exactly one of these, each checked by the agent's own rule.
 TARGETS = {"entrypoint": script_problem, "module": module_problem}

@@ -176,11 +176,16 @@ class JobSpecSerializer(StrictSerializer, serializers.ModelSerializer):
     nccl_profile = serializers.DictField(child=_text(max_length=256), default=dict)
     checkpoint_policy = CheckpointPolicySerializer(default=dict)
     recovery_policy = RecoveryPolicySerializer(default=dict)
+    queue = serializers.BooleanField(
+        default=False, write_only=True,
+        help_text="Accept a spec the registered fleet cannot hold yet (more nodes than are registered, more GPUs "
+                  "per node than any node has) and keep it pending until nodes that fit register. Without it such "
+                  "a spec is refused with 422, naming the field.")
 
     class Meta:
         model = Job
         fields = ["name", "entrypoint", "module", "args", "nnodes", "nproc_per_node", "accelerator", "rdzv_port",
-                  "nccl_profile", "checkpoint_policy", "recovery_policy"]
+                  "nccl_profile", "checkpoint_policy", "recovery_policy", "queue"]
 
     def validate_name(self, value):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
@@ -294,6 +299,16 @@ class IncidentSummarySerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class WaitingSerializer(serializers.Serializer):
+    reason = serializers.CharField(help_text='e.g. "not enough healthy nodes: have 2, need 4096 (of 3 registered: '
+                                             '1 drained or draining)"')
+    have = serializers.IntegerField(help_text="Nodes placement could use now.")
+    need = serializers.IntegerField()
+    never_fits = serializers.DictField(child=serializers.CharField(),
+                                       help_text="By field: why the fleet as registered can never hold the job.")
+    fleet = serializers.DictField(help_text="registered, drained, lemons, unhealthy, busy, max_gpus")
+
+
 class JobStatusSerializer(serializers.Serializer):
     """What a CI pipeline polls while it waits: state, step, generation, open incidents."""
 
@@ -311,6 +326,7 @@ class JobStatusSerializer(serializers.Serializer):
     ettr = serializers.FloatField(help_text="Goodput so far: productive time / wall time.")
     open_incidents = serializers.IntegerField()
     recent_incidents = IncidentSummarySerializer(many=True, help_text="The five most recent, newest first.")
+    waiting = WaitingSerializer(allow_null=True, help_text="A pending job: why it waits for nodes. Null otherwise.")
 
 
 class GoodputSerializer(serializers.Serializer):

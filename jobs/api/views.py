@@ -24,7 +24,7 @@ from core.auth import actor_label
 from core.models import Event
 from core.problems import Conflict, Unprocessable
 from core.schema import protocol_schema
-from jobs import ingest, services
+from jobs import fit, ingest, services
 from jobs.api.access import hooks_message, require_hooks_caller
 from jobs.api.serializers import (
     ApproveSerializer,
@@ -96,7 +96,10 @@ class JobListCreate(generics.ListCreateAPIView):
         request=JobSpecSerializer,
         responses={201: JobSerializer,
                    422: OpenApiResponse(description="The Idempotency-Key is empty, longer than 200 characters, "
-                                                    "or was used before with a different body.")},
+                                                    "or was used before with a different body; or the registered "
+                                                    "fleet can never hold the spec (more nodes than are registered, "
+                                                    "more GPUs per node than any node has: the field is named) and "
+                                                    "the request did not say \"queue\": true.")},
         parameters=[OpenApiParameter(IDEMPOTENCY_HEADER, str, OpenApiParameter.HEADER,
                                      description="1-200 characters. Retries with the same key (per credential, "
                                                  "for 24 h) return the first response without launching again.")],
@@ -105,7 +108,10 @@ class JobListCreate(generics.ListCreateAPIView):
         def perform():
             spec = JobSpecSerializer(data=request.data)
             spec.is_valid(raise_exception=True)
-            job = services.launch_job(spec.validated_data, actor=actor_label(request))
+            values = dict(spec.validated_data)
+            if not values.pop("queue", False) and (never := fit.refusal(values)):
+                raise Unprocessable({field: [reason] for field, reason in never.items()})
+            job = services.launch_job(values, actor=actor_label(request))
             return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
         return idempotent(request, perform)
@@ -152,6 +158,7 @@ class JobStatus(APIView):
             # The rows, not their representation: the status serializer renders them (rendering them
             # twice read ``generation.number`` of an int, and every generation came out null).
             "recent_incidents": list(incidents[:5]),
+            "waiting": fit.waiting(job),
         }).data)
 
 

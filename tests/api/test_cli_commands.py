@@ -119,3 +119,18 @@ def test_undrain_of_a_lemon_warns_and_clear_lemon_is_separate(run, world):
 def test_status_shows_each_incidents_generation(run, world):
     code, out, _ = run("viewer", "status", str(world.cast.job.pk))
     assert code == EXIT_OK and f"incident {world.incident.pk} gen 1: crash" in out
+
+
+def test_a_spec_the_fleet_cannot_hold_is_refused_with_its_line_and_a_pending_job_says_why(run, world, tmp_path):
+    from jobs.models import Job
+
+    spec = tmp_path / "huge.yaml"
+    spec.write_text("name: huge\nentrypoint: examples/train.py\nnnodes: 4096\n")
+    code, _, err = run("ci", "launch", str(spec))
+    assert code == EXIT_USAGE and "huge.yaml:3: nnodes: 4096 nodes needed, but 2 node(s) are registered" in err
+    spec.write_text("name: huge\nentrypoint: examples/train.py\nnnodes: 4096\nqueue: true\n")
+    code, out, _ = run("ci", "launch", str(spec))
+    assert code == EXIT_OK
+    job = Job.objects.get(name="huge")
+    code, out, _ = run("viewer", "status", str(job.pk))
+    assert code == EXIT_OK and "waiting: not enough healthy nodes: have " in out and "need 4096" in out
