@@ -63,6 +63,9 @@ class JobCheckpoints(generics.ListAPIView):
     def post(self, request, pk):
         job = get_object_or_404(Job, pk=pk)
         commit = hooks_message(request, job, hooks_protocol.CheckpointCommit, "commit")
+        if len(commit.path) > _LOCATION_LEN:  # the wire allows 4096: a clear 400, not a database error's 500
+            raise ValidationError({"path": [f"{len(commit.path)} characters; the registry stores checkpoint paths "
+                                            f"of at most {_LOCATION_LEN}: use a shorter checkpoint directory"]})
         try:
             checkpoint, created = checkpointing.commit_checkpoint(job, commit, actor=actor_label(request))
         except paths.OutsideRoot as exc:
@@ -70,6 +73,10 @@ class JobCheckpoints(generics.ListAPIView):
         except (TransitionError, checkpoint_services.CheckpointError) as exc:
             raise Conflict(str(exc)) from exc
         return Response(CheckpointSerializer(checkpoint).data, status=201 if created else 200)
+
+
+#: ``Checkpoint.location``'s bound.
+_LOCATION_LEN = Checkpoint._meta.get_field("location").max_length or 1000
 
 
 class JobCheckpointTree(APIView):

@@ -23,6 +23,7 @@ from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
 from core.events import EventKind, record_event
 from core.models import ApiToken, Event, Scope, hash_token
+from core.text import clip
 from nodes import health as rules
 from nodes import signals
 from nodes.addresses import address_problem
@@ -231,10 +232,17 @@ def _record_registration(node: Node, message: wire.Register, *, actor: str, prev
     )
 
 
+_GPU_UUID_LEN = GPU._meta.get_field("uuid").max_length or 80
+_GPU_NAME_LEN = GPU._meta.get_field("name").max_length or 100
+
+
 def _record_gpus(node: Node, gpus: list[wire.GpuInfo]) -> None:
     known = {g.index: g for g in GPU.objects.filter(node=node)}
     for info in gpus:
-        values = {"uuid": info.uuid, "name": info.name, "memory_total_mb": info.memory_total // 2**20}
+        # The wire allows longer names and uuids (what NVML reports) than the columns hold: clipped, and
+        # compared clipped, so that a long uuid is not taken for a different card at every registration.
+        values = {"uuid": clip(info.uuid, _GPU_UUID_LEN), "name": clip(info.name, _GPU_NAME_LEN),
+                  "memory_total_mb": info.memory_total // 2**20}
         gpu = known.get(info.index)
         if gpu is None:
             GPU.objects.create(node=node, index=info.index, **values)

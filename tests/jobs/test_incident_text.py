@@ -146,3 +146,40 @@ def test_audit_rows_clip_an_actor_longer_than_their_column(cast):
     event.refresh_from_db()
     assert len(event.actor) == 200 and event.actor.startswith("node:nnn") and event.reason == "r"
     assert len(event.old_state) == 24
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_path_longer_than_its_column_is_a_400_naming_the_field(cast, api):
+    from checkpoints.models import Checkpoint
+    from checkpoints.paths import checkpoint_dir
+    from jobs import state
+    from jobs.models import Generation
+
+    state.transition(cast.job, JobState.INITIALIZING, actor="test")
+    Generation.objects.create(job=cast.job, number=1, world_size=2).nodes.add(cast.node1)
+    path = checkpoint_dir(cast.job) + "/" + "/".join(["d" * 200] * 6)  # the wire allows 4,096 characters
+    body = {"job": str(cast.job.pk), "generation": 1, "step": 10, "path": path, "loss": 2.0, "config_hash": "abc",
+            "data_cursor": 80, "world_size": 2, "size_bytes": 1000, "blocking_s": 0.03, "total_s": 1.2,
+            "manifest": {"step": 10}}
+    response = api(cast.tokens["agent"]).post(f"/api/v1/jobs/{cast.job.pk}/checkpoints", body, format="json")
+    assert response.status_code == 400, response.content  # was a 500 (value too long), which the hooks retried
+    assert response.json()["errors"][0]["field"] == "path" and "at most 1000" in response.json()["detail"]
+    assert not Checkpoint.objects.exists()
+
+
+@pytest.mark.django_db
+def test_gpu_names_and_uuids_longer_than_their_columns_register_and_stay_the_same_card(cast, api):
+    from agents.protocol.agent import GpuInfo
+    from nodes.models import GPU, Node
+    from nodes.services.fleet import _record_gpus
+
+    uuid, name = "GPU-" + "u" * 92, "NVIDIA " + "N" * 121  # the wire's bounds: 96 and 128 characters
+    body = {"bootstrap_token": cast.tokens["bootstrap"], "hostname": "gpu-long", "address": "10.0.0.9",
+            "agent_version": "0.1.0", "gpus": [{"index": 0, "uuid": uuid, "name": name, "memory_total": 2**30}]}
+    response = api().post("/api/v1/agents/register", body, format="json")
+    assert response.status_code == 201, response.content  # was a 500 (value too long)
+    gpu = GPU.objects.get(node__hostname="gpu-long")
+    assert len(gpu.uuid) == 80 and len(gpu.name) == 100 and gpu.name.endswith("…")
+    GPU.objects.filter(pk=gpu.pk).update(health="healthy")
+    _record_gpus(Node.objects.get(hostname="gpu-long"), [GpuInfo(index=0, uuid=uuid, name=name, memory_total=2**30)])
+    assert GPU.objects.get(pk=gpu.pk).health == "healthy"  # the same card: its history is kept
