@@ -12,6 +12,8 @@ import uuid
 
 from celery import Celery, Task, bootsteps, signals
 
+from core import liveness  # standard library only: safe before Django is set up
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 
@@ -63,8 +65,6 @@ class LivenessFile(bootsteps.StartStopStep):
     def start(self, parent):
         if not self.path:
             return
-        from core import liveness
-
         liveness.touch(self.path)
         self.timer_ref = parent.timer.call_repeatedly(self.interval, liveness.touch, (self.path,), priority=10)
 
@@ -76,8 +76,6 @@ class LivenessFile(bootsteps.StartStopStep):
     def shutdown(self, parent):
         self.stop(parent)
         if self.path:
-            from core import liveness
-
             liveness.remove(self.path)
 
 

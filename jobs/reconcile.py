@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from jobs import orchestrator
 from jobs.choices import JobState
-from jobs.models import Generation
+from jobs.models import Generation, Job
 from nodes.choices import CommandKind, CommandState
 from nodes.models import AgentEventRecord, NodeCommand
 
@@ -39,14 +39,12 @@ def reexamine_one_exit(*, now=None) -> bool:
     """Handle one stored exit (or acknowledged stop) of an active job's current generation that the
     generation has not counted; returns whether it found one."""
     cutoff = (now or timezone.now()) - timedelta(seconds=GRACE_S)
-    exits = list(AgentEventRecord.objects.filter(
-        kind__in=("exited", "stopped"), job__state__in=JobState.ACTIVE, generation=F("job__generation"),
-        received_at__lte=cutoff).order_by("received_at", "pk")
-        .values_list("pk", "job_id", "generation", "node__hostname", "kind", "detail")[:SCAN])
-    stops = list(NodeCommand.objects.filter(
-        kind=CommandKind.STOP, state=CommandState.ACKED, job__state__in=JobState.ACTIVE,
-        generation=F("job__generation"), acked_at__lte=cutoff).order_by("acked_at", "pk")
-        .values_list("job_id", "generation", "node__hostname")[:SCAN])
+    active = active_jobs()
+    if not active:
+        return False
+    exits = list(exits_of_active_jobs(cutoff, active).values_list("pk", "job_id", "generation", "node__hostname",
+                                                                  "kind", "detail")[:SCAN])
+    stops = list(stops_of_active_jobs(cutoff, active).values_list("job_id", "generation", "node__hostname")[:SCAN])
     counted = _stopped_nodes({(job, gen) for _, job, gen, *_ in exits} | {(job, gen) for job, gen, _ in stops})
     for pk, job_id, generation, hostname, kind, detail in exits:
         if (job_id, generation) not in counted or hostname in counted[job_id, generation]:
@@ -64,6 +62,27 @@ def reexamine_one_exit(*, now=None) -> bool:
         orchestrator.confirm_stopped(job_id, generation, hostname)
         return True
     return False
+
+
+def exits_of_active_jobs(cutoff, active: list[int]):
+    """Exit reports of the current generation of the ``active`` jobs, received before ``cutoff``:
+    driven from the few active jobs through the (job, generation) index, never from every exit
+    ever stored."""
+    return AgentEventRecord.objects.filter(
+        job_id__in=active, generation=F("job__generation"), kind__in=("exited", "stopped"),
+        received_at__lte=cutoff).order_by("received_at", "pk")
+
+
+def stops_of_active_jobs(cutoff, active: list[int]):
+    """Stop commands of the current generation of the ``active`` jobs, acknowledged as done before
+    ``cutoff`` (through the commands' job index)."""
+    return NodeCommand.objects.filter(
+        job_id__in=active, generation=F("job__generation"), kind=CommandKind.STOP, state=CommandState.ACKED,
+        acked_at__lte=cutoff).order_by("acked_at", "pk")
+
+
+def active_jobs() -> list[int]:
+    return list(Job.objects.filter(state__in=JobState.ACTIVE).values_list("pk", flat=True))
 
 
 def _stopped_nodes(keys: set[tuple[int, int]]) -> dict[tuple[int, int], set[str]]:

@@ -65,3 +65,19 @@ def test_a_stop_acknowledged_but_never_counted_is_counted(running):
     assert reconcile.reexamine_one_exit() is True
     assert Generation.objects.get(job=running.job, number=1).stopped_nodes == ["gpu-01"]
     assert reconcile.reexamine_one_exit() is False
+
+
+def test_the_sweep_reads_exits_through_the_active_jobs_not_every_exit_ever_stored(running):
+    from django.db import connection
+
+    done = Job.objects.bulk_create(Job(name=f"old{i}", entrypoint="examples/train.py", created_by="test",
+                                       state=JobState.COMPLETED, generation=1) for i in range(50))
+    AgentEventRecord.objects.bulk_create(
+        AgentEventRecord(node=running.node1, key=f"old-{job.pk}", kind="exited", time=timezone.now(), job=job,
+                         generation=1, received_at=timezone.now() - timedelta(hours=1)) for job in done)
+    query = reconcile.exits_of_active_jobs(timezone.now(), reconcile.active_jobs())
+    assert not query.exists()
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # tables this small would be scanned anyway
+        plan = query[:1].explain()
+    assert "agentevent_job_generation" in plan, plan
