@@ -194,3 +194,19 @@ def test_the_relay_keeps_its_place_while_its_lease_cannot_be_renewed(settings):
     assert relay._lead() is True
     assert (relay.events.high, relay.metrics.high) == (5, 7), "kept its place"
     relay._release()
+
+
+@pytest.mark.django_db
+def test_fallbacks_and_held_messages_are_exported():
+    from core import degraded
+    from core.models import OutboxMessage
+    from dashboard.metrics import NightwatchCollector
+
+    degraded.note("cache", "Connection refused")
+    degraded.note("broker", "Connection refused")
+    OutboxMessage.objects.create(task="jobs.tasks.advance_job", args=[1])
+    families = {f.name: f for f in NightwatchCollector._degraded()}
+    fallbacks = {s.labels["component"]: s.value for s in families["nightwatch_redis_fallbacks"].samples
+                 if s.name.endswith("_total")}
+    assert fallbacks == {"broker": 1, "cache": 1}
+    assert [s.value for s in families["nightwatch_outbox_messages"].samples] == [1]
