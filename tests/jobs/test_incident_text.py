@@ -80,6 +80,16 @@ def test_failure_key_is_bounded_and_equal_for_the_same_failure_only() -> None:
     assert failure_key(None) is None
 
 
+def test_the_slurm_transport_reads_a_jobs_output_as_the_agent_does(tmp_path) -> None:
+    from nodes.transports.slurm.ended import _read_output
+
+    output = tmp_path / "slurm-7.out"
+    output.write_bytes(CRASH_OUTPUT)
+    tail, scan = _read_output(str(output))
+    assert not any("\x00" in line for line in tail)  # jsonb holds no NUL: the whole poll would fail
+    assert classify_exit(1, scan)[1] == agent_exit_report(CRASH_OUTPUT).error_line
+
+
 # --- through the agent's exit report --------------------------------------------------------------
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from agents.protocol.agent import MAX_LOG_LINE, MAX_LOG_TAIL_LINES
 from agents.supervisor import OutputScan, classify_exit
+from agents.supervisor.output import decode_line
 from core.events import EventKind, record_event
 from core.models import ApiToken
 from nodes import signals
@@ -96,7 +97,7 @@ def _read_output(path: str) -> tuple[list[str], OutputScan]:
             if size > MAX_SCANNED_BYTES:
                 stream.readline()  # most likely a partial line
             for raw in stream:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                line = decode_line(raw.rstrip(b"\n"))  # as the agent reads it: no NUL reaches the evidence
                 scan.feed(line)
                 tail.append(line[:MAX_LOG_LINE])
     except OSError:
