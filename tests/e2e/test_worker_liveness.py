@@ -6,10 +6,16 @@ liveness file (``NIGHTWATCH_WORKER_LIVENESS_FILE``) and writes a pid file; a hea
 ``python -m core.liveness FILE --max-age N --kill-pidfile PIDFILE``, which kills a worker whose file
 went stale; the restart policy starts a new one when the old one exits. Beat runs as its own process
 and survives the worker.
+
+The recovery is hung while it waits for the second node's stop confirmation, which arrives while the
+worker is frozen. Redis may already have handed that message to the frozen worker, which dies with it
+(the issue's "worker died inside kombu"); then the sweep's reconciliation (``jobs.reconcile``) handles
+the stored confirmation 10 s later. Either way: exactly one new generation.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +23,7 @@ import time
 
 import pytest
 
+from core import liveness
 from tests.e2e.cluster import Cluster, Proc, api, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -65,7 +72,9 @@ def supervised(transactional_db, tmp_path, request):
 
     cluster = Cluster(tmp_path, database_name=connection.settings_dict["NAME"], redis_db=REDIS_DB, settings={
         "NIGHTWATCH_WORKER_LIVENESS_FILE": str(tmp_path / "worker.alive"), "NIGHTWATCH_WORKER_LIVENESS_S": "0.5",
-        "NIGHTWATCH_HEARTBEAT_MISSES": "100"})
+        "NIGHTWATCH_HEARTBEAT_MISSES": "100",
+        # The recovery waits for the second node's confirmation across the worker's restart.
+        "NIGHTWATCH_QUIESCE_TIMEOUT_S": "120"})
     worker = ComposeStyleWorker(cluster)
     try:
         cluster.start_web()
@@ -86,21 +95,27 @@ def test_a_worker_hung_mid_recovery_is_restarted_by_its_liveness_check_and_the_n
     from nodes.models import Node
 
     cluster, worker = supervised
-    node = Node.objects.create(hostname="node-w", address="127.0.0.1", health="healthy")
-    _, agent = ApiToken.issue(name="agent", scope="agent", node=node)
-    # The backoff holds the job in "recovering" long enough to hang the worker there.
-    job = Job.objects.create(name="liveness", entrypoint="examples/train.py", nnodes=1, nproc_per_node=2,
-                             created_by="test", recovery_policy={"backoff_seconds": 6})
+    nodes, agents = [], []
+    for name in ("node-w1", "node-w2"):
+        nodes.append(Node.objects.create(hostname=name, address="127.0.0.1", health="healthy"))
+        agents.append(ApiToken.issue(name=name, scope="agent", node=nodes[-1])[1])
+    # Two nodes: after one crashes, the recovery waits (quiescing) until the other confirms its stop.
+    job = Job.objects.create(name="liveness", entrypoint="examples/train.py", nnodes=2, nproc_per_node=2,
+                             created_by="test")
     wait_for(lambda: Generation.objects.filter(job=job, number=1).exists(), timeout=30, what="generation 1")
     assert worker.healthcheck() == 0, "a working worker is alive"
+    # ... because it touches its file, again and again (not merely because it just started).
+    first = wait_for(lambda: liveness.age(worker.alive_file) is not None and os.stat(worker.alive_file).st_mtime,
+                     timeout=10, what="the worker's first touch")
+    wait_for(lambda: os.stat(worker.alive_file).st_mtime > first, timeout=10, what="the worker's next touch")
 
-    exited = {"key": "exit-1", "kind": "exited", "job": str(job.pk), "generation": 1, "time": time.time(),
-              "detail": {"exit_code": 1, "ranks": [{"rank": 0, "local_rank": 0, "signal": 9}]}}
-    status, body = api(cluster, agent, "POST", f"/api/v1/nodes/{node.pk}/events", {"events": [exited]})
-    assert status in (200, 202), body
-    wait_for(lambda: Job.objects.get(pk=job.pk).state == "recovering", timeout=30, what="the recovery to start")
+    _event(cluster, agents[0], nodes[0], job, "exited", {"exit_code": 1,
+                                                        "ranks": [{"rank": 0, "local_rank": 0, "signal": 9}]})
+    wait_for(lambda: Job.objects.get(pk=job.pk).state == "quiescing", timeout=30, what="the recovery to start")
     hung_at = time.monotonic()
-    worker.proc.popen.send_signal(signal.SIGSTOP)  # hung: alive, but its loop no longer turns
+    worker.proc.popen.send_signal(signal.SIGSTOP)  # hung in the middle of the recovery: alive, its loop still
+    # The last confirmation the recovery waits for arrives while no worker takes messages.
+    _event(cluster, agents[1], nodes[1], job, "stopped", {"exit_code": -15, "requested_stop": True})
 
     wait_for(lambda: (worker.supervise(), worker.starts == 2)[1], timeout=MAX_AGE_S + 30, interval=0.5,
              what="the liveness check to find the hung worker and the restart policy to replace it")
@@ -108,12 +123,19 @@ def test_a_worker_hung_mid_recovery_is_restarted_by_its_liveness_check_and_the_n
     wait_for(lambda: Generation.objects.filter(job=job, number=2).exists(), timeout=60,
              what="the restarted worker to finish the recovery")
     relaunch = f"job {job.pk} generation 2 launched"
-    assert relaunch in worker.proc.log() and relaunch not in cluster.procs["worker1"].log()
+    wait_for(lambda: relaunch in worker.proc.log(), timeout=10, what="the restarted worker's relaunch in its log")
+    assert relaunch not in cluster.procs["worker1"].log()
     assert worker.healthcheck() == 0
     # Sweeps go on: none of them relaunches again.
     sweeps = worker.proc.log().count("jobs.tasks.sweep[")
     wait_for(lambda: worker.proc.log().count("jobs.tasks.sweep[") >= sweeps + 8, timeout=30, what="more sweeps")
     assert list(Generation.objects.filter(job=job).values_list("number", flat=True).order_by("number")) == [1, 2]
-    incident = Incident.objects.get(job=job)
-    assert incident.relaunched_at is not None
+    assert Incident.objects.get(job=job).relaunched_at is not None
     assert cluster.procs["beat"].alive, "beat is a process of its own: the worker's death did not take it"
+
+
+def _event(cluster, token, node, job, kind, detail) -> None:
+    body = {"events": [{"key": f"{kind}-{node.hostname}", "kind": kind, "job": str(job.pk), "generation": 1,
+                        "time": time.time(), "detail": detail}]}
+    status, answer = api(cluster, token, "POST", f"/api/v1/nodes/{node.pk}/events", body)
+    assert status in (200, 202), answer
