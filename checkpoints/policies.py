@@ -34,7 +34,7 @@ class CheckpointPolicy:
     permanent_every_hours: int = 12
     #: Disk pressure below this much free space (percent of the file system; at least room for two
     #: saves): retention deletes the oldest unprotected checkpoints first (``services.retention``).
-    min_free_percent: float = 5.0
+    min_free_percent: int = 5
     #: Under disk pressure, permanent checkpoints that retention promoted itself may go too (never
     #: one an operator pinned).
     release_permanent_under_pressure: bool = True

@@ -31,10 +31,11 @@ from agents.protocol.agent import LaunchSpecError, module_problem, script_proble
 STR, INT, BOOL = "a string", "an integer", "true or false"
 
 CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto"), "interval_steps": INT,
-                     "keep_last": INT, "permanent_every_hours": INT}
+                     "keep_last": INT, "permanent_every_hours": INT, "min_free_percent": INT,
+                     "release_permanent_under_pressure": BOOL}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
                    "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT,
-                   "clean_run_minutes": INT}
+                   "clean_run_minutes": INT, "max_steps": INT, "max_step_jump": INT}
 TOP_LEVEL = {"name": STR, "entrypoint": STR, "module": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
              "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY, "queue": BOOL}
@@ -42,7 +43,7 @@ REQUIRED = ("name",)
 #: What torchrun runs: exactly one of these, each checked by the agent's own rule.
 TARGETS = {"entrypoint": script_problem, "module": module_problem}
 #: may be null: the server derives the value
-NULLABLE = {"recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s"}
+NULLABLE = {"recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s", "recovery_policy.max_steps"}
 
 
 @dataclass

@@ -66,7 +66,7 @@ class CheckpointPolicySerializer(StrictSerializer):
     permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30,
                                                      default=_CHECKPOINT.permanent_every_hours,
                                                      help_text="0 disables permanent checkpoints.")
-    min_free_percent = serializers.FloatField(
+    min_free_percent = serializers.IntegerField(
         min_value=0, max_value=90, default=_CHECKPOINT.min_free_percent,
         help_text="Disk pressure below this much free space (percent of the checkpoint file system, and at least "
                   "room for two saves): retention deletes the oldest unprotected checkpoints first.")
