@@ -349,26 +349,37 @@ class Straggler:
 
 def window_straggler(window: Sequence[WindowFigures], policy: DetectionPolicy) -> tuple[int, int, str, float] | None:
     """The slowest rank of one exchange window, when it is ``straggler_ratio`` slow: (rank, node,
-    phase, ratio). Each node's slowest rank is compared phase by phase with the median over the
-    *other* nodes of their ranks' mean phase (and over its own node when it has 3+ ranks); the extra
-    seconds of its worst phase, over the job's median step, give the ratio."""
-    best: tuple[int, int, str, float] | None = None
+    phase, ratio).
+
+    Each node's slowest rank is compared phase by phase with its peers: the median over the other
+    nodes of their ranks' mean phase, and the rest of its own node (from the node's mean, when it
+    has other ranks). The extra seconds of a phase, over the peers' median step, give the ratio.
+    Own work (compute, input) comes first: under DDP the peers of a slow rank wait for it in the
+    all-reduce, which shows as *their* communication, as large as its own extra work. A
+    communication finding names the rank only when no rank's own work explains at least half of it.
+    """
+    found: dict[bool, tuple[int, int, str, float]] = {}
     for figures in window:
-        others = [w for w in window if w is not figures]
-        if figures.ranks >= 3:
-            others.append(figures)
-        if not others:
+        peers = [dict(w.phases) for w in window if w is not figures]
+        if figures.ranks >= 2:
+            n = figures.ranks
+            peers.append({p: (n * figures.phases.get(p, 0.0) - figures.slowest_phases.get(p, 0.0)) / (n - 1)
+                          for p in figures.phases})
+        if not peers:
             continue
-        step = statistics.median(w.step_median_s for w in others)
+        step = statistics.median(sum(p.values()) for p in peers)
         if step <= 0:
             continue
         for phase in STRAGGLER_PHASES:
-            typical = statistics.median(w.phases.get(phase, 0.0) for w in others)
-            extra = figures.slowest_phases.get(phase, 0.0) - typical
-            ratio = 1.0 + extra / step
-            if ratio >= policy.straggler_ratio and (best is None or ratio > best[3]):
-                best = (figures.slowest_rank, figures.node, phase, ratio)
-    return best
+            typical = statistics.median(p.get(phase, 0.0) for p in peers)
+            ratio = 1.0 + (figures.slowest_phases.get(phase, 0.0) - typical) / step
+            own = phase != "optimizer"
+            if ratio >= policy.straggler_ratio and (own not in found or ratio > found[own][3]):
+                found[own] = (figures.slowest_rank, figures.node, phase, ratio)
+    own, comm = found.get(True), found.get(False)
+    if own is None or (comm is not None and own[3] - 1.0 < 0.5 * (comm[3] - 1.0)):
+        return comm  # a communication delay that no rank's own work explains
+    return own
 
 
 def find_straggler(windows: Sequence[Sequence[WindowFigures]], policy: DetectionPolicy) -> Straggler | None:

@@ -31,9 +31,11 @@ hooks report: per-rank offsets (±2 %), per-step jitter, network jitter on the c
 intermittent (on/off stretches of 100–300 steps), until the end: expect a straggler incident naming
 the rank and node within 100 steps.
 
-Modelling assumption for step times: each rank's phases are its own work. Under DDP the peers of a
-slow rank wait for it inside the gradient all-reduce, which the hooks count in *their* compute
-phase too; docs/detection.md says what that means for real jobs.
+Step times are modelled as the hooks report them: ``compute`` is a rank's own forward and backward
+(to its last gradient bucket), and the peers of a compute-slow rank wait for it in the all-reduce,
+which shows in their ``optimizer`` (communication) phase. A communication-slow rank is modelled as
+slow in its own ``optimizer`` phase without the others waiting — which a ring all-reduce would not
+show per rank (docs/detection.md, known limits).
 """
 
 from __future__ import annotations
@@ -267,15 +269,21 @@ def timing_trace(seed: int, *, steps: int = 2000, straggler: str | None = None) 
     for t in range(1, steps + 1):
         net = math.exp(rng.gauss(0.0, 0.1))  # the network's jitter: the same for every rank this step
         stalled = any(s <= t <= s + 2 for s in stalls)
+        slow_now = slow_rank is not None and t >= slow_from and (on is None or any(a <= t <= b for a, b in on))
+        # Under DDP the others wait in the all-reduce for a rank slow in its compute (the hooks
+        # count that wait as their communication).
+        waiting = compute0 * slow_by if slow_now and slow_phase == "compute" else 0.0
         for r in range(world):
             c = compute0 * (1 + offsets[r]) * math.exp(rng.gauss(0.0, jitter))
             m = comm0 * net * math.exp(rng.gauss(0.0, jitter))
             i = input0 * math.exp(rng.gauss(0.0, 0.2))
-            if r == slow_rank and t >= slow_from and (on is None or any(a <= t <= b for a, b in on)):
+            if r == slow_rank and slow_now:
                 if slow_phase == "compute":
                     c *= 1 + slow_by
                 else:
                     m *= 1 + slow_by * (compute0 + comm0) / comm0  # the same lost time as compute-slow
+            elif waiting:
+                m += waiting
             factor = hiccups.get((r, t))
             if factor:
                 i += (c + m) * (factor - 1)  # a data hiccup: waiting for the batch

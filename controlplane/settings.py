@@ -370,6 +370,9 @@ NIGHTWATCH = {
     "TELEMETRY_ROLLUP_RETENTION_DAYS": env_int("NIGHTWATCH_TELEMETRY_ROLLUP_RETENTION_DAYS", 90),
     # Rank timings per node and window (jobs.models.NodeWindow); the job's step rows are kept.
     "NODE_WINDOW_RETENTION_HOURS": env_int("NIGHTWATCH_NODE_WINDOW_RETENTION_HOURS", 48),
+    # Stragglers (docs/detection.md): a rank's extra time over the job's median step that counts
+    # (0: agents.detectors.DetectionPolicy's default, 1.025). Raise it where step times are noisy.
+    "STRAGGLER_RATIO": env_float("NIGHTWATCH_STRAGGLER_RATIO", 0.0),
     # How long an Idempotency-Key is remembered.
     "IDEMPOTENCY_TTL_S": env_int("NIGHTWATCH_IDEMPOTENCY_TTL_S", 24 * 3600),
     # The URL nodes and train.py use to reach the control plane.

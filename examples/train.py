@@ -71,6 +71,14 @@ class Faults:
         self.args, self.rank = args, rank
         self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
+    def maybe_slow(self, step: int) -> None:
+        """A straggler: ``--slow-rank`` busy-computes ``--slow-ms`` more per step from ``--slow-from``
+        on, before its backward pass (as a slower GPU would), so its peers wait in the all-reduce."""
+        if self.rank == self.args.slow_rank and step >= self.args.slow_from and self.args.slow_ms > 0:
+            until = time.perf_counter() + self.args.slow_ms / 1000.0
+            while time.perf_counter() < until:
+                pass
+
     def corrupt_loss(self, step: int, loss: torch.Tensor, sample_ids: list[int]) -> torch.Tensor:
         if step == self.args.inject_nan_at and self.rank == self.args.fault_rank:
             loss = loss * math.nan
@@ -150,6 +158,7 @@ def train(args: argparse.Namespace) -> None:
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
             loss = faults.corrupt_loss(step, loss, batch["id"].tolist())
             faults.maybe_raise(step)
+            faults.maybe_slow(step)
             loss.backward()
             _pad_compute(started, args.min_step_time)
             faults.maybe_crash(step)
@@ -222,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     faults.add_argument("--inject-grad-explosion-at", type=int, help="scale the loss by 1e6 at this step")
     faults.add_argument("--perturb-loss-rank", type=int, help="this rank's loss is scaled by --perturb-factor")
     faults.add_argument("--perturb-factor", type=float, default=3.0)
+    faults.add_argument("--slow-rank", type=int, help="this rank computes --slow-ms longer every step (a straggler)")
+    faults.add_argument("--slow-ms", type=float, default=0.0)
+    faults.add_argument("--slow-from", type=int, default=1, help="the first step the straggler is slow")
     faults.add_argument("--crash-at", type=int, help="SIGKILL --crash-rank mid-step (first attempt only)")
     faults.add_argument("--crash-rank", type=int, default=1)
     faults.add_argument("--fault-file", help="a one-shot fault ordered at run time: {\"nan_at_step\": N, \"rank\": R}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from itertools import groupby
 
+from django.conf import settings
+
 from agents.detectors import STRAGGLER_PHASES, DetectionPolicy, Straggler, WindowFigures, find_straggler
 from core.models import Event
 from jobs import orchestrator, policy
@@ -25,7 +27,9 @@ LOOKBACK_WINDOWS = 3
 
 def check_stragglers(job: Job, generation: int, detection: DetectionPolicy | None = None) -> Incident | None:
     """Judge the newest windows of ``generation``; raise the straggler incident once per rank."""
-    detection = detection or DetectionPolicy()
+    if detection is None:
+        ratio = settings.NIGHTWATCH.get("STRAGGLER_RATIO") or 0.0
+        detection = DetectionPolicy(straggler_ratio=ratio) if ratio > 0 else DetectionPolicy()
     exchanges = list(NodeWindow.objects.filter(job=job, generation=generation)
                      .order_by("-last_step").values_list("last_step", flat=True).distinct()
                      [:LOOKBACK_WINDOWS * detection.straggler_windows])

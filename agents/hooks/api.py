@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from agents.hooks import resume, state
@@ -105,6 +106,8 @@ class Hooks:
         self._loss_watch = LossWatch(self.guard_settings.detection, speaks_for_job=self.topology.rank == 0)
         self._last_saved_step: int | None = None
         self._last_loss = math.nan
+        self._grads_ready = 0.0  # when this rank's last gradient bucket was ready (DDP)
+        self._time_gradients(model)
         self._inconsistent = False
         self._closed = False
         self.telemetry = Telemetry(self.env, self.topology, self.guard_settings)
@@ -157,6 +160,11 @@ class Hooks:
             torch.cuda.synchronize()  # so queued GPU work counts as compute, not as the next phase
         entered = time.perf_counter()
         compute_s = self.telemetry.compute_done(entered)
+        # Under DDP the end of backward waits for the slowest rank in the all-reduce: that wait is
+        # communication, not this rank's compute (a straggler is told apart by its compute).
+        waited = entered - self._grads_ready if 0.0 < entered - self._grads_ready <= compute_s else 0.0
+        self._grads_ready = 0.0
+        compute_s -= waited
         loss_value = float(loss.detach())
         grad_norm = self._gradient_norm()
         decision = self._grad_guard.judge(grad_norm)
@@ -184,7 +192,7 @@ class Hooks:
         if self._checkpoint_due(exchange):
             self._save()
         checkpoint_s = time.perf_counter() - before_checkpoint
-        optimizer_s = before_checkpoint - entered
+        optimizer_s = before_checkpoint - entered + waited
         outcome = StepOutcome(self.step_count, loss_value, grad_norm, skipped, verdict.spike, nan, self._inconsistent)
         self.telemetry.step_done(outcome, decision, verdict, compute_s=compute_s,
                                  optimizer_s=optimizer_s, checkpoint_s=checkpoint_s,
@@ -221,6 +229,25 @@ class Hooks:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, total, foreach=True)
         return float(total)
+
+    def _time_gradients(self, model: torch.nn.Module) -> None:
+        """Under DDP, note when this rank's last gradient bucket is ready, just before its all-reduce:
+        the time until then is this rank's own compute, the rest of backward is waiting for peers.
+        A script that registered its own communication hook keeps it (no split then)."""
+        if not isinstance(model, DistributedDataParallel):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def timed_allreduce(state: Any, bucket: Any) -> Any:
+            self._grads_ready = time.perf_counter()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        # DDP checks the hook's annotations against its own types; postponed ones are strings.
+        timed_allreduce.__annotations__ = {}
+        try:
+            model.register_comm_hook(None, timed_allreduce)
+        except Exception as error:  # noqa: BLE001 - timing is optional; training must not fail for it
+            log.info("not timing gradient readiness: %s", error)
 
     def _learning_rate(self) -> float | None:
         groups = self.optimizer.param_groups

@@ -59,7 +59,11 @@ def node_windows(rows: list[list[float]], *, job: str, generation: int, time: fl
             by_node.setdefault(int(figures["node"]), []).append((rank, figures))
     windows = []
     for node, ranks in sorted(by_node.items()):
-        slowest_rank, slowest = max(ranks, key=lambda item: item[1]["mean_s"])
+        # The rank that holds the others up. In a synchronous job every rank's whole step is about
+        # as long (its peers' share of it is waiting), so its own work (input + compute) counts
+        # twice: the slowest whole step still wins where the ranks do not wait for each other.
+        slowest_rank, slowest = max(ranks, key=lambda item: item[1]["mean_s"] + item[1]["input_s"]
+                                    + item[1]["compute_s"])
         windows.append(NodeWindow(
             job=job, generation=generation, node=node,
             first_step=int(min(f["first_step"] for _, f in ranks)),

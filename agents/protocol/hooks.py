@@ -36,9 +36,10 @@ EXIT_PAUSED = 85  # "pause" was requested: a checkpoint was committed, then the 
 EXIT_STALE_GENERATION = 86  # the control plane fenced this generation off: nothing more was written.
 EXIT_RESUME_REFUSED = 87  # the checkpoint named by NIGHTWATCH_RESUME_FROM failed verification.
 
-#: Per-step timing phases, in seconds. ``optimizer`` is the hooks' collectives (consistency
-#: all-gather) plus the optimizer and scheduler step; DDP's gradient all-reduce overlaps the
-#: backward pass and is counted in ``compute``.
+#: Per-step timing phases, in seconds. ``compute`` is this rank's own forward and backward: under
+#: DDP until its last gradient bucket is ready. ``optimizer`` is communication and the update: the
+#: rest of DDP's gradient all-reduce (waiting for the slowest rank included), the hooks' collectives
+#: (consistency all-gather) and the optimizer and scheduler step.
 PHASES = ("input", "compute", "optimizer", "checkpoint")
 
 EVENT_KINDS = (
@@ -102,7 +103,8 @@ class NodeWindow:
     ranks: int = field(min=1, max=1_000_000)  # ranks of the node that trained in the window
     step_median_s: float = field(min=0)  # median over the node's ranks of each rank's mean step
     step_max_s: float = field(min=0)  # the longest single step of any of the node's ranks
-    slowest_rank: int = field(min=0, max=1_000_000)  # the rank with the highest mean step time
+    #: The rank that holds the others up: the highest mean step plus own work (input + compute).
+    slowest_rank: int = field(min=0, max=1_000_000)
     slowest_s: float = field(min=0)  # that rank's mean step time
     slowest_phases: dict[str, float] = field(default_factory=dict, choices=PHASES)  # its mean phases
     phases: dict[str, float] = field(default_factory=dict, choices=PHASES)  # the node's mean phases
