@@ -373,9 +373,9 @@ def window_straggler(window: Sequence[WindowFigures], policy: DetectionPolicy) -
         for phase in STRAGGLER_PHASES:
             typical = statistics.median(p.get(phase, 0.0) for p in peers)
             ratio = 1.0 + (figures.slowest_phases.get(phase, 0.0) - typical) / step
-            own = phase != "optimizer"
-            if ratio >= policy.straggler_ratio and (own not in found or ratio > found[own][3]):
-                found[own] = (figures.slowest_rank, figures.node, phase, ratio)
+            is_own = phase != "optimizer"
+            if ratio >= policy.straggler_ratio and (is_own not in found or ratio > found[is_own][3]):
+                found[is_own] = (figures.slowest_rank, figures.node, phase, ratio)
     own, comm = found.get(True), found.get(False)
     if own is None or (comm is not None and own[3] - 1.0 < 0.5 * (comm[3] - 1.0)):
         return comm  # a communication delay that no rank's own work explains
