@@ -236,6 +236,7 @@ class Hooks:
         A script that registered its own communication hook keeps it (no split then)."""
         if not isinstance(model, DistributedDataParallel):
             return
+        # Deferred: only DDP jobs need it, and it pulls in torch.distributed's algorithms package.
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         def timed_allreduce(state: Any, bucket: Any) -> Any:
