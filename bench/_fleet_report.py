@@ -88,6 +88,8 @@ def _push(r: dict) -> str:
     push = r.get("live_push")
     if not push:
         return "not measured"
+    if push.get("error"):
+        return f"sockets did not open ({push['error'][:80]})"
     return f"{_v(push['p50_ms'])} / {_v(push['p95_ms'])} ({push['clients']}; {push['missing']})"
 
 

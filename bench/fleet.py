@@ -280,19 +280,24 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         setup_figures.update(agents_registered=sims.total("registered"), registrations_refused=sims.total("refused"),
                              nodes_healthy=conn.execute(healthy).fetchone()[0],
                              jobs_running=conn.execute(running).fetchone()[0])
-        browsers = None
+        browsers, push_failed = None, None
         if opts.browsers:
             from bench.live_push import Sockets
 
-            browsers = Sockets(SimpleNamespace(port=plane.ports[1], job=jobs[0], session=cast["session"]),
-                               opts.browsers, clock=time.time)
+            try:  # an overloaded server may refuse the handshakes: reported, not fatal to the run
+                browsers = Sockets(SimpleNamespace(port=plane.ports[1], job=jobs[0], session=cast["session"]),
+                                   opts.browsers, clock=time.time)
+            except Exception as error:  # noqa: BLE001 - any failure to open them is the finding
+                push_failed = f"{type(error).__name__}: {error}"
+                log(f"{nodes} nodes: the browsers' sockets did not open ({push_failed})")
         try:
             result = steady(nodes, opts, plane, sims, conn, cast, jobs, sizes)
         finally:
             if browsers is not None:
                 browsers.close()
         window = result.pop("window")
-        result["live_push"] = measure.live_push(conn, jobs[0], browsers.arrivals, window) if browsers else None
+        result["live_push"] = (measure.live_push(conn, jobs[0], browsers.arrivals, window) if browsers else
+                               {"clients": opts.browsers, "error": push_failed} if push_failed else None)
         result["setup"] = setup_figures
         result["storm"] = storm(opts, plane, sims, conn, result["killed"])
         for fault in result["faults"]:  # read last: a detection delayed past the window still counts, late

@@ -360,9 +360,13 @@ NIGHTWATCH = {
     # How long a bootstrap token may wait for its agent's (single) registration.
     "BOOTSTRAP_TOKEN_TTL_S": env_int("NIGHTWATCH_BOOTSTRAP_TOKEN_TTL_S", 24 * 3600),
     # Admission control (core/admission.py): HTTP requests one web process works on at once (0: no
-    # bound), how many of those only heartbeats and registrations may use, and the Retry-After of a 503.
-    "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 64),
-    "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 16),
+    # bound), how many of those only heartbeats, registrations and agent events may use, and the
+    # Retry-After of a 503. Django runs a process's views one at a time (its ASGI handler's
+    # thread-sensitive executor), so the bound sets how long the queue is, not how much is served:
+    # 16 at 20-60 ms a request keeps the last in line under a second. At 64 the fleet benchmark's
+    # 1,024 nodes had heartbeats wait 5 s and more, which holds every verdict (nodes/services/overload.py).
+    "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 16),
+    "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 4),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
     # GPU telemetry (docs/architecture.md, "Telemetry storage"): raw samples for this many hours
     # (dropped an hourly partition at a time on PostgreSQL), 1-minute rollups for this many days.

@@ -145,3 +145,41 @@ def test_a_lone_node_is_never_a_fleet(cast, settings):
         clock.shift(7)
         assert tasks.expire_heartbeats() == 1
     assert transitions() == []
+
+
+def spread_fleet(fleet, n: int = 10) -> list[Node]:
+    """``n`` nodes whose last heartbeat got through at T0 - 0.5 s but whose deadlines are spread over
+    most of a timeout (T0 + 3.5 s ... + 8.9 s), as under overload, where a node's last contact may be
+    a refused request (core.refusals) and the nodes' last contacts lie a whole timeout apart."""
+    nodes = fleet + [Node.objects.create(hostname=f"gpu-{i:02d}", address=f"10.0.1.{i}", health="healthy")
+                     for i in range(4, n + 1)]
+    for i, node in enumerate(nodes):
+        Node.objects.filter(pk=node.pk).update(
+            last_heartbeat_at=timezone.now() - timedelta(seconds=0.5),
+            heartbeat_deadline=timezone.now() + timedelta(seconds=3.5 + 0.6 * i))
+    return nodes
+
+
+@pytest.mark.django_db
+def test_no_heartbeat_from_anyone_for_one_and_a_half_intervals_is_our_silence_whatever_the_fraction(fleet):
+    """Issue 18's 1,024-node outage: the first sweeps saw 17 % of the fleet past its deadline, below
+    the fraction, and 1,023 live nodes were marked unreachable."""
+    with time_machine.travel(T0, tick=False) as clock:
+        spread_fleet(fleet)
+        clock.shift(4)  # one node past its deadline, 5 of 10 within an interval of theirs (< 55 %)
+        assert not silence.measure(timezone.now()).silent >= 0.55 * 10
+        assert tasks.expire_heartbeats() == 0  # but nobody got through for 4.5 s: 1.5 intervals is 3 s
+    assert transitions() == ["silent"]
+    assert set(Node.objects.values_list("health", flat=True)) == {Health.HEALTHY}
+
+
+@pytest.mark.django_db
+def test_the_same_spread_with_one_node_still_getting_through_is_a_node_problem(fleet):
+    with time_machine.travel(T0, tick=False) as clock:
+        nodes = spread_fleet(fleet)
+        clock.shift(3.9)
+        beat(nodes[-1])
+        clock.shift(0.1)
+        assert tasks.expire_heartbeats() == 1
+    assert transitions() == []
+    assert Node.objects.get(pk=nodes[0].pk).health == Health.UNREACHABLE
