@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db
 def report_batch(job, steps, *, ranks=(0, 1), spike_at=(), skipped_at=()):
     return wire.ReportBatch(job=str(job.pk), generation=job.generation, reports=[
         wire.StepReport(job=str(job.pk), generation=job.generation, rank=rank, step=step, loss=3.0 - step * 0.01 + rank,
-                        grad_norm=1.5, world_size=len(ranks), data_cursor=step * 8, samples=4,
+                        grad_norm=1.5, world_size=job.nnodes * job.nproc_per_node, data_cursor=step * 8, samples=4,
                         phases={"input": 0.01, "compute": 0.05 * (2 if rank == 1 and step % 2 else 1),
                                 "optimizer": 0.02},
                         spike=step in spike_at, skipped=step in skipped_at, time=time.time())
