@@ -222,27 +222,39 @@ def test_an_xid_on_the_node_drains_it_and_the_job_moves_to_the_spare(cluster, to
 
 
 def test_failures_beyond_the_budget_open_the_breaker_and_oncall_approval_resumes(cluster, tokens, tmp_path):
-    """Scenario 6: a budget of one automatic restart; the second failure opens the breaker."""
+    """Scenario 6: a budget of two automatic restarts; the third failure opens the breaker. Approved
+    while the storm goes on, the job gets half the budget (issue 24 item 4): the breaker opens again
+    after one more restart, not two."""
     from jobs.models import Incident
 
+    def kill_each(generations):
+        for generation in generations:
+            wait_for(lambda g=generation: (job_row(job_id).generation == g and (job_row(job_id).last_step or 0) >= 12
+                                           and job_row(job_id).state == "running"), timeout=90,
+                     what=f"generation {generation} to make progress")
+            os.kill(rank_pid(cluster, job_id, generation, 0), signal.SIGKILL)
+        wait_for(lambda: job_row(job_id).state == "paused", timeout=90, what="the breaker to open")
+
     start_nodes(cluster, tokens)
-    job_id = launch(cluster, tokens, tmp_path, recovery_policy={"max_restarts": 1})
-    for generation in (1, 2):
-        wait_for(lambda g=generation: (job_row(job_id).generation == g and (job_row(job_id).last_step or 0) >= 12
-                                       and job_row(job_id).state == "running"), timeout=90,
-                 what=f"generation {generation} to make progress")
-        os.kill(rank_pid(cluster, job_id, generation, 0), signal.SIGKILL)
-    wait_for(lambda: job_row(job_id).state == "paused", timeout=90, what="the breaker to open")
+    job_id = launch(cluster, tokens, tmp_path, recovery_policy={"max_restarts": 2})
+    kill_each((1, 2, 3))
     assert "circuit breaker" in job_row(job_id).pause_reason
-    assert Incident.objects.filter(job_id=job_id, kind="retry_storm").exists()
+    assert Incident.objects.filter(job_id=job_id, kind="retry_storm").count() == 1
 
     status, body = api(cluster, tokens["operator"], "POST", f"/api/v1/jobs/{job_id}/approve", {"reason": "x"})
     assert status == 403, "only on-call approves"
     status, body = api(cluster, tokens["oncall"], "POST", f"/api/v1/jobs/{job_id}/approve",
                        {"reason": "replaced the cable"})
     assert status == 200, body
+    kill_each((4, 5))  # one restart (4 -> 5) is the halved allowance; the second failure pages again
+    assert job_row(job_id).generation == 5
+    assert Incident.objects.filter(job_id=job_id, kind="retry_storm").count() == 2
+
+    status, body = api(cluster, tokens["oncall"], "POST", f"/api/v1/jobs/{job_id}/approve",
+                       {"reason": "the switch this time"})
+    assert status == 200, body
     wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
-    assert job_row(job_id).generation == 3
+    assert job_row(job_id).generation == 6
 
 
 def test_a_worker_killed_in_the_middle_of_a_recovery_is_finished_by_the_next(cluster, tokens, tmp_path):
