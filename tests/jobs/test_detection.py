@@ -11,17 +11,9 @@ from agents.protocol import hooks as wire
 from core.models import Event
 from jobs import ingest
 from jobs.choices import IncidentKind, JobState
-from jobs.models import Incident, Job
+from jobs.models import Incident
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def running(cast):
-    Job.objects.filter(pk=cast.job.pk).update(state=JobState.RUNNING, generation=1,
-                                              recovery_policy={"loss_spike_limit": 3})
-    cast.job.refresh_from_db()
-    return cast.job
 
 
 def event(job, step, kind, rank=0, **detail):

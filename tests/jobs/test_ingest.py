@@ -10,15 +10,7 @@ import pytest
 from agents.protocol import hooks as hooks_protocol
 from jobs import ingest, policy
 from jobs.choices import IncidentKind, JobState
-from jobs.models import Incident, Job
-
-
-@pytest.fixture
-def running(cast):
-    Job.objects.filter(pk=cast.job.pk).update(state=JobState.RUNNING, generation=1,
-                                              recovery_policy={"loss_spike_limit": 3})
-    cast.job.refresh_from_db()
-    return cast.job
+from jobs.models import Incident
 
 
 def batch(job, steps, *, spiking=(), counts=None, rank=0):
