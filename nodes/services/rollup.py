@@ -50,7 +50,11 @@ def roll_up_recent(*, now: datetime | None = None) -> int:
 
 
 def roll_up(start: datetime, end: datetime, *, node_id: int | None = None) -> int:
-    """Recompute every minute in [``start``, ``end``) (of one node, or all); returns the node-minutes written."""
+    """Recompute every minute in [``start``, ``end``) (of one node, or all); returns the node-minutes written.
+    On PostgreSQL a minute that comes out as it was stored is not written again: beat recomputes each
+    minute ``LOOKBACK`` times, and rewriting an unchanged row leaves a dead row version behind each
+    time (the fleet benchmark measured the rollup table growing 3.3 KB per node-minute at 1,024 nodes,
+    four times its live size, until vacuum)."""
     start, end = floor_minute(start), floor_minute(end - timedelta(microseconds=1)) + MINUTE
     if connection.vendor == "postgresql":
         return _roll_up_sql(start, end, node_id)
@@ -77,6 +81,7 @@ def _rollup_sql(by_node: bool) -> str:
     columns = ["node_id", "minute", "gpus", *ROLLUP_FIELDS]
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[2:])
     node_filter = " AND s.node_id = %s" if by_node else ""
+    table = quote(NodeGpuMinute._meta.db_table)
     # Identifiers come from this module's constants and the models' metadata, values are parameters.
     return (
         f"WITH r AS (SELECT s.node_id, date_trunc('minute', s.time) AS minute, x.* "  # noqa: S608
@@ -85,12 +90,14 @@ def _rollup_sql(by_node: bool) -> str:
         f"WHERE s.time >= %s AND s.time < %s AND s.gpus & (1::bigint << (x.i - 1)::int) <> 0{node_filter}), "
         f"g AS (SELECT node_id, minute, i, {', '.join(per_gpu)} FROM r GROUP BY node_id, minute, i), "
         f"n AS (SELECT node_id, minute, max(i) AS gpus FROM g GROUP BY node_id, minute) "
-        f"INSERT INTO {quote(NodeGpuMinute._meta.db_table)} ({', '.join(columns)}) "
+        f"INSERT INTO {table} ({', '.join(columns)}) "
         f"SELECT n.node_id, n.minute, bit_or(CASE WHEN g.i IS NULL THEN 0 ELSE 1::bigint << (g.i - 1)::int END), "
         f"{', '.join(folded)} FROM n CROSS JOIN LATERAL generate_series(1, n.gpus) AS pos "
         f"LEFT JOIN g ON g.node_id = n.node_id AND g.minute = n.minute AND g.i = pos "
         f"GROUP BY n.node_id, n.minute "
-        f"ON CONFLICT (node_id, minute) DO UPDATE SET {updates}"
+        f"ON CONFLICT (node_id, minute) DO UPDATE SET {updates} "
+        f"WHERE ({', '.join(f'{table}.{c}' for c in columns[2:])}) IS DISTINCT FROM "
+        f"({', '.join(f'EXCLUDED.{c}' for c in columns[2:])})"
     )
 
 
