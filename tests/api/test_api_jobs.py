@@ -27,7 +27,8 @@ def test_launch_fills_policy_defaults_and_audits(cast, api):
     assert body["recovery_policy"]["max_restarts"] == 2
     assert body["recovery_policy"]["window_minutes"] == 60
     assert body["checkpoint_policy"] == {"interval": "fixed", "interval_steps": 100, "keep_last": 3,
-                                         "permanent_every_hours": 12}
+                                         "permanent_every_hours": 12, "min_free_percent": 5,
+                                         "release_permanent_under_pressure": True}
     event = Event.objects.get(job_id=body["id"], kind="job.launch")
     assert event.actor == "token:ci(ci-bot)"
 
