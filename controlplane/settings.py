@@ -401,6 +401,9 @@ NIGHTWATCH = {
     "EXPECTED_PEER_MBPS": env_int("NIGHTWATCH_EXPECTED_PEER_MBPS", 100),
     # How long stopping a generation may take before the job is paused and escalated.
     "QUIESCE_TIMEOUT_S": env_int("NIGHTWATCH_QUIESCE_TIMEOUT_S", 60),
+    # A node declared unreachable whose agent answers again within this many seconds, confirming
+    # that nothing of the generation runs there, had a crash, not a partition (jobs/orchestrator.py).
+    "AGENT_RETURN_WINDOW_S": env_int("NIGHTWATCH_AGENT_RETURN_WINDOW_S", 60),
     # A new generation must report its first step within this long, or it counts as hung: the default
     # before the job has history; with history, 3 × its slowest start, but never below the floor.
     "STARTUP_TIMEOUT_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_S", 180),

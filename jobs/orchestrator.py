@@ -306,10 +306,12 @@ def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail:
     transaction.on_commit(lambda: _advance_later(job_id))
 
 
-#: A node whose agent is heard from again this soon after it was declared unreachable, confirming
-#: that nothing of the generation runs there, had a crash, not a partition: an agent restart (a
-#: kill of the agent with its ranks, an OOM, an upgrade) takes seconds; a partition lasts.
-AGENT_RETURN_WINDOW_S = 60
+def agent_return_window() -> timedelta:
+    """A node whose agent is heard from again this soon after it was declared unreachable, confirming
+    that nothing of the generation runs there, had a crash, not a partition: an agent restart (a
+    kill of the agent with its ranks, an OOM, an upgrade) takes seconds; a partition lasts
+    (``AGENT_RETURN_WINDOW_S``, 60 s by default)."""
+    return timedelta(seconds=settings.NIGHTWATCH["AGENT_RETURN_WINDOW_S"])
 
 
 def _returned_node_crashed(job_id: int, generation: int, hostname: str, detail: dict) -> bool:
@@ -319,7 +321,7 @@ def _returned_node_crashed(job_id: int, generation: int, hostname: str, detail: 
     ran on through the silence: that stays a partition for a human).
 
     A lost node is a partition because a restart could run beside ranks still alive there (split
-    brain). Once the node's agent answers within ``AGENT_RETURN_WINDOW_S`` of the verdict and
+    brain). Once the node's agent answers within ``agent_return_window()`` of the verdict and
     confirms its ranks are gone, that risk is over: the fault is judged as the crash it was, by the
     policy (restart, within the budget, or pause for a repeat), and a job already paused for the
     partition resumes without an on-call (``_resume_returned``, once the node's confirmation is
@@ -334,7 +336,7 @@ def _returned_node_crashed(job_id: int, generation: int, hostname: str, detail: 
         if (incident is None or evidence.get("signal") != policy.NODE_UNREACHABLE
                 or evidence.get("nodes") != [hostname]
                 or any(f.get("nodes") not in ([], [hostname]) for f in evidence.get("further", []))
-                or timezone.now() - incident.detected_at > timedelta(seconds=AGENT_RETURN_WINDOW_S)):
+                or timezone.now() - incident.detected_at > agent_return_window()):
             return False
         gen_nodes = set(Generation.objects.filter(job=job, number=generation).values_list("nodes__hostname",
                                                                                            flat=True))

@@ -62,7 +62,11 @@ def netns_cluster(transactional_db, tmp_path, request, network):
         # NIGHTWATCH_JOB in the environment (rank_pids) and must never find, or kill, ours.
         cursor.execute("SELECT setval(pg_get_serial_sequence(%s, 'id'), %s)", [Job._meta.db_table, JOB_IDS_FROM])
     c = Cluster(tmp_path, database_name=connection.settings_dict["NAME"], redis_db=REDIS_DB,
-                host=network.gateway, settings={"NIGHTWATCH_QUIESCE_TIMEOUT_S": str(QUIESCE_TIMEOUT_S)})
+                host=network.gateway, settings={"NIGHTWATCH_QUIESCE_TIMEOUT_S": str(QUIESCE_TIMEOUT_S),
+                          # node-b is back ~20 s after the verdict, and its cut-off rank may have died of
+                          # the cut by then: within the default 60 s that is a crash to restart
+                          # (tests/e2e/test_agent_return.py); this test is about the partition.
+                          "NIGHTWATCH_AGENT_RETURN_WINDOW_S": "5"})
     try:
         c.start_web()
         c.start_worker()

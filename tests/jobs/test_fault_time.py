@@ -101,7 +101,7 @@ def test_a_job_already_paused_for_the_partition_resumes_when_the_agent_returns(c
 @pytest.mark.django_db
 def test_a_late_return_stays_a_partition_for_a_human(cast, job):
     lose(job)
-    with time_machine.travel(timezone.now() + timedelta(seconds=orchestrator.AGENT_RETURN_WINDOW_S + 5)):
+    with time_machine.travel(timezone.now() + orchestrator.agent_return_window() + timedelta(seconds=5)):
         orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": None, "signature": "unknown", "ranks": []})
         while orchestrator.advance_recovery(job.pk):
             pass
