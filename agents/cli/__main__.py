@@ -51,6 +51,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(_describe(exc), EXIT_ERROR)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_ERROR)
+    except BrokenPipeError:
+        return _reader_gone(args)
+
+
+def _reader_gone(args) -> int:
+    """Whoever read our output went away (``nightwatch status | head -1``): stop quietly.
+
+    Standard output is pointed at /dev/null, so that the interpreter's last flush of what is still
+    buffered does not fail again and print a traceback. What was asked is done as far as anyone
+    reads it (exit 0), except a ``launch --wait``, whose outcome was not seen (exit 5).
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing will flush to a pipe
+        pass
+    return EXIT_ERROR if getattr(args, "command", None) == "launch" and getattr(args, "wait", False) else EXIT_OK
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -137,7 +155,7 @@ def status(client: Client, args) -> int:
     return EXIT_OK
 
 
-def logs(client: Client, args) -> int:
+def incidents(client: Client, args) -> int:
     """Incident evidence (exit codes, the error line, log tails) for the job, oldest first."""
     incidents = client.list(f"/jobs/{args.job}/incidents", limit=args.limit)
     if args.incident is not None:
@@ -160,6 +178,34 @@ def logs(client: Client, args) -> int:
             print(f"    nodes          {', '.join(incident['nodes'])}")
         _evidence(incident.get("evidence") or {}, args.tail)
     return EXIT_OK
+
+
+def nodes(client: Client, args) -> int:
+    """One line per node: health, drain state, GPUs (healthy of all), the generations it runs."""
+    rows = client.list("/nodes", limit=args.limit, health=args.health)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    _table(["ID", "HOSTNAME", "HEALTH", "SCHEDULING", "GPUS", "JOB", "HEARTBEAT", "REASON"],
+           [[n["id"], n["hostname"], n["health"], n["schedulability"] + (" (spare)" if n["is_spare"] else ""),
+             _gpus(n["gpus"]), _running(n["running"]), (n["last_heartbeat_at"] or "-")[:19],
+             n["drain_reason"] or n["health_reason"] or ""] for n in rows])
+    return EXIT_OK
+
+
+def _gpus(gpus: list[dict]) -> str:
+    if not gpus:
+        return "-"
+    healthy = sum(1 for g in gpus if g.get("health") == "healthy")
+    names = sorted({g.get("name") or "?" for g in gpus})
+    return f"{healthy}/{len(gpus)} {','.join(names)}"
+
+
+def _running(running) -> str:
+    """``job 7 gen 2`` for each generation the node's agent said it runs; "-" when idle."""
+    if not isinstance(running, list) or not running:
+        return "-"
+    return ", ".join(f"job {r.get('job')} gen {r.get('generation')}" for r in running if isinstance(r, dict)) or "-"
 
 
 def _evidence(evidence: dict, tail: int, indent: str = "    ") -> None:
@@ -304,12 +350,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.set_defaults(handler=status)
 
-    p = sub.add_parser("logs", help="incident evidence and log tails of a job")
+    p = sub.add_parser("incidents", help="incident evidence (exit codes, error lines, log tails) of a job")
     p.add_argument("job", type=int)
     p.add_argument("--incident", type=int, help="only this incident")
     p.add_argument("--tail", type=int, default=40, help="log lines per incident")
     p.add_argument("--limit", type=int, default=100, help="newest incidents to show")
-    p.set_defaults(handler=logs)
+    p.set_defaults(handler=incidents)
+
+    p = sub.add_parser("nodes", help="the fleet: health, drain state, GPUs, the job each node runs")
+    p.add_argument("--health", help="comma-separated: healthy, degraded, unhealthy, unreachable…")
+    p.add_argument("--limit", type=int, default=500)
+    p.set_defaults(handler=nodes)
 
     for verb, text in (("drain", "take a node out of scheduling"), ("undrain", "put a node back into scheduling"),
                        ("clear-lemon", "clear a repaired node's lemon count, so that placement may pick it again")):

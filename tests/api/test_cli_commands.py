@@ -31,7 +31,7 @@ def test_reading_commands(run, world):
     assert code == EXIT_OK and "llama-tiny" in out and "stuck" in out and out.startswith("ID")
     code, out, _ = run("viewer", "status", str(world.paused_job.pk))
     assert code == EXIT_OK and " paused · " in out and "circuit breaker open" in out
-    code, out, _ = run("viewer", "logs", str(job))
+    code, out, _ = run("viewer", "incidents", str(job))
     assert code == EXIT_OK and "crash" in out and "  | Killed" in out and "gpu-01" in out
     code, out, _ = run("viewer", "checkpoints", str(job))
     assert code == EXIT_OK and "verified" in out and str(world.checkpoint.pk) in out
@@ -134,3 +134,47 @@ def test_a_spec_the_fleet_cannot_hold_is_refused_with_its_line_and_a_pending_job
     job = Job.objects.get(name="huge")
     code, out, _ = run("viewer", "status", str(job.pk))
     assert code == EXIT_OK and "waiting: not enough healthy nodes: have " in out and "need 4096" in out
+
+
+def test_nodes_shows_health_drain_state_gpus_and_the_job(run, world):
+    from nodes.models import GPU, Node
+
+    Node.objects.filter(pk=world.cast.node1.pk).update(
+        running=[{"job": str(world.cast.job.pk), "generation": 1, "started_at": 0.0, "pids": [10]}])
+    Node.objects.filter(pk=world.cast.node2.pk).update(schedulability="drained", drain_reason="fan noise",
+                                                        health="unhealthy")
+    GPU.objects.create(node=world.cast.node1, index=0, uuid="GPU-a", name="NVIDIA H100", health="healthy")
+    GPU.objects.create(node=world.cast.node1, index=1, uuid="GPU-b", name="NVIDIA H100", health="unhealthy")
+    code, out, _ = run("viewer", "nodes")
+    assert code == EXIT_OK, out
+    lines = {line.split()[1]: line for line in out.splitlines()[1:]}
+    assert out.startswith("ID") and set(lines) == {"gpu-01", "gpu-02"}
+    assert "healthy" in lines["gpu-01"] and "1/2 NVIDIA H100" in lines["gpu-01"]
+    assert f"job {world.cast.job.pk} gen 1" in lines["gpu-01"]
+    assert "unhealthy" in lines["gpu-02"] and "drained (spare)" in lines["gpu-02"] and "fan noise" in lines["gpu-02"]
+    code, out, _ = run("viewer", "nodes", "--health", "unhealthy")
+    assert code == EXIT_OK and "gpu-02" in out and "gpu-01" not in out
+
+
+def test_output_into_a_closed_pipe_ends_quietly(world, live_server):
+    """``nightwatch status | head -1``: the reader leaves after one line; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from jobs.models import Job
+
+    # Far more than a pipe's buffer (64 KiB) holds, so that writing really fails once the reader left.
+    Job.objects.bulk_create([Job(name=f"filler-{n}", entrypoint="examples/train.py", created_by="test")
+                             for n in range(450)])
+    env = {**os.environ, "NIGHTWATCH_TOKEN": world.cast.tokens["viewer"], "NIGHTWATCH_URL": live_server.url}
+    cli = subprocess.Popen([sys.executable, "-m", "agents.cli", "status", "--json", "--limit", "500"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert cli.stdout is not None and cli.stderr is not None
+    first = cli.stdout.readline()
+    cli.stdout.close()  # what `head -1` does after its line
+    err = cli.stderr.read().decode()
+    code = cli.wait(timeout=60)
+    assert first.startswith(b"[")
+    assert "Traceback" not in err and "BrokenPipeError" not in err and err == "", err
+    assert code == EXIT_OK
