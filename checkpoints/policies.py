@@ -28,7 +28,9 @@ class CheckpointPolicy:
     replica_dir: str | None = None
     #: auto: follow the Young/Daly recommendation pushed to the hooks.
     interval: Literal["fixed", "auto"] = "fixed"
-    interval_steps: int = 100
+    #: fixed: save every this many steps (pushed to the hooks, overriding the script's
+    #: ``checkpoint_every``); None: the script's ``checkpoint_every``. Refused with ``auto``.
+    interval_steps: int | None = None
     keep_last: int = 3
     #: 0 disables permanent checkpoints.
     permanent_every_hours: int = 12

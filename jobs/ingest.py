@@ -194,7 +194,10 @@ def _utc(epoch: float) -> datetime:
 def control_for(job: Job, generation: int) -> hooks_protocol.Control:
     """What a running generation should do next (polled by the hooks). Stale: an older generation,
     or any generation of a job that has ended (the hooks stop on it)."""
-    interval = job.recommended_interval_steps if CheckpointPolicy.of(job).interval == "auto" else None
+    policy = CheckpointPolicy.of(job)
+    # auto: the Young/Daly recommendation once there is one; fixed: the policy's interval_steps when
+    # the launch set it (None leaves the script's own checkpoint_every).
+    interval = job.recommended_interval_steps if policy.interval == "auto" else policy.interval_steps
     return hooks_protocol.Control(
         generation=job.generation,
         stale=generation != job.generation or job.state in JobState.TERMINAL,

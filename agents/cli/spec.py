@@ -43,7 +43,8 @@ REQUIRED = ("name",)
 #: What torchrun runs: exactly one of these, each checked by the agent's own rule.
 TARGETS = {"entrypoint": script_problem, "module": module_problem}
 #: may be null: the server derives the value
-NULLABLE = {"recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s", "recovery_policy.max_steps"}
+NULLABLE = {"checkpoint_policy.interval_steps",
+            "recovery_policy.progress_timeout_s", "recovery_policy.startup_timeout_s", "recovery_policy.max_steps"}
 
 
 @dataclass

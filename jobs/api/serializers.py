@@ -61,7 +61,11 @@ class CheckpointPolicySerializer(StrictSerializer):
                         help_text="Second storage location for verified checkpoints.")
     interval = serializers.ChoiceField(choices=["fixed", "auto"], default=_CHECKPOINT.interval,
                                        help_text="auto: follow the Young/Daly recommendation.")
-    interval_steps = serializers.IntegerField(min_value=1, max_value=10_000_000, default=_CHECKPOINT.interval_steps)
+    interval_steps = serializers.IntegerField(
+        min_value=1, max_value=10_000_000, allow_null=True, default=_CHECKPOINT.interval_steps,
+        help_text="With interval fixed: save every this many steps (the control plane tells the hooks, overriding "
+                  "the script's checkpoint_every from the first report's answer on). Null: the script's "
+                  "checkpoint_every. Refused with interval auto, whose interval is the Young/Daly recommendation.")
     keep_last = serializers.IntegerField(min_value=1, max_value=1000, default=_CHECKPOINT.keep_last)
     permanent_every_hours = serializers.IntegerField(min_value=0, max_value=24 * 30,
                                                      default=_CHECKPOINT.permanent_every_hours,
@@ -86,6 +90,14 @@ class CheckpointPolicySerializer(StrictSerializer):
         if (other := _job_sharing(value)) is not None:
             raise serializers.ValidationError(f"Overlaps job {other}'s checkpoint directory; give each job its own.")
         return value
+
+    def validate(self, attrs):
+        attrs = super().validate(attrs)
+        if attrs.get("interval") == "auto" and attrs.get("interval_steps") is not None:
+            raise serializers.ValidationError({"interval_steps": [
+                "interval_steps applies to interval: fixed; with interval: auto the interval is the Young/Daly "
+                "recommendation (GET /jobs/{id}/checkpoints/interval). Drop one of the two."]})
+        return attrs
 
     def validate_replica_dir(self, value):
         try:

@@ -26,7 +26,7 @@ def test_launch_fills_policy_defaults_and_audits(cast, api):
     assert body["state"] == "pending" and body["generation"] == 0 and body["world_size"] == 2
     assert body["recovery_policy"]["max_restarts"] == 2
     assert body["recovery_policy"]["window_minutes"] == 60
-    assert body["checkpoint_policy"] == {"interval": "fixed", "interval_steps": 100, "keep_last": 3,
+    assert body["checkpoint_policy"] == {"interval": "fixed", "interval_steps": None, "keep_last": 3,
                                          "permanent_every_hours": 12, "min_free_percent": 5,
                                          "release_permanent_under_pressure": True}
     event = Event.objects.get(job_id=body["id"], kind="job.launch")
@@ -262,3 +262,33 @@ def test_cancel_is_audited_and_a_second_cancel_conflicts(cast, api):
     again = client.post(f"/api/v1/jobs/{cast.job.pk}/cancel", {"reason": "again"}, format="json")
     assert again.status_code == 409
     assert "cannot go from cancelled to cancelled" in again.json()["detail"]
+
+
+@pytest.mark.django_db
+def test_interval_steps_is_pushed_to_the_hooks_or_refused_with_auto(cast, api):
+    """checkpoint_policy.interval_steps works (the control answer carries it, so the hooks save that
+    often) with interval fixed; with interval auto it is a 400 naming the field (issue 21)."""
+    from jobs import ingest
+
+    refused = launch(api, cast.tokens["ci"], {"name": "auto-and-steps", "entrypoint": "examples/train.py",
+                                              "checkpoint_policy": {"interval": "auto", "interval_steps": 20}})
+    assert refused.status_code == 400 and refused["Content-Type"] == PROBLEM
+    errors = refused.json()["errors"]
+    assert [e["field"] for e in errors] == ["checkpoint_policy.interval_steps"], errors
+    assert "with interval: auto the interval is the Young/Daly recommendation" in errors[0]["reason"]
+    assert not Job.objects.filter(name="auto-and-steps").exists()
+
+    fixed = launch(api, cast.tokens["ci"], {"name": "every-7", "entrypoint": "examples/train.py",
+                                            "checkpoint_policy": {"interval_steps": 7}})
+    assert fixed.status_code == 201, fixed.content
+    job = Job.objects.get(pk=fixed.json()["id"])
+    assert ingest.control_for(job, job.generation).checkpoint_interval_steps == 7
+    unset = Job.objects.get(pk=launch(api, cast.tokens["ci"], {"name": "script-decides",
+                                                               "entrypoint": "examples/train.py"}).json()["id"])
+    assert ingest.control_for(unset, unset.generation).checkpoint_interval_steps is None  # the script's own
+    auto = Job.objects.get(pk=launch(api, cast.tokens["ci"], {"name": "auto", "entrypoint": "examples/train.py",
+                                                              "checkpoint_policy": {"interval": "auto"}}).json()["id"])
+    assert ingest.control_for(auto, auto.generation).checkpoint_interval_steps is None  # no recommendation yet
+    Job.objects.filter(pk=auto.pk).update(recommended_interval_steps=300)
+    auto.refresh_from_db()
+    assert ingest.control_for(auto, auto.generation).checkpoint_interval_steps == 300
