@@ -146,6 +146,11 @@ def snapshot(job, goodput=None) -> dict:
     generation, speed, steps = throughput(job)
     nodes = _nodes_of(job, generation)
     peaks = [device_peak_tflops(job, node) for node in nodes]
+    # The nominal CPU figure makes the alerts work on CPU jobs, but an MFU or a GPU-hour cost of a
+    # CPU job means nothing to a person: pages show them only where a GPU's peak is known.
+    gpu_peak_known = (job.accelerator == "gpu" and bool(nodes)
+                      and all(node.gpu_name is not None or "peak_tflops" in node.labels for node in nodes)
+                      and None not in peaks)
     peak_tflops = (sum(p * job.nproc_per_node for p in peaks) if nodes and None not in peaks else None)
     mfu = (math_.mfu(speed, fpt, peak_tflops * 1e12)
            if speed and fpt and peak_tflops and steps >= MIN_STEPS else None)
@@ -166,6 +171,7 @@ def snapshot(job, goodput=None) -> dict:
         "tokens_per_s": speed.tokens_per_s if speed else None,
         "achieved_tflops": speed.tokens_per_s * fpt / 1e12 if speed and fpt else None,
         "peak_tflops": peak_tflops,
+        "gpu_peak_known": gpu_peak_known,
         "mfu": mfu,
         "expected_mfu": target.expected_mfu if target else None,
         "mfu_margin": margin,

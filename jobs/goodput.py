@@ -19,6 +19,11 @@ from jobs.steps import recent_step_seconds
 
 #: How many of the newest steps the median step time (the price of a lost step) reads.
 STEP_SAMPLES = 200
+#: A running job without a step for longer than this many median step times (and at least
+#: ``STALL_FLOOR_S``, which covers the hooks' 1 s report batching and the way to us) is stalled:
+#: the stretch counts as badput while it lasts (``goodput_math.compute``, point 5).
+STALL_STEPS = 3
+STALL_FLOOR_S = 3.0
 
 
 def goodput_of(job: Job, *, now: datetime | None = None) -> Goodput:
@@ -39,10 +44,12 @@ def goodput_of(job: Job, *, now: datetime | None = None) -> Goodput:
         for i in Incident.objects.filter(job=job).exclude(decision="alert")
     ]
     step_times = recent_step_seconds(job, limit=STEP_SAMPLES)
+    median_step_s = statistics.median(step_times) if step_times else 0.0
     blocking = Checkpoint.objects.filter(job=job).aggregate(s=Sum("blocking_s"))["s"] or 0.0
     return compute(started_at=first.started_at, now=end, first_step_at=first.first_step_at, incidents=incidents,
-                   median_step_s=statistics.median(step_times) if step_times else 0.0,
-                   checkpoint_blocking_s=blocking)
+                   median_step_s=median_step_s, checkpoint_blocking_s=blocking,
+                   last_step_at=job.last_step_at if job.state == JobState.RUNNING else None,
+                   stall_grace_s=max(STALL_FLOOR_S, STALL_STEPS * median_step_s))
 
 
 def _paused_spans(job: Job, end: datetime) -> list[tuple[datetime, datetime]]:

@@ -4,7 +4,10 @@ ETTR (effective training time ratio) = productive training time / wall time. Bad
 into the kinds an operator can act on:
 
 - ``startup``: launch of the first generation until its first step;
-- ``detection``: from a fault to its detection;
+- ``detection``: from a fault to its detection; while a running job reports no step for longer
+  than a few step times (``stall_grace_s``), the stretch since its last step counts here as it
+  happens (a hang not detected yet is detection time in the making; once it is detected, the
+  incident's own fault → detection span, which starts at that same last step, takes over);
 - ``restart``: from detection to the first step of the resumed generation (quiesce, relaunch,
   restore); a pause waiting for a human is counted apart as ``paused``;
 - ``lost_work``: steps trained after the last checkpoint and redone after the restore;
@@ -44,7 +47,8 @@ class Goodput:
 
 
 def compute(*, started_at: datetime, now: datetime, first_step_at: datetime | None,
-            incidents: list[IncidentTimes], median_step_s: float, checkpoint_blocking_s: float) -> Goodput:
+            incidents: list[IncidentTimes], median_step_s: float, checkpoint_blocking_s: float,
+            last_step_at: datetime | None = None, stall_grace_s: float = 0.0) -> Goodput:
     """Split ``now - started_at`` into productive time and badput by kind.
 
     1. Startup runs until the first step (or until now, if none yet).
@@ -52,6 +56,10 @@ def compute(*, started_at: datetime, now: datetime, first_step_at: datetime | No
        the next generation, or now), less the time it sat paused for a human, counted apart.
     3. Lost work is lost steps × the median step time.
     4. Checkpoint stalls are the summed blocking time of saves.
+    5. A step-less stretch still under way: ``last_step_at`` (given for a running job) more than
+       ``stall_grace_s`` ago, and no incident detected since, counts as detection from
+       ``last_step_at`` to now. Without it ETTR *rose* during a hang (wall time grew, badput did
+       not) and only fell at detection.
     Productive time is what is left, never below zero.
     """
     wall = max(0.0, (now - started_at).total_seconds())
@@ -68,6 +76,9 @@ def compute(*, started_at: datetime, now: datetime, first_step_at: datetime | No
         bad["restart"] += recovery - paused
         bad["lost_work"] += incident.lost_steps * median_step_s
     bad["checkpoint_stall"] = checkpoint_blocking_s
+    if last_step_at is not None and _span(last_step_at, now) > stall_grace_s \
+            and not any(i.detected_at >= last_step_at for i in incidents):
+        bad["detection"] += _span(last_step_at, now)
     productive = max(0.0, wall - sum(bad.values()))
     return Goodput(wall_s=wall, productive_s=productive, badput_s=bad)
 

@@ -41,14 +41,22 @@ def test_the_job_page_shows_mfu_and_cost(signed_in, cast, settings, time_machine
     from django.utils import timezone
 
     from jobs import efficiency
+    from jobs.models import Job
+    from nodes.models import GPU
 
+    GPU.objects.create(node=cast.node1, index=0, uuid="GPU-0", name="NVIDIA H100 80GB HBM3")  # a known peak
     job = pause_for_breaker(cast.job)
     time_machine.move_to(timezone.now(), tick=False)  # the cost grows with wall time: one instant
     figures = efficiency.snapshot(job)
     body = signed_in(cast.viewer).get(f"/jobs/{job.pk}/").content.decode()
     currency = settings.NIGHTWATCH["EFFICIENCY"]["CURRENCY"]
+    assert figures["gpu_peak_known"]
     assert f'<dd id="job-cost">{figures["cost"]["total"]:.2f} {currency}' in body
     assert '<dd id="job-mfu">' in body
+    # A CPU job (issue 21): an MFU against a nominal CPU peak, or a GPU-hour cost, means nothing.
+    Job.objects.filter(pk=job.pk).update(accelerator="cpu")
+    body = signed_in(cast.viewer).get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="job-mfu"' not in body and 'id="job-cost"' not in body and 'id="job-step"' in body
 
 
 def test_buttons_follow_the_role(signed_in, cast):
