@@ -25,6 +25,7 @@ import json
 import os
 import sqlite3
 import threading
+from collections.abc import Collection
 from typing import Any
 
 _SCHEMA = """
@@ -84,18 +85,24 @@ class Spool:
                 raise
             return stored
 
-    def peek(self, limit: int) -> list[tuple[int, str, dict[str, Any]]]:
-        """Up to ``limit`` held records, oldest first, as (id, kind, record)."""
+    def peek(self, limit: int, kinds: Collection[str] | None = None) -> list[tuple[int, str, dict[str, Any]]]:
+        """Up to ``limit`` held records, oldest first, as (id, kind, record); only those of ``kinds``
+        when given (a lane: the records of those kinds keep their order among themselves)."""
+        where, params = _kinds_clause(kinds)
         with self._lock:
             rows = self._conn().execute(
-                "SELECT id, kind, body FROM records ORDER BY id LIMIT ?", (limit,)).fetchall()
+                f"SELECT id, kind, body FROM records {where} ORDER BY id LIMIT ?",  # noqa: S608 - only '?' marks
+                (*params, limit)).fetchall()
         return [(row_id, kind, json.loads(body)) for row_id, kind, body in rows]
 
-    def ack(self, upto_id: int) -> None:
-        """Forget every record with id <= ``upto_id`` (they were delivered)."""
+    def ack(self, upto_id: int, kinds: Collection[str] | None = None) -> None:
+        """Forget every record with id <= ``upto_id`` (they were delivered); only those of ``kinds``
+        when given, so that one lane's delivery never forgets another lane's records."""
+        where, params = _kinds_clause(kinds)
         with self._lock:
             db = self._conn()
-            removed = db.execute("DELETE FROM records WHERE id <= ?", (upto_id,)).rowcount
+            removed = db.execute(f"DELETE FROM records {where} {'AND' if where else 'WHERE'} id <= ?",  # noqa: S608
+                                 (*params, upto_id)).rowcount
             self._count -= removed
 
     @property
@@ -137,3 +144,12 @@ class Spool:
             "ON CONFLICT(kind) DO UPDATE SET count = count + excluded.count",
             list(per_kind.items()))
         self._count -= len(victims)
+
+
+def _kinds_clause(kinds: Collection[str] | None) -> tuple[str, tuple[str, ...]]:
+    if kinds is None:
+        return "", ()
+    if not kinds:
+        raise ValueError("a lane needs at least one kind")
+    ordered = tuple(sorted(kinds))
+    return f"WHERE kind IN ({','.join('?' * len(ordered))})", ordered

@@ -3,7 +3,8 @@
 Started by ``bench.fleet`` as ``python -m bench._fleet_sim PLAN.json``, a few per run. Each node
 does what ``agents.agent.daemon.Agent`` does, over real HTTP with real tokens: registers with its
 bootstrap token, heartbeats at the interval registration answers, samples 8 GPUs at the agent's
-default telemetry interval into an outbox it flushes in order (telemetry, events, command acks),
+default telemetry interval into an outbox it flushes as the agent's does (events and command acks
+in order, before telemetry),
 runs the commands heartbeat answers carry (a launch "starts" a generation, a stop ends it) and
 reports exits. Each rank of a started generation trains one step a second and delivers its
 spool as ``agents.hooks.reporter.Reporter`` does, with the generation's job token; rank 0 also
@@ -425,11 +426,13 @@ class Agent:
                     await asyncio.sleep(retry_delay(1, base=backoff, cap=backoff, retry_after=error.retry_after))
 
     async def flush_one(self) -> None:
-        """The head run of one kind, as ``Outbox.flush`` sends it."""
-        kind = self.outbox[0][0]
+        """The head run of one kind, as ``Outbox.flush`` sends it: events and acks before telemetry."""
+        urgent = [item for item in self.outbox if item[0] != "telemetry"]
+        lane = urgent or list(self.outbox)
+        kind = lane[0][0]
         limit = {"telemetry": MAX_SAMPLES_PER_BATCH, "event": MAX_EVENTS_PER_BATCH, "ack": 1}[kind]
         run = []
-        for record_kind, body in self.outbox:
+        for record_kind, body in lane:
             if record_kind != kind or len(run) == limit:
                 break
             run.append(body)
@@ -446,8 +449,8 @@ class Agent:
                                                   self.token, dump(ack))
             if status == 409 and ack.job in self.generations:
                 self.generations[ack.job].end()
-        for _ in run:
-            self.outbox.popleft()
+        sent = {id(body) for body in run}
+        self.outbox = deque(item for item in self.outbox if id(item[1]) not in sent)
 
     def backlog(self) -> int:
         return len(self.outbox) + sum(g.backlog() for g in self.generations.values() if not g.ended)

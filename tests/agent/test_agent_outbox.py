@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agents.agent.outbox import Outbox
-from agents.protocol.agent import EVENTS_PATH, XidDetail
+from agents.http import Unreachable
+from agents.protocol.agent import EVENTS_PATH, MAX_SAMPLES_PER_BATCH, TELEMETRY_PATH, GpuSample, XidDetail
 
 
 class JudgingControlPlane:
@@ -40,3 +43,57 @@ def test_one_malformed_record_is_dropped_alone_and_order_is_kept(tmp_path: Path)
     # Splitting costs a few requests (one batch, then halves down to the bad pair), not one per record.
     assert server.requests < 12
     outbox.close()
+
+
+class SheddingControlPlane:
+    """Accepts events and acks, refuses telemetry as an overloaded control plane sheds bulk data
+    (503 + Retry-After, which the client raises as ``Unreachable``); records every request's path."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.events: list[str] = []
+
+    def request(self, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[int, dict]:
+        self.paths.append(path)
+        if path == TELEMETRY_PATH.format(node_id="n1"):
+            raise Unreachable("503: overloaded", retry_after=2.0)
+        self.events += [event["key"] for event in body["events"]]
+        return 200, {}
+
+
+def test_an_xid_behind_a_telemetry_backlog_goes_first_and_the_backlog_is_kept(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    outbox.add_samples([sample(t) for t in range(3 * MAX_SAMPLES_PER_BATCH)])  # an outage's worth
+    outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
+    outbox.add_event("xid", XidDetail(gpu=4, code=79), key="xid-2")
+    server = SheddingControlPlane()
+
+    with pytest.raises(Unreachable):
+        outbox.flush(server, "n1", on_stale_ack=lambda ack: None)
+
+    assert server.paths[0] == EVENTS_PATH.format(node_id="n1")
+    assert server.events == ["xid-1", "xid-2"]  # in their own order, one request
+    assert len(outbox) == 3 * MAX_SAMPLES_PER_BATCH  # the refused telemetry waits in the spool
+    outbox.close()
+
+
+def test_the_urgent_lane_is_drained_again_before_each_telemetry_batch(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    outbox.add_samples([sample(t) for t in range(2 * MAX_SAMPLES_PER_BATCH)])
+    sent: list[str] = []
+
+    class Server:
+        def request(self, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[int, dict]:
+            sent.append("telemetry" if "samples" in body else "events")
+            if len(sent) == 1:  # an exit noticed while the first telemetry batch is on its way
+                outbox.add_event("xid", XidDetail(gpu=0, code=79), key="late")
+            return 200, {}
+
+    assert outbox.flush(Server(), "n1", on_stale_ack=lambda ack: None) == 2 * MAX_SAMPLES_PER_BATCH + 1
+    assert sent == ["telemetry", "events", "telemetry"]
+    assert len(outbox) == 0
+    outbox.close()
+
+
+def sample(t: int) -> GpuSample:
+    return GpuSample(node="n1", gpu=t % 8, time=1_700_000_000.0 + t, temperature_c=50.0, utilization_pct=90.0)

@@ -111,3 +111,19 @@ def test_a_closed_spool_says_so(path):
     spool.close()
     with pytest.raises(RuntimeError, match="closed"):
         spool.append("report", {})
+
+
+def test_a_lane_is_read_and_acknowledged_without_touching_the_other_kinds(tmp_path):
+    spool = Spool(tmp_path / "s.db", max_records=100)
+    for i in range(3):
+        spool.append("telemetry", {"i": i})
+        spool.append("event", {"i": i})
+    events = spool.peek(10, kinds={"event"})
+    assert [(kind, body["i"]) for _, kind, body in events] == [("event", 0), ("event", 1), ("event", 2)]
+    spool.ack(events[1][0], kinds={"event"})  # the first two events delivered
+    assert [(kind, body["i"]) for _, kind, body in spool.peek(10)] == [
+        ("telemetry", 0), ("telemetry", 1), ("telemetry", 2), ("event", 2)]
+    assert len(spool) == 4
+    with pytest.raises(ValueError):
+        spool.peek(1, kinds=set())
+    spool.close()
