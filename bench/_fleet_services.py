@@ -1,7 +1,8 @@
 """The real control plane the fleet benchmark runs against, started and stopped as production runs it.
 
 Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a
-load balancer would), the Celery worker with beat on the default queue and the checkpoint worker
+load balancer would), a third that serves only the dashboard's WebSockets (docker-compose.yml's
+``ws``, to which the proxy routes ``/ws/``), the Celery worker with beat on the default queue and the checkpoint worker
 on ``checkpoints`` (docker-compose.yml's services), on a PostgreSQL database made for the run from
 a migrated template and a Redis database of its own. Every process runs in a session of its own
 (``tests.e2e.cluster.Proc``) so ``close()`` takes its children too; ``bench.fleet`` calls it in a
@@ -75,6 +76,7 @@ class ControlPlane:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.database = database
         self.ports = [free_port() for _ in range(WEB_PROCESSES)]
+        self.ws_port = free_port()
         self.env = base_env(database, redis_db, work / "var")
         self.env["NIGHTWATCH_PUBLIC_URL"] = f"http://127.0.0.1:{self.ports[0]}"
         # The simulated nodes reach the web processes as through the TLS proxy of a deployment, which
@@ -92,9 +94,12 @@ class ControlPlane:
         for i, port in enumerate(self.ports):
             self.procs[f"web{i}"] = Proc(f"web{i}", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
                                                      "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+        # Browsers only: the live push does not share an event loop (and a GIL) with the fleet's ingest.
+        self.procs["ws"] = Proc("ws", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.ws_port),
+                                       "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
         self.start_worker()
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
-        for port in self.ports:
+        for port in (*self.ports, self.ws_port):
             wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
         wait_for(lambda: "ready." in self.procs["checkpoints"].log(), timeout=90, what="the checkpoint worker")
 

@@ -17,8 +17,10 @@ per node per minute (daphne, Celery and the database's backends, from /proc), th
 deepest point, dashboard server time (overview, /nodes/, the biggest job's page) and the storm's
 flush time. The alternative a user would otherwise have at this scale is no control plane at
 all, so the ratios are against the fleet's own offered load: accepted / offered, and at the
-largest size accepted / the capacity measured at the smaller ones (the plateau). Live push to
-browsers is measured by ``bench.live_push``, not here: this run already saturates both cores.
+largest size accepted / the capacity measured at the smaller ones (the plateau). Live push: 20
+WebSocket clients (``--browsers``) on the biggest job's page, connected to the web process that
+serves WebSockets only, as a deployment's proxy routes ``/ws/``; each step's arrival against the
+moment its row was stored.
 
     python -m bench.fleet [--quick] [--nodes 64,256,1024] [--duration S] [--seed N]
 
@@ -285,7 +287,7 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
             from bench.live_push import Sockets
 
             try:  # an overloaded server may refuse the handshakes: reported, not fatal to the run
-                browsers = Sockets(SimpleNamespace(port=plane.ports[1], job=jobs[0], session=cast["session"]),
+                browsers = Sockets(SimpleNamespace(port=plane.ws_port, job=jobs[0], session=cast["session"]),
                                    opts.browsers, clock=time.time)
             except Exception as error:  # noqa: BLE001 - any failure to open them is the finding
                 push_failed = f"{type(error).__name__}: {error}"

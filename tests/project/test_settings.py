@@ -79,10 +79,14 @@ def test_docker_compose_file_is_valid(tmp_path):
     import yaml
 
     services = yaml.safe_load(result.stdout)["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "checkpoint-worker", "beat"}
+    assert set(services) == {"postgres", "redis", "web", "ws", "worker", "checkpoint-worker", "beat"}
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     assert services["web"]["environment"]["NIGHTWATCH_ENV"] == "production"
+    # The WebSocket-only web process runs the same application as web, on its own port.
+    assert services["ws"]["image"] == services["web"]["image"]
+    assert "controlplane.asgi:application" in " ".join(services["ws"]["command"])
+    assert services["ws"]["environment"] == services["web"]["environment"]
 
 
 def test_a_connection_pool_is_configured_for_postgresql_and_refused_for_anything_else(tmp_path):
