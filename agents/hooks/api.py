@@ -13,6 +13,12 @@ One step of the loop, as the hooks see it: ``batches`` times the *input* phase a
 the batch; user code runs the *compute* phase; ``step`` measures the gradient norm, applies or
 skips the update, every ``check_every`` steps exchanges (loss, grad norm, control flags) with the
 other ranks (*optimizer* phase), then checkpoints when due (*checkpoint* phase) and reports.
+
+With ``accumulation_steps=K`` a *step* is still one optimizer update: ``batches`` hands out K
+micro-batches per step (under DDP the first K-1 inside ``no_sync``), ``step(loss)`` is called after
+each backward and updates on the K-th. Checkpoints, reports, ``step_count`` and ``max_steps`` count
+updates, so a checkpoint always lies on a window boundary and a resume replays the interrupted
+window's micro-batches from its first.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from agents.hooks import resume, state
 from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure
-from agents.hooks.data import GlobalCursorSampler
+from agents.hooks.data import GlobalCursorSampler, epoch_aware, is_stateful, pipeline_parts
 from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
 from agents.hooks.settings import Environment
 from agents.hooks.staging import stable_tensors
@@ -58,7 +65,13 @@ class StopTraining(SystemExit):
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What ``Hooks.step`` did: the step number now completed, and what the guards saw."""
+    """What ``Hooks.step`` did: the step number now completed, and what the guards saw.
+
+    ``accumulating``: this call only accumulated a micro-batch's gradients (no update yet);
+    ``step`` is then the number of updates done so far, ``loss`` this micro-batch's and
+    ``grad_norm`` NaN (not measured). On the window's last micro-batch ``loss`` is the sum of the
+    losses passed over the window, which is the loss the accumulated gradient belongs to.
+    """
 
     step: int
     loss: float
@@ -67,27 +80,47 @@ class StepOutcome:
     spike: bool
     nan: bool
     inconsistent: bool
+    accumulating: bool = False
 
 
 class Hooks:
     """Verified checkpoints, exact resume, guards and reporting around one training loop.
 
     Construct it on every rank after the process group (if any) exists and the model is wrapped
-    (DDP, ...): it creates its own gloo groups, picks and restores the checkpoint to resume from,
-    and builds the data loader from ``dataset`` (map-style) and the per-rank ``batch_size``.
-    ``config`` holds whatever makes a checkpoint incompatible; ``env`` defaults to the
-    NIGHTWATCH_* variables (see ``settings.py``). docs/hooks.md is the user's guide.
+    (DDP, ...): it creates its own gloo groups, picks and restores the checkpoint to resume from.
+    The data comes either from ``dataset`` (map-style) and the per-rank ``batch_size``, read in the
+    order of a ``GlobalCursorSampler`` (the default: exact even across a world-size change), or
+    from the script's own pipeline: ``loader=`` (any iterable of batches, e.g. a ``DataLoader`` or
+    torchdata's ``StatefulDataLoader``) or ``sampler=`` (with ``dataset`` and ``batch_size``). Its
+    position is checkpointed through ``state_dict()``/``load_state_dict()`` and its epoch set
+    with ``set_epoch``. ``accumulation_steps`` micro-batches make one step; ``scheduler`` is
+    stepped per step, ``epoch_scheduler`` per data epoch (``ReduceLROnPlateau`` with
+    ``epoch_metric()`` or the epoch's mean loss). ``config`` holds whatever makes a checkpoint
+    incompatible; ``env`` defaults to the NIGHTWATCH_* variables (see ``settings.py``).
+    docs/hooks.md is the user's guide.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset: Any,
-                 batch_size: int, scheduler: Any = None, scaler: Any = None, ckpt_dir: str | None = None,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dataset: Any = None,
+                 batch_size: int | None = None, loader: Any = None, sampler: Any = None,
+                 accumulation_steps: int = 1, scheduler: Any = None, epoch_scheduler: Any = None,
+                 epoch_metric: Callable[[], float] | None = None, scaler: Any = None,
+                 ckpt_dir: str | None = None,
                  checkpoint_every: int | None = None, config: Mapping[str, Any] | None = None, seed: int = 0,
                  shuffle: bool = True, max_grad_norm: float | None = None,
                  guards: GuardSettings | None = None, async_save: bool = True,
                  loader_options: Mapping[str, Any] | None = None, tokens_per_sample: int = 0,
                  flops_per_token: float | None = None, env: Environment | None = None):
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be at least 1, not {accumulation_steps}")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.epoch_scheduler, self.epoch_metric = epoch_scheduler, epoch_metric
+        self.accumulation_steps = accumulation_steps
+        self.loader = _user_loader(loader, sampler, dataset, batch_size, loader_options)
+        if self.loader is None and (dataset is None or batch_size is None):
+            raise ValueError("pass dataset= and batch_size=, or your own loader= (or sampler=)")
+        self.dataset = dataset if dataset is not None else getattr(self.loader, "dataset", None)
+        self.batch_size = batch_size or getattr(self.loader, "batch_size", None) or 1
+        self.seed, self.shuffle = seed, shuffle
         self.max_grad_norm = max_grad_norm
         self.guard_settings = guards or GuardSettings()
         self.loader_options = dict(loader_options or {})
@@ -100,7 +133,20 @@ class Hooks:
         self.checkpoint_every = checkpoint_every
         self.step_count = 0
         self.data_cursor = 0
+        self.epoch = 0  # the data epoch of the batch being trained
+        self.micro_step = 0  # micro-batches of the current accumulation window already stepped
         self.resumed_from: str | None = None
+        self._data_parts = pipeline_parts(self.loader) if self.loader is not None else (
+            {"dataset": dataset} if is_stateful(dataset) else {})
+        self._epoch_aware = epoch_aware(self.loader if self.loader is not None else dataset)
+        self._told_epoch: int | None = None
+        self._epoch_loss = [0.0, 0]  # this rank's sum of step losses and steps in the current epoch
+        self._window_loss = 0.0
+        self._calls = 0  # step() calls, micro-steps included
+        self._iterator: Iterator[Any] | None = None  # the script's own loader, across batches() calls
+        self._batches_in_epoch = 0  # batches the loader handed out in this epoch
+        self._replay = 0  # batches to re-read after a resume (a loader that has no state_dict)
+        self._restored = False
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grad_guard = GradientGuard(self.guard_settings)
         self._loss_watch = LossWatch(self.guard_settings.detection, speaks_for_job=self.topology.rank == 0)
@@ -119,31 +165,34 @@ class Hooks:
         self._resume()
         self.parameter_count = parameter_count(model)
         self._report_model(flops_per_token)
-        self.sampler = GlobalCursorSampler(len(dataset), batch_size, rank=self.topology.rank,
-                                           world_size=self.topology.world_size, seed=seed, shuffle=shuffle,
-                                           start_cursor=self.data_cursor, skip=self.env.skip_data)
+        self.sampler = None if self.loader is not None else GlobalCursorSampler(
+            len(dataset), self.batch_size, rank=self.topology.rank, world_size=self.topology.world_size,
+            seed=seed, shuffle=shuffle, start_cursor=self.data_cursor, skip=self.env.skip_data)
+        if self.loader is not None and self.env.skip_data:
+            log.warning("a rollback asked to skip global samples %s, which only the default sampler can do: "
+                        "your own loader reads them", self.env.skip_data)
 
     # -- the training loop ---------------------------------------------------------------------
 
     def batches(self, max_steps: int | None = None) -> Iterator[Any]:
         """This rank's batches from the current data position until ``max_steps`` steps are done.
 
-        Call ``step(loss)`` exactly once per batch. At ``max_steps`` a final checkpoint is saved
-        and committed before the loop ends.
+        Call ``step(loss)`` exactly once per batch (per micro-batch with ``accumulation_steps``).
+        At ``max_steps`` a final checkpoint is saved and committed before the loop ends.
         """
-        options = {"num_workers": 0, **self.loader_options}
-        # A generator of its own: iter(DataLoader) otherwise draws from the global torch RNG,
-        # which would shift every random stream after a resume.
-        generator = torch.Generator().manual_seed(self.seed * 7919 + self.data_cursor)
-        self.sampler.start_cursor = self.data_cursor
-        iterator = iter(DataLoader(self.dataset, batch_sampler=self.sampler, generator=generator, **options))
+        if self.sampler is not None:
+            self._iterator = self._cursor_batches()
         while max_steps is None or self.step_count < max_steps:
             started = time.perf_counter()
-            batch = next(iterator)
-            self.telemetry.begin_step(input_s=time.perf_counter() - started)
-            expected_step = self.step_count + 1
-            yield batch
-            if self.step_count != expected_step:
+            batch = self._next_batch()
+            self.telemetry.begin_step(input_s=time.perf_counter() - started, continuing=self.micro_step > 0)
+            expected_calls = self._calls + 1
+            # Under DDP, the window's earlier micro-batches only accumulate: no gradient all-reduce.
+            last_of_window = self.micro_step + 1 == self.accumulation_steps
+            no_sync = getattr(self.model, "no_sync", None)
+            with nullcontext() if last_of_window or no_sync is None else no_sync():
+                yield batch
+            if self._calls != expected_calls:
                 raise RuntimeError("call nw.step(loss) exactly once for every batch from nw.batches()")
         if self.checkpointer and self._last_saved_step != self.step_count:
             self._save()
@@ -151,11 +200,127 @@ class Hooks:
             self.checkpointer.wait()
 
     def batch_indices(self) -> list[int]:
-        """Dataset indices of the batch being trained on (this rank), e.g. to log what was seen."""
+        """Dataset indices of the batch being trained on (this rank), e.g. to log what was seen.
+
+        Call it before ``step``: ``step`` moves the data position on to the next batch."""
+        if self.sampler is None:
+            raise RuntimeError("batch_indices() needs the hooks' own sampler; with loader= or sampler= your "
+                               "pipeline knows which samples it handed out")
         return self.sampler.indices_at(self.sampler.next_cursor(self.data_cursor))
 
+    # -- the data pipeline ---------------------------------------------------------------------
+
+    def _cursor_batches(self) -> Iterator[Any]:
+        """Batches in GlobalCursorSampler order from the current cursor (the default pipeline)."""
+        assert self.sampler is not None and self.dataset is not None
+        options = {"num_workers": 0, **self.loader_options}
+        # A generator of its own: iter(DataLoader) otherwise draws from the global torch RNG,
+        # which would shift every random stream after a resume.
+        generator = torch.Generator().manual_seed(self.seed * 7919 + self.data_cursor)
+        self.sampler.start_cursor = self.data_cursor
+        return iter(DataLoader(self.dataset, batch_sampler=self.sampler, generator=generator, **options))
+
+    def _next_batch(self) -> Any:
+        if self.sampler is not None:
+            # The epoch of the batch about to be read, told before the dataset reads it.
+            position = self.sampler.next_cursor(self.data_cursor)
+            self._enter_epoch(position // self.sampler.dataset_size)
+            assert self._iterator is not None
+            return next(self._iterator)
+        empty = 0
+        while True:
+            if self._iterator is None:
+                self._enter_epoch(self.epoch)
+                self._iterator = self._open_loader()
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                empty = empty + 1 if self._batches_in_epoch == 0 else 0
+                if empty > 1:
+                    raise RuntimeError("the loader handed out no batch in a whole epoch") from None
+                self._enter_epoch(self.epoch + 1)
+                continue
+            self._batches_in_epoch += 1
+            return batch
+
+    def _open_loader(self) -> Iterator[Any]:
+        """iter(loader); after a resume without drawing from the global RNG (an uninterrupted run
+        made this iterator at the epoch's start, from an RNG state long gone), and re-reading the
+        batches already trained when the loader has no state of its own."""
+        if not self._restored:
+            return iter(self.loader)
+        self._restored = False
+        with torch.random.fork_rng(devices=[]):
+            iterator = iter(self.loader)
+            for _ in range(self._replay):
+                next(iterator)
+        self._replay = 0
+        return iterator
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Step the per-epoch scheduler for every epoch that ended, tell the pipeline the epoch."""
+        while self.epoch < epoch:
+            self._epoch_ended()
+            self.epoch += 1
+            self._batches_in_epoch = 0
+        if self._told_epoch != epoch:
+            for part in self._epoch_aware:
+                part.set_epoch(epoch)
+            self._told_epoch = epoch
+
+    def _epoch_ended(self) -> None:
+        total, steps = self._epoch_loss
+        self._epoch_loss = [0.0, 0]
+        if self.epoch_scheduler is None:
+            return
+        if isinstance(self.epoch_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if self.epoch_metric is not None:
+                metric = float(self.epoch_metric())
+            else:  # the epoch's mean step loss over all ranks: the same decision everywhere
+                rows = self.topology.all_gather_floats([total, float(steps)])
+                metric = sum(r[0] for r in rows) / max(1.0, sum(r[1] for r in rows))
+            self.epoch_scheduler.step(metric)
+        else:
+            self.epoch_scheduler.step()
+
+    def _loop_state(self) -> dict[str, Any]:
+        """This rank's training-loop state, checkpointed beside the model (``loop.rank<r>``)."""
+        return {"epoch": self.epoch, "epoch_loss": list(self._epoch_loss), "batches_in_epoch": self._batches_in_epoch,
+                "data": {name: part.state_dict() for name, part in self._data_parts.items()}}
+
+    def _load_loop_state(self, saved: dict[str, Any]) -> None:
+        self._epoch_loss = [float(saved["epoch_loss"][0]), int(saved["epoch_loss"][1])]
+        self._batches_in_epoch = int(saved["batches_in_epoch"])
+        # The saved epoch first (a sampler's set_epoch may reset its position), then the position.
+        self._enter_epoch(self.epoch)
+        data = saved.get("data", {})
+        missing = sorted(set(self._data_parts) - set(data))
+        if missing:
+            raise ValueError(f"the checkpoint holds no state for {missing} of the data pipeline")
+        for name, part in self._data_parts.items():
+            part.load_state_dict(data[name])
+        if self.loader is not None and not self._data_parts:
+            self._replay = self._batches_in_epoch  # re-read this epoch's order up to the position
+        self._restored = True
+
     def step(self, loss: torch.Tensor) -> StepOutcome:
-        """Guard, apply the update, exchange with the other ranks, checkpoint if due, report."""
+        """Guard, apply the update, exchange with the other ranks, checkpoint if due, report.
+
+        Call it after ``loss.backward()`` for every batch. With ``accumulation_steps=K`` the first
+        K-1 calls of a window only count the micro-batch (``accumulating``); the K-th does all the
+        rest with the loss summed over the window. On a pause or a stale generation it raises
+        ``StopTraining`` after the checkpoint, so the code after ``step`` does not run that time.
+        """
+        self._calls += 1
+        self._advance_data()
+        if self.micro_step + 1 < self.accumulation_steps:
+            self.micro_step += 1
+            value = float(loss.detach())
+            self._window_loss += value
+            return StepOutcome(self.step_count, value, math.nan, False, False, not math.isfinite(value),
+                               self._inconsistent, accumulating=True)
+        self.micro_step = 0
         if self._params and self._params[0].is_cuda:
             torch.cuda.synchronize()  # so queued GPU work counts as compute, not as the next phase
         entered = time.perf_counter()
@@ -165,21 +330,17 @@ class Hooks:
         waited = entered - self._grads_ready if 0.0 < entered - self._grads_ready <= compute_s else 0.0
         self._grads_ready = 0.0
         compute_s -= waited
-        loss_value = float(loss.detach())
+        loss_value, self._window_loss = self._window_loss + float(loss.detach()), 0.0
         grad_norm = self._gradient_norm()
         decision = self._grad_guard.judge(grad_norm)
         nan = not math.isfinite(loss_value) or (self.scaler is None and not math.isfinite(grad_norm))
         skip = decision.skip and self.guard_settings.skip_bad_steps
         lr = self._learning_rate()  # the rate this step was taken with: a restart is expected, not a fault
-        skipped = self._update(skip)
+        skipped = self._update(skip, loss_value)
         verdict = self._loss_watch.observe(loss_value, lr=lr, skipped=skipped)
         self.step_count += 1
-        trained_at = self.sampler.next_cursor(self.data_cursor)
-        if trained_at != self.data_cursor:
-            self.telemetry.event(self.step_count, "data_skipped", f"skipped global samples {self.data_cursor}-"
-                                 f"{trained_at} as the rollback asked",
-                                 {"from": self.data_cursor, "to": trained_at})
-        self.data_cursor = trained_at + self.sampler.step_size
+        if math.isfinite(loss_value):
+            self._epoch_loss = [self._epoch_loss[0] + loss_value, self._epoch_loss[1] + 1]
         self._last_loss = loss_value
         exchange = None
         if self.step_count % self.guard_settings.check_every == 0:
@@ -196,11 +357,23 @@ class Hooks:
         outcome = StepOutcome(self.step_count, loss_value, grad_norm, skipped, verdict.spike, nan, self._inconsistent)
         self.telemetry.step_done(outcome, decision, verdict, compute_s=compute_s,
                                  optimizer_s=optimizer_s, checkpoint_s=checkpoint_s,
-                                 data_cursor=self.data_cursor, samples=self.batch_size,
-                                 tokens=self.batch_size * self.tokens_per_sample)
+                                 data_cursor=self.data_cursor, samples=self.batch_size * self.accumulation_steps,
+                                 tokens=self.batch_size * self.accumulation_steps * self.tokens_per_sample)
         if exchange:
             self._obey(exchange)
         return outcome
+
+    def _advance_data(self) -> None:
+        """Move the data position past the batch just trained (global samples, all ranks)."""
+        if self.sampler is None:
+            self.data_cursor += self.topology.world_size * self.batch_size
+            return
+        trained_at = self.sampler.next_cursor(self.data_cursor)
+        if trained_at != self.data_cursor:
+            self.telemetry.event(self.step_count + 1, "data_skipped", f"skipped global samples {self.data_cursor}-"
+                                 f"{trained_at} as the rollback asked",
+                                 {"from": self.data_cursor, "to": trained_at})
+        self.data_cursor = trained_at + self.sampler.step_size
 
     def close(self) -> None:
         """Wait for the checkpoint in flight to commit, then flush reports. Idempotent."""
@@ -255,7 +428,7 @@ class Hooks:
         lr = groups[0].get("lr") if groups else None
         return float(lr) if isinstance(lr, (int, float)) else None
 
-    def _update(self, skip: bool) -> bool:
+    def _update(self, skip: bool, loss: float) -> bool:
         """Apply (or skip) the optimizer and scheduler step; True when the update was not applied."""
         applied = not skip
         if self.checkpointer:
@@ -268,7 +441,9 @@ class Hooks:
             applied = applied and self.scaler.get_scale() >= scale  # a lowered scale = overflow, skipped
         elif applied:
             self.optimizer.step()
-        if applied and self.scheduler is not None:
+        if applied and isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(loss)
+        elif applied and self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return not applied
@@ -285,9 +460,10 @@ class Hooks:
         if self.checkpointer is None:
             return
         progress = state.Progress(self.step_count, self.data_cursor, self.topology.world_size,
-                                  self.env.generation)
+                                  self.env.generation, self.epoch)
         snapshot = state.collect_state(self.model, self.optimizer, scheduler=self.scheduler,
-                                       scaler=self.scaler, progress=progress, rank=self.topology.rank)
+                                       scaler=self.scaler, progress=progress, rank=self.topology.rank,
+                                       epoch_scheduler=self.epoch_scheduler, loop=self._loop_state())
         fields = {"loss": self._last_loss if math.isfinite(self._last_loss) else None,
                   "config_hash": self.config_hash, "world_size": self.topology.world_size,
                   "data_cursor": self.data_cursor, "generation": self.env.generation, "job": self.env.job,
@@ -327,9 +503,14 @@ class Hooks:
         if choice.path is None:
             log.info("no verified checkpoint to resume from: starting at step 0")
             return
+        if self.loader is not None and choice.world_size not in (None, self.topology.world_size):
+            self._stop(EXIT_RESUME_REFUSED, f"{choice.path} was written by {choice.world_size} ranks: a job with its "
+                       f"own data loader resumes only on that many (its sampler's state is per rank); the "
+                       f"default sampler continues on any world size")
         progress, parts = resume.restore(choice.path, self.topology, self.model, self.optimizer,
-                                         scheduler=self.scheduler, scaler=self.scaler)
-        self.step_count, self.data_cursor = progress.step, progress.data_cursor
+                                         scheduler=self.scheduler, scaler=self.scaler,
+                                         epoch_scheduler=self.epoch_scheduler, loop=self._restore_loop)
+        self.step_count, self.data_cursor, self.epoch = progress.step, progress.data_cursor, progress.epoch
         self._last_saved_step = progress.step
         self.resumed_from = choice.path
         self.telemetry.event(progress.step, "resumed",
@@ -343,6 +524,12 @@ class Hooks:
                                  f"{self.topology.world_size}; continuing at global sample {progress.data_cursor}",
                                  {"previous": progress.world_size, "current": self.topology.world_size,
                                   "data_cursor": progress.data_cursor})
+
+    def _restore_loop(self, saved: dict[str, Any]) -> None:
+        """Called by ``resume.restore`` before the RNG states are put back."""
+        self.epoch = int(saved["epoch"])
+        with torch.random.fork_rng(devices=[]):  # whatever the pipeline draws leaves no trace
+            self._load_loop_state(saved)
 
     def _report_model(self, flops_per_token: float | None) -> None:
         """Once per process: what the control plane needs for MFU (FLOPs per token defaults to
@@ -365,6 +552,26 @@ class Hooks:
                              f"checkpoint ({path})",
                              {"path": path, "reason": reason, "errno": code, "error": str(error)[:500]},
                              level=logging.ERROR)
+
+
+def _user_loader(loader: Any, sampler: Any, dataset: Any, batch_size: int | None,
+                 options: Mapping[str, Any] | None) -> Any:
+    """The script's own pipeline: ``loader`` as given, or a DataLoader around its ``sampler``."""
+    if loader is not None and (sampler is not None or dataset is not None):
+        raise ValueError("pass either loader= or dataset= (with sampler= or the default sampler), not both")
+    if sampler is not None:
+        if dataset is None or batch_size is None:
+            raise ValueError("sampler= needs dataset= and batch_size=")
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, **{"num_workers": 0, **(options or {})})
+    if loader is None:
+        return None
+    # A plain DataLoader's workers prefetch: its sampler's state_dict() would run ahead of training.
+    parts = pipeline_parts(loader)
+    if isinstance(loader, DataLoader) and not is_stateful(loader) and parts and loader.num_workers > 0:
+        raise ValueError("a DataLoader with num_workers > 0 reads its sampler ahead of training, so the "
+                         "sampler's state_dict() is not the position trained: use torchdata's "
+                         "StatefulDataLoader, which accounts for prefetching, or num_workers=0")
+    return loader
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -10,11 +10,16 @@ Resuming on fewer or more ranks continues the same stream with no repeat and no 
 
 Nothing here draws from the global RNG, and the loader is rebuilt from the cursor on resume, so
 prefetching and worker processes never move the recorded position ahead of what was trained.
+
+A script may keep its own pipeline instead (``Hooks(loader=...)``): then the position is whatever
+the loader, its sampler or its dataset return from ``state_dict()`` (``pipeline_parts``), and
+``set_epoch`` is called on the parts that have it (``epoch_aware``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -100,3 +105,41 @@ class GlobalCursorSampler(Sampler[list[int]]):
             cursor = self.next_cursor(cursor)
             yield self.indices_at(cursor)
             cursor += self.step_size
+
+
+# -- the user's own data pipeline ---------------------------------------------------------------
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the ``state_dict()`` / ``load_state_dict(state)`` protocol
+    (torchdata's ``StatefulDataLoader``, a resumable sampler or dataset)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _unique(objects: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, obj in objects:
+        if obj is not None and all(obj is not seen for seen in found.values()):
+            found[name] = obj
+    return found
+
+
+def pipeline_parts(loader: Any) -> dict[str, Any]:
+    """The objects whose ``state_dict()`` holds the data position of ``loader``.
+
+    A stateful loader (``StatefulDataLoader``) speaks for its sampler and dataset itself; a plain
+    ``DataLoader`` is read through its batch sampler, sampler and dataset, whichever are stateful.
+    """
+    if is_stateful(loader):
+        return {"loader": loader}
+    candidates = [(name, getattr(loader, name, None)) for name in ("batch_sampler", "sampler", "dataset")]
+    return {name: obj for name, obj in _unique(candidates).items() if is_stateful(obj)}
+
+
+def epoch_aware(loader: Any) -> list[Any]:
+    """The parts of ``loader`` (or a dataset) with ``set_epoch(epoch)``: sampler, batch sampler,
+    the sampler inside a batch sampler, dataset."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = [("loader", loader), ("batch_sampler", batch_sampler), ("sampler", getattr(loader, "sampler", None)),
+                  ("inner", getattr(batch_sampler, "sampler", None)), ("dataset", getattr(loader, "dataset", None))]
+    return [obj for obj in _unique(candidates).values() if callable(getattr(obj, "set_epoch", None))]

@@ -12,12 +12,19 @@ for three reasons learnt on torch 2.13:
   scaler, then RNG last so nothing after it draws random numbers);
 - a blob is one leaf whatever its structure, so loading never depends on DCP flattening nested
   Python containers the same way twice.
+
+The training loop's own rank-local state (the data pipeline's ``state_dict()``: a stateful
+sampler, dataset or ``StatefulDataLoader``; the epoch's losses) is one more blob under a
+rank-specific key (``loop.rank3``), written by the hooks and read back only by the hooks, after the
+checkpoint's every file matched its sha256. The control plane reads ``manifest.json`` alone and
+never unpickles anything a node wrote.
 """
 
 from __future__ import annotations
 
 import io
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,10 +40,15 @@ class Progress:
     data_cursor: int = 0  # global sample positions consumed (see agents.hooks.data)
     world_size: int = 1  # world size that wrote the checkpoint
     generation: int = 0
+    epoch: int = 0  # the data epoch of the last batch trained (0 before the first)
 
 
 def rng_key(rank: int) -> str:
     return f"rng.rank{rank}"
+
+
+def loop_key(rank: int) -> str:
+    return f"loop.rank{rank}"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -80,8 +92,9 @@ def from_blob(blob: bytes) -> Any:
 
 
 def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any,
-                  scaler: Any, progress: Progress, rank: int) -> dict[str, Any]:
-    """The state dict this rank hands to DCP."""
+                  scaler: Any, progress: Progress, rank: int, epoch_scheduler: Any = None,
+                  loop: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The state dict this rank hands to DCP (``loop``: the training loop's rank-local state)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {
         "model": model_state,
@@ -93,6 +106,10 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, s
         state["scheduler"] = to_blob(scheduler.state_dict())
     if scaler is not None:
         state["scaler"] = to_blob(scaler.state_dict())
+    if epoch_scheduler is not None:
+        state["epoch_scheduler"] = to_blob(epoch_scheduler.state_dict())
+    if loop is not None:
+        state[loop_key(rank)] = to_blob(loop)
     return state
 
 
@@ -105,21 +122,29 @@ def load_target(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sav
     """
     model_state, optim_state = get_state_dict(model, optimizer)
     target: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    for key in ("progress", "scheduler", "scaler", rng_key(rank)):
+    for key in ("progress", "scheduler", "scaler", "epoch_scheduler", rng_key(rank), loop_key(rank)):
         if key in saved_keys:
             target[key] = b""  # DCP replaces non-tensor leaves wholesale
     return target
 
 
 def apply_state(loaded: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                scheduler: Any, scaler: Any, rank: int) -> tuple[Progress, list[str]]:
-    """Put a loaded state dict back into the live objects; returns progress and the parts restored."""
+                scheduler: Any, scaler: Any, rank: int, epoch_scheduler: Any = None,
+                loop: Callable[[dict[str, Any]], None] | None = None) -> tuple[Progress, list[str]]:
+    """Put a loaded state dict back into the live objects; returns progress and the parts restored.
+
+    ``loop`` receives this rank's training-loop state (when the checkpoint has it) before the RNG
+    states are restored, so whatever it draws is overwritten.
+    """
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     restored = ["model", "optim"]
-    for name, target in (("scheduler", scheduler), ("scaler", scaler)):
+    for name, target in (("scheduler", scheduler), ("scaler", scaler), ("epoch_scheduler", epoch_scheduler)):
         if target is not None and name in loaded:
             target.load_state_dict(from_blob(loaded[name]))
             restored.append(name)
+    if loop is not None and loop_key(rank) in loaded:
+        loop(from_blob(loaded[loop_key(rank)]))
+        restored.append("loop")
     if rng_key(rank) in loaded:
         restore_rng(from_blob(loaded[rng_key(rank)]))
         restored.append("rng")
@@ -128,4 +153,4 @@ def apply_state(loaded: dict[str, Any], model: torch.nn.Module, optimizer: torch
 
 def saved_parts(keys: set[str]) -> list[str]:
     """The manifest's list of state parts, from a state dict's top-level keys."""
-    return sorted({"rng" if key.startswith("rng.rank") else key for key in keys})
+    return sorted({key.split(".rank")[0] if key.startswith(("rng.rank", "loop.rank")) else key for key in keys})

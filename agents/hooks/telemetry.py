@@ -65,6 +65,7 @@ class Telemetry:
                                      generation=env.generation, rank=topology.rank,
                                      poll_control=topology.rank == 0)
         self._input_s = 0.0
+        self._later_input_s = 0.0
         self._batch_handed_out = time.perf_counter()
         self._event_numbers: Counter[tuple[int, str]] = Counter()
         self._timings = RankTimings()
@@ -72,12 +73,19 @@ class Telemetry:
 
     # -- timing --------------------------------------------------------------------------------
 
-    def begin_step(self, input_s: float) -> None:
+    def begin_step(self, input_s: float, *, continuing: bool = False) -> None:
+        """A batch was handed out after ``input_s`` of waiting. ``continuing``: a later micro-batch
+        of the same accumulation window, whose wait adds to the step's input time, not its compute."""
+        if continuing:
+            self._input_s += input_s
+            self._later_input_s += input_s
+            return
         self._input_s = input_s
+        self._later_input_s = 0.0
         self._batch_handed_out = time.perf_counter()
 
     def compute_done(self, now: float) -> float:
-        return now - self._batch_handed_out
+        return now - self._batch_handed_out - self._later_input_s
 
     # -- the cross-rank exchange ---------------------------------------------------------------
 
