@@ -4,12 +4,15 @@ ReduceLROnPlateau, each resumed from a checkpoint and compared with a run that n
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from agents.hooks import Environment, Hooks
+from agents.hooks import Environment, Hooks, StopTraining, resume
+from agents.protocol.hooks import EXIT_RESUME_REFUSED
 from examples.byo.plain_ddp import ShardedShuffleSampler
 from tests.hooks.test_exact_resume import assert_identical
 
@@ -223,3 +226,16 @@ def test_loader_and_dataset_together_are_a_usage_error():
     model = nn.Linear(4, 1)
     with pytest.raises(ValueError, match="either loader"):
         Hooks(model, torch.optim.SGD(model.parameters(), lr=0.01), loader=[1], dataset=Numbers(), env=Environment())
+
+
+def test_an_own_loader_job_resumes_only_on_the_world_size_that_wrote_it(tmp_path, monkeypatch):
+    nw, seen = build(tmp_path, "own sampler in a DataLoader")
+    run(nw, seen, 2)
+    # The checkpoint as if 2 ranks had written it: its per-rank sampler states are not this rank's.
+    real = resume.choose_checkpoint
+    monkeypatch.setattr(resume, "choose_checkpoint",
+                        lambda *args, **kwargs: dataclasses.replace(real(*args, **kwargs), world_size=2))
+    with pytest.raises(StopTraining) as stopped:
+        build(tmp_path, "own sampler in a DataLoader")
+    assert stopped.value.code == EXIT_RESUME_REFUSED
+    assert "written by 2 ranks" in stopped.value.reason
