@@ -37,8 +37,13 @@ class DetectionPolicy:
     #: wobbles on a very smooth curve.
     spike_min_rel: float = 0.10
     #: Consecutive spiking steps that pause the job (a single spike pauses too unless the guard
-    #: skipped its update: then it is a marker).
+    #: skipped its update or it is small: then it is a marker).
     spike_run_pause: int = 2
+    #: A lone spike whose update was applied pauses only from this size over the baseline median
+    #: (+15 %; + ``lr_grace_rel`` within an LR restart's grace); a smaller one is a marker. One step
+    #: of +10-15 % is what a hard batch on rank 0, a fresh level shift or a noisy stretch's first
+    #: steps reach with their noise; a real spike that small and that short did little harm.
+    spike_pause_rel: float = 0.15
     # -- the LR schedule (the hooks read the optimizer's LR every step) ---------------------------
     #: The LR rising by this factor from one step to the next is a restart (or warm-up): expected.
     lr_jump: float = 1.3
@@ -58,9 +63,12 @@ class DetectionPolicy:
     divergence_block: int = 25
     #: Rise of the newest block over the lowest block since the last re-baseline (+6 %)...
     divergence_rel: float = 0.06
-    #: ...and still rising: up by this much over each of the last two spans of ``divergence_lookback`` blocks.
+    #: ...and still rising: up by this much over each of the last two spans of ``divergence_lookback`` blocks...
     divergence_still_rising: float = 0.01
     divergence_lookback: int = 3
+    #: ...and over its last two blocks (a step change inside the middle span rises over both spans,
+    #: but is flat after it).
+    divergence_recent_rise: float = 0.005
     # -- a rank whose loss drifts from the others (judged at each cross-rank exchange) ----------
     #: Relative distance of a rank's mean loss over the exchange window from the other ranks' median.
     rank_drift_rel: float = 0.02
@@ -74,8 +82,9 @@ class DetectionPolicy:
     straggler_ratio: float = 1.025
     #: Exchange windows (of ``GuardSettings.check_every`` steps) judged together...
     straggler_windows: int = 8
-    #: ...of which the same rank must be that slow, in the same phase, in at least this many.
-    straggler_hold: int = 5
+    #: ...of which the same rank must be that slow, in the same phase, in at least this many (a small
+    #: straggler is not its node's slowest rank in every window: its peers' offsets and jitter).
+    straggler_hold: int = 4
     #: A window whose job-wide median step is this many times the running median is a whole-job
     #: stall (a checkpoint): it neither counts nor breaks a hold.
     straggler_stall_ratio: float = 1.3
@@ -277,10 +286,11 @@ def level_shift(recent: Sequence[float], older: Sequence[float], policy: Detecti
 
 def divergence(blocks: Sequence[float], policy: DetectionPolicy) -> tuple[int, float] | None:
     """(index of the lowest block, rise) when the loss has been rising against its own baseline:
-    the newest block median is ``divergence_rel`` above the lowest since the last re-baseline, and
-    it rose over each of the last two spans of ``divergence_lookback`` blocks (by
-    ``divergence_still_rising``). A step change (a level shift) rises over one span only; noise
-    does not rise twice. None otherwise. ``blocks`` are block medians, oldest first."""
+    the newest block median is ``divergence_rel`` above the lowest since the last re-baseline, it
+    rose over each of the last two spans of ``divergence_lookback`` blocks (by
+    ``divergence_still_rising``) and over its last two blocks (``divergence_recent_rise``). A step
+    change (a level shift) rises over one span only, or, inside the middle block, over both and is
+    flat since; noise does not rise twice. None otherwise. ``blocks`` are block medians, oldest first."""
     lookback = policy.divergence_lookback
     if len(blocks) <= 2 * lookback:
         return None
@@ -293,7 +303,8 @@ def divergence(blocks: Sequence[float], policy: DetectionPolicy) -> tuple[int, f
     rise = blocks[-1] / smooth[low] - 1.0
     step = 1.0 + policy.divergence_still_rising
     rising = (blocks[-1] > blocks[-1 - lookback] * step
-              and blocks[-1 - lookback] > blocks[-1 - 2 * lookback] * step)
+              and blocks[-1 - lookback] > blocks[-1 - 2 * lookback] * step
+              and blocks[-1] > blocks[-3] * (1.0 + policy.divergence_recent_rise))
     if rise >= policy.divergence_rel and rising:
         return low, rise
     return None
@@ -347,48 +358,72 @@ class Straggler:
     windows: int  # consecutive windows it was seen in
 
 
-def window_straggler(window: Sequence[WindowFigures], policy: DetectionPolicy) -> tuple[int, int, str, float] | None:
-    """The slowest rank of one exchange window, when it is ``straggler_ratio`` slow: (rank, node,
-    phase, ratio).
+def node_excess(window: Sequence[WindowFigures]) -> dict[int, tuple[int, dict[str, float]]]:
+    """Per node of one exchange window: its slowest rank and, phase by phase, the extra seconds of
+    that rank's phase over its peers', as a part of the peers' median step (0.05: the phase costs
+    5 % of a step more than usual): ``{node: (rank, {phase: excess})}``.
 
-    Each node's slowest rank is compared phase by phase with its peers: the median over the other
-    nodes of their ranks' mean phase, and the rest of its own node (from the node's mean, when it
-    has other ranks). The extra seconds of a phase, over the peers' median step, give the ratio.
-    Own work (compute, input) comes first: under DDP the peers of a slow rank wait for it in the
-    all-reduce, which shows as *their* communication, as large as its own extra work. A
-    communication finding names the rank only when no rank's own work explains at least half of it.
+    The peers are the other nodes (each node's mean phase; the median over them) and the rest of
+    its own node (from the node's mean, when it has other ranks), so a one-node job works.
     """
-    found: dict[bool, tuple[int, int, str, float]] = {}
+    out: dict[int, tuple[int, dict[str, float]]] = {}
     for figures in window:
-        peers = [dict(w.phases) for w in window if w is not figures]
-        if figures.ranks >= 2:
+        others = [w for w in window if w is not figures]
+        if others:
+            # The other nodes' slowest ranks: each was chosen for being its node's slowest, so each
+            # carries the same upward pick of its node's noise as this one (a node's mean does not).
+            peers = [dict(w.slowest_phases) for w in others]
+        elif figures.ranks >= 2:
+            # One node: the rest of it, from the node's mean.
             n = figures.ranks
-            peers.append({p: (n * figures.phases.get(p, 0.0) - figures.slowest_phases.get(p, 0.0)) / (n - 1)
-                          for p in figures.phases})
-        if not peers:
+            peers = [{p: (n * figures.phases.get(p, 0.0) - figures.slowest_phases.get(p, 0.0)) / (n - 1)
+                      for p in figures.phases}]
+        else:
             continue
         step = statistics.median(sum(p.values()) for p in peers)
         if step <= 0:
             continue
-        for phase in STRAGGLER_PHASES:
-            typical = statistics.median(p.get(phase, 0.0) for p in peers)
-            ratio = 1.0 + (figures.slowest_phases.get(phase, 0.0) - typical) / step
-            is_own = phase != "optimizer"
-            if ratio >= policy.straggler_ratio and (is_own not in found or ratio > found[is_own][3]):
-                found[is_own] = (figures.slowest_rank, figures.node, phase, ratio)
-    own, comm = found.get(True), found.get(False)
-    if own is None or (comm is not None and own[3] - 1.0 < 0.5 * (comm[3] - 1.0)):
-        return comm  # a communication delay that no rank's own work explains
-    return own
+        out[figures.node] = (figures.slowest_rank, {
+            phase: (figures.slowest_phases.get(phase, 0.0) - statistics.median(p.get(phase, 0.0) for p in peers)) / step
+            for phase in STRAGGLER_PHASES})
+    return out
+
+
+def _pick_phase(excess: Mapping[str, float], bar: float) -> tuple[str, float] | None:
+    """The phase a rank is slow in (``excess`` at least ``bar``), own work first: under DDP the peers
+    of a slow rank wait for it in the all-reduce, which shows as *their* communication, as large as
+    its own extra work. Communication is named only when no own work explains half of it."""
+    own = max(((p, e) for p, e in excess.items() if p != "optimizer"), key=lambda pe: pe[1], default=None)
+    comm = excess.get("optimizer", 0.0)
+    if own is not None and own[1] >= bar and not (comm >= bar and own[1] < 0.5 * comm):
+        return own
+    if comm >= bar:
+        return "optimizer", comm
+    return None
+
+
+def window_straggler(window: Sequence[WindowFigures], policy: DetectionPolicy) -> tuple[int, int, str, float] | None:
+    """The slowest rank of one exchange window, when it is ``straggler_ratio`` slow there: (rank,
+    node, phase, ratio), the largest such node's finding. One window is never enough to raise an
+    incident (``find_straggler`` judges several); this is what one window shows (the bench, tests)."""
+    bar = policy.straggler_ratio - 1.0
+    best = None
+    for node, (rank, excess) in node_excess(window).items():
+        picked = _pick_phase(excess, bar)
+        if picked is not None and (best is None or picked[1] + 1.0 > best[3]):
+            best = (rank, node, picked[0], 1.0 + picked[1])
+    return best
 
 
 def find_straggler(windows: Sequence[Sequence[WindowFigures]], policy: DetectionPolicy) -> Straggler | None:
-    """A rank slow in the same phase in ``straggler_hold`` of the last ``straggler_windows`` judged
-    windows (given oldest first), its median ratio over those at least ``straggler_ratio``.
+    """A rank that is its node's slowest, slow in the same phase by ``straggler_ratio``, in
+    ``straggler_hold`` of the last ``straggler_windows`` judged windows (given oldest first); its
+    ratio is the median over those windows (``node_excess``: against the other nodes' slowest
+    ranks, so that the pick of each node's noisiest rank cancels out).
 
     Whole-job stalls are left out (the window's median step is ``straggler_stall_ratio`` above the
     median of all windows given): they neither count nor take a place among the windows judged. A
-    one-step hiccup lifts one window at most, so the hold ignores it.
+    one-step hiccup lifts one window of one rank; two in eight windows do not make the hold.
     """
     if not windows:
         return None
@@ -399,15 +434,19 @@ def find_straggler(windows: Sequence[Sequence[WindowFigures]], policy: Detection
     judged = [window for window in windows
               if window and statistics.median(w.step_median_s for w in window) <= policy.straggler_stall_ratio * usual]
     judged = judged[-policy.straggler_windows:]
+    if len(judged) < policy.straggler_hold:
+        return None
+    bar = policy.straggler_ratio - 1.0
+    # Each node's slowest rank, in each window where its phase is over the bar.
     seen: dict[tuple[int, int, str], list[float]] = {}
     for window in judged:
-        found = window_straggler(window, policy)
-        if found is not None:
-            seen.setdefault(found[:3], []).append(found[3])
-    if not seen:
+        for node, (rank, excess) in node_excess(window).items():
+            picked = _pick_phase(excess, bar)
+            if picked is not None:
+                seen.setdefault((rank, node, picked[0]), []).append(picked[1])
+    held = [(key, values) for key, values in seen.items() if len(values) >= policy.straggler_hold]
+    if not held:
         return None
-    (rank, node, phase), ratios = max(seen.items(), key=lambda item: len(item[1]))
-    if len(ratios) < policy.straggler_hold:
-        return None
-    ratio = statistics.median(ratios)
-    return Straggler(rank, node, phase, ratio, 1.0 - 1.0 / ratio, len(ratios))
+    (rank, node, phase), values = max(held, key=lambda item: (len(item[1]), statistics.median(item[1])))
+    ratio = 1.0 + statistics.median(values)
+    return Straggler(rank, node, phase, ratio, 1.0 - 1.0 / ratio, len(values))

@@ -79,6 +79,18 @@ class Faults:
             while time.perf_counter() < until:
                 pass
 
+    def corrupt_batch(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Corrupted data on every rank (a bad shard upstream): from ``--corrupt-batch-at`` for
+        ``--corrupt-steps`` steps, a ``--corrupt-fraction`` of each batch's tokens is replaced by random
+        ones, so the model's real loss on them jumps (bench/real_traces.py records it)."""
+        start = self.args.corrupt_batch_at
+        if start is None or not start <= step < start + self.args.corrupt_steps:
+            return tokens
+        generator = torch.Generator().manual_seed(self.args.seed * 31 + step)
+        noise = torch.randint(0, self.args.vocab, tokens.shape, generator=generator)
+        replace = torch.rand(tokens.shape, generator=generator) < self.args.corrupt_fraction
+        return torch.where(replace, noise, tokens)
+
     def corrupt_loss(self, step: int, loss: torch.Tensor, sample_ids: list[int]) -> torch.Tensor:
         if step == self.args.inject_nan_at and self.rank == self.args.fault_rank:
             loss = loss * math.nan
@@ -153,7 +165,7 @@ def train(args: argparse.Namespace) -> None:
         for batch in nw.batches(max_steps=args.steps):  # hooks 2/3
             step = nw.step_count + 1
             started = time.monotonic()
-            tokens = batch["tokens"].to(device)
+            tokens = faults.corrupt_batch(step, batch["tokens"]).to(device)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
             loss = faults.corrupt_loss(step, loss, batch["id"].tolist())
@@ -229,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     faults.add_argument("--fault-rank", type=int, default=0)
     faults.add_argument("--poison-sample", type=int, help="the loss is NaN whenever this sample id is trained on")
     faults.add_argument("--inject-grad-explosion-at", type=int, help="scale the loss by 1e6 at this step")
+    faults.add_argument("--corrupt-batch-at", type=int, help="corrupt every rank's batch from this step on")
+    faults.add_argument("--corrupt-steps", type=int, default=1, help="for this many steps")
+    faults.add_argument("--corrupt-fraction", type=float, default=0.5, help="the part of the tokens replaced")
     faults.add_argument("--perturb-loss-rank", type=int, help="this rank's loss is scaled by --perturb-factor")
     faults.add_argument("--perturb-factor", type=float, default=3.0)
     faults.add_argument("--slow-rank", type=int, help="this rank computes --slow-ms longer every step (a straggler)")

@@ -42,7 +42,9 @@ def judge_batch(reports: Iterable[StepReport], events: Iterable[Event], *, spike
         if e.kind == "spike" and spike_pauses(e.detail, spike_limit):
             spike = {"step": e.step, "rank": e.rank, **e.detail}
             break
-    divergence = next(({"step": e.step, "rank": e.rank, **e.detail} for e in events if e.kind == "divergence"), None)
+    # Another rank's divergence is a marker (rank 0 speaks for the job); hooks that send no action pause.
+    divergence = next(({"step": e.step, "rank": e.rank, **e.detail} for e in events
+                       if e.kind == "divergence" and e.detail.get("action", "pause") == "pause"), None)
     return Flags(nan=nan, inconsistent=inconsistent, spike=spike, divergence=divergence)
 
 

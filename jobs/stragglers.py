@@ -7,10 +7,18 @@ input) for ``straggler_hold`` windows in a row, whole-job stalls (checkpoints) l
 no straggler incident names that rank in this generation yet, ``jobs.orchestrator.report_fault``
 raises one with the node, rank, phase, ratio and the throughput lost; ``jobs.policy`` decides
 between an alert and a restart on a spare.
+
+That decision weighs the time a restart saves over the rest of the job against its cost, so it needs
+the job's remaining time (``remaining_time``): the steps left to the recovery policy's
+``max_steps`` (the job's configured end) at the pace the job runs now (the median step of the
+windows just judged, the straggler included: that is the pace the rest of the job would run at).
+A job with no ``max_steps`` has no known end; then the time is unknown and the policy alerts. The
+incident's detail says which it was and why (``remaining``).
 """
 
 from __future__ import annotations
 
+import statistics
 from itertools import groupby
 
 from django.conf import settings
@@ -20,6 +28,7 @@ from core.models import Event
 from jobs import orchestrator, policy
 from jobs.choices import IncidentKind, JobState
 from jobs.models import Generation, Incident, Job, NodeWindow
+from jobs.policies import RecoveryPolicy
 
 #: Windows read back per judgement: the hold plus room for stalls inside it.
 LOOKBACK_WINDOWS = 3
@@ -45,10 +54,35 @@ def check_stragglers(job: Job, generation: int, detection: DetectionPolicy | Non
                                evidence__detail__rank=found.rank).exists():
         return None
     hostname = _hostname(job, generation, found.node)
+    remaining_s, basis = remaining_time(job, windows)
+    detail = {**_detail(found, hostname, generation, exchanges[0]),
+              "remaining": {"remaining_s": remaining_s, "basis": basis}}
     return orchestrator.report_fault(
         job.pk, policy.STRAGGLER, generation=generation, nodes=(hostname,) if hostname else (),
-        detail=_detail(found, hostname, generation, exchanges[0]), lost_fraction=found.lost_fraction,
+        detail=detail, lost_fraction=found.lost_fraction, remaining_s=remaining_s,
         restart_cost_s=detection.straggler_restart_cost_s)
+
+
+def remaining_time(job: Job, windows: list[list[WindowFigures]]) -> tuple[float | None, str]:
+    """(seconds of training left or None, how that was found, in words).
+
+    The steps left are the recovery policy's ``max_steps`` less the job's last step; the pace is
+    the median over ``windows`` of each window's median step (whole-job stalls such as checkpoints
+    are a minority of windows, so the median passes them by).
+    """
+    end = RecoveryPolicy.of(job).max_steps
+    if end is None:
+        return None, "unknown: the job has no max_steps in its recovery policy, so its end is not known"
+    if job.last_step is None:
+        return None, "unknown: the job has reported no step yet"
+    steps = [statistics.median(w.step_median_s for w in window) for window in windows if window]
+    if not steps:
+        return None, "unknown: no step times measured yet"
+    step_s = statistics.median(steps)
+    left = max(0, end - job.last_step)
+    return round(left * step_s, 1), (f"max_steps {end} - step {job.last_step} = {left} steps left x "
+                                      f"{step_s:.3g} s a step (the median step over the last {len(steps)} windows, "
+                                      "at the pace the job runs now)")
 
 
 def _figures(w: NodeWindow) -> WindowFigures:

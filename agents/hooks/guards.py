@@ -85,8 +85,9 @@ class LossWatch:
     - NaN/Inf: pause (as before).
     - A spike is a loss above both ``spike_z`` robust deviations and ``spike_min_rel`` over the
       median of the last ``spike_window`` *unflagged* losses (flagged steps never move the
-      baseline). A lone spike whose update the gradient guard skipped is a marker; a run of
-      ``spike_run_pause`` spikes, or a spike whose update was applied, pauses (rollback proposed).
+      baseline). A lone spike whose update the gradient guard skipped, or one under
+      ``spike_pause_rel``, is a marker; a run of ``spike_run_pause`` spikes, or a spike of at least
+      ``spike_pause_rel`` whose update was applied, pauses (rollback proposed).
     - The LR the scheduler set is read every step: a jump (restart, warm-up) opens a grace period
       in which the loss may bump: spikes need more, and level shifts and divergence wait.
     - A step change that stays (flat, above the older baseline) is a level shift: the baseline
@@ -131,10 +132,13 @@ class LossWatch:
             score = base.score(loss)
             if loss > threshold:
                 self.consecutive += 1
+                pause_rel = policy.spike_pause_rel + (policy.lr_grace_rel if in_grace else 0.0)
                 if self.consecutive >= policy.spike_run_pause:
                     action, why = "pause", f"{self.consecutive} loss spikes in a row"
                 elif skipped:
                     action, why = "marker", "loss spike; the guard skipped the update"
+                elif base.rel(loss) < pause_rel:
+                    action, why = "marker", f"a lone loss spike under {pause_rel:+.0%} (a run would pause)"
                 else:
                     action, why = "pause", "loss spike the skip did not absorb (the update was applied)"
                 if action == "pause" and not self.speaks_for_job:

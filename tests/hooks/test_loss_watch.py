@@ -40,6 +40,16 @@ class TestSpikes:
         v = seen[0][1]
         assert v.score > POLICY.spike_z and v.baseline and losses[300] > v.threshold > v.baseline
 
+    def test_a_lone_small_spike_is_a_marker_but_two_in_a_row_pause(self):
+        # +12 %: over the spike minimum (+10 %), under the lone-spike pause size (+15 %): what a hard
+        # batch on rank 0 or the noise on a fresh level shift reaches in one step.
+        losses = curve(400, noise=0.003)
+        losses[300] *= 1.12
+        seen = run(losses)
+        assert [(t, v.kind, v.action) for t, v in seen] == [(301, "spike", "marker")]
+        losses[301] *= 1.12
+        assert [(t, v.action) for t, v in run(losses)] == [(301, "marker"), (302, "pause")]
+
     def test_a_lone_spike_the_guard_skipped_is_a_marker_but_a_run_pauses(self):
         losses = curve(400)
         losses[300] *= 6
@@ -94,6 +104,15 @@ class TestDivergence:
         assert 600 <= verdict.since_step <= 750 and verdict.rise >= POLICY.divergence_rel
 
 
+    def test_a_step_change_inside_the_middle_span_is_not_a_rise(self):
+        # The step lands mid-block, so the block medians rise over both spans of the trend test;
+        # the blocks after it are flat, so it is a level shift, never a divergence.
+        for at in range(600, 700, 5):
+            losses = curve(1200, seed=at, noise=0.005)
+            losses = [x * (1.05 if t >= at else 1) for t, x in enumerate(losses)]
+            assert all(v.kind != "divergence" for _, v in run(losses)), at
+
+
 class TestDrift:
     def test_a_rank_a_few_per_cent_off_is_named_after_the_hold(self):
         watch = DriftWatch(POLICY)
@@ -141,9 +160,25 @@ class TestStragglers:
         assert found.ratio == pytest.approx(1.09, abs=0.02) and found.lost_fraction == pytest.approx(0.08, abs=0.02)
 
     def test_checkpoint_stalls_and_one_window_hiccups_never_count(self):
-        seen = [windows(), windows(stall=True), windows(hiccup_rank=3), windows(stall=True)] * 4
+        seen = [w for rank in (3, 5, 0, 6)
+                for w in (windows(), windows(stall=True), windows(hiccup_rank=rank), windows(stall=True))]
         assert detectors.find_straggler(seen, POLICY) is None
-        assert detectors.find_straggler([windows(slow_rank=1, slow_by=0.1)] * 4, POLICY) is None  # not held yet
+        assert detectors.find_straggler([windows(slow_rank=1, slow_by=0.1)] * 3, POLICY) is None  # not held yet
+        # The same rank hiccuping in two windows of eight is not held either.
+        seen = [windows(hiccup_rank=3), windows(), windows(hiccup_rank=3)] + [windows()] * 5
+        assert detectors.find_straggler(seen, POLICY) is None
+
+    def test_the_pick_of_each_node_s_noisiest_rank_cancels_out(self):
+        # Every node's slowest rank is its noisiest this window: 3 % over its node's mean, which
+        # over the job's mean would be a straggler; against the other nodes' slowest it is not.
+        noisy = [detectors.WindowFigures(n, 4, 1.0, 4 * n, 1.03, {"compute": 0.73, "optimizer": 0.3},
+                                         {"compute": 0.70, "optimizer": 0.3}) for n in range(8)]
+        assert detectors.find_straggler([noisy] * 8, POLICY) is None
+        slow_node = detectors.WindowFigures(1, 4, 1.0, 4, 1.06, {"compute": 0.76, "optimizer": 0.3},
+                                            {"compute": 0.71, "optimizer": 0.3})
+        found = detectors.find_straggler([[noisy[0], slow_node, *noisy[2:]]] * 8, POLICY)
+        assert (found.rank, found.node, found.phase) == (4, 1, "compute")
+        assert found.ratio == pytest.approx(1.03, abs=0.005)
 
     def test_the_policy_replaces_only_when_it_pays(self):
         ev = dict(signal=policy.STRAGGLER, nodes=("gpu-03",), lost_fraction=0.2, restart_cost_s=300.0)
@@ -166,6 +201,11 @@ class TestServerReading:
         per_step = [detection.judge_batch([], [e], spike_limit=3) for e in events]
         assert one_batch.spike["step"] == 12
         assert [f.spike is not None for f in per_step] == [False, False, True]
+
+    def test_another_rank_s_divergence_is_a_marker(self):
+        flags = detection.judge_batch([], [event(900, "divergence", rank=2, action="marker", since_step=650)],
+                                      spike_limit=3)
+        assert flags.divergence is None and not flags.any
 
     def test_older_hooks_still_pause_on_a_run_and_divergence_is_read(self):
         assert detection.judge_batch([], [event(3, "spike", consecutive=3)], spike_limit=3).spike
