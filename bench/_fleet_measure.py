@@ -60,6 +60,36 @@ def growth(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], 
     return dict(busiest)
 
 
+#: Tables (and their partitions) of raw telemetry and step data: inserted, kept for the raw
+#: retention (48 h by default), dropped a partition at a time. Issue 18's "≤ 5 GB a day of raw data".
+RAW_TABLES = ("nodes_nodegpusample", "jobs_nodewindow", "jobs_stepmetric")
+#: The 1-minute GPU rollups, kept for months.
+ROLLUP_TABLES = ("nodes_nodegpuminute",)
+
+
+def data_per_day(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]],
+                 seconds: float) -> dict[str, Any]:
+    """GB a day extrapolated from the window: raw data (``RAW_TABLES``), rollups, and the tables
+    updated in place (rows changed, none inserted: ``nodes_node`` at every heartbeat), whose growth
+    over a short window is dead row versions that vacuum reuses, so bounded rather than per day."""
+    day = 24 * 3600.0 / seconds
+
+    def gb(prefixes: tuple[str, ...]) -> dict[str, float]:
+        found = {}
+        for name, now in after.items():
+            if name.startswith(prefixes):
+                grown = now["bytes"] - before.get(name, {"bytes": 0})["bytes"]
+                if grown > 0:
+                    found[name] = round(grown * day / 2**30, 3)
+        return found
+
+    raw, rollups = gb(RAW_TABLES), gb(ROLLUP_TABLES)
+    in_place = {name: round((now["bytes"] - before[name]["bytes"]) * day / 2**30, 3) for name, now in after.items()
+                if name in before and now["rows"] == before[name]["rows"] and now["bytes"] > before[name]["bytes"]}
+    return {"raw_gb_per_day": round(sum(raw.values()), 3), "raw_by_table": raw,
+            "rollup_gb_per_day": round(sum(rollups.values()), 3), "in_place_churn_gb_per_day": in_place}
+
+
 def detection(conn, fault: dict[str, Any]) -> float | None:
     """Seconds from the fault landing to the control plane's record of it; None if never seen."""
     at = datetime.fromtimestamp(fault["at"]).astimezone()

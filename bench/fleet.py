@@ -425,7 +425,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
             "false_unreachable": measure.unreachable_events(conn, started, time.time(), killed),
             "http": http_figures(book),
-            "tables": measure.growth(before, after, window)}
+            "tables": measure.growth(before, after, window), "data": measure.data_per_day(before, after, window)}
 
 
 def dashboard(port: int, session: str, job: int) -> dict[str, float]:
