@@ -404,6 +404,9 @@ NIGHTWATCH = {
     # A node declared unreachable whose agent answers again within this many seconds, confirming
     # that nothing of the generation runs there, had a crash, not a partition (jobs/orchestrator.py).
     "AGENT_RETURN_WINDOW_S": env_int("NIGHTWATCH_AGENT_RETURN_WINDOW_S", 60),
+    # Training output shipped by the agents (jobs.logs): characters kept per generation and node, days kept.
+    "LOG_MAX_BYTES": env_int("NIGHTWATCH_LOG_MAX_BYTES", 2**20),
+    "LOG_RETENTION_DAYS": env_int("NIGHTWATCH_LOG_RETENTION_DAYS", 7),
     # A new generation must report its first step within this long, or it counts as hung: the default
     # before the job has history; with history, 3 × its slowest start, but never below the floor.
     "STARTUP_TIMEOUT_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_S", 180),

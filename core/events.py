@@ -28,6 +28,7 @@ class EventKind(models.TextChoices):
     JOB_EFFICIENCY_TARGET = "job.efficiency_target"
     JOB_CHECKPOINT_REQUEST = "job.checkpoint_request"
     JOB_REPORTS_REFUSED = "job.reports_refused"
+    JOB_RESIZE = "job.resize"
     INCIDENT_OPEN = "incident.open"
     INCIDENT_RESOLVED = "incident.resolved"
     NODE_REGISTER = "node.register"
@@ -86,6 +87,15 @@ class JobStateEvidence(TypedDict, total=False):
 
 class CheckpointRequestEvidence(TypedDict, total=False):
     last_step: int | None  # the step reached when asked: how far the checkpoint that answers it lags
+
+
+class ResizeEvidence(TypedDict, total=False):
+    old_nnodes: int
+    old_nproc_per_node: int
+    nnodes: int
+    nproc_per_node: int
+    last_step: int | None  # the step reached when asked
+    state: str  # running: pause at a checkpoint, then resume; paused: the next resume takes the new size
 
 
 class EfficiencyTargetEvidence(TypedDict, total=False):
@@ -283,6 +293,7 @@ EVIDENCE: dict[EventKind, type] = {
     EventKind.JOB_EFFICIENCY_TARGET: EfficiencyTargetEvidence,
     EventKind.JOB_CHECKPOINT_REQUEST: CheckpointRequestEvidence,
     EventKind.JOB_REPORTS_REFUSED: ReportsRefusedEvidence,
+    EventKind.JOB_RESIZE: ResizeEvidence,
     EventKind.INCIDENT_OPEN: IncidentOpenEvidence,
     EventKind.INCIDENT_RESOLVED: IncidentResolvedEvidence,
     EventKind.NODE_REGISTER: NodeRegisterEvidence,

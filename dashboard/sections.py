@@ -14,7 +14,7 @@ from django.template.loader import render_to_string
 
 from core import roles
 from dashboard import fleet, lineage, node_page, queries
-from jobs import fit
+from jobs import fit, logs
 from jobs.models import Job
 from nodes.models import Node
 
@@ -53,6 +53,8 @@ PAGES: dict[str, dict[str, Section]] = {
                              lambda on: {"incidents": queries.incident_feed(on.job)}),
         "lineage": Section("dashboard/sections/lineage.html",
                            lambda on: {"job": on.job, "lineage": lineage.rows(on.job)}),
+        "logs": Section("dashboard/sections/logs.html",
+                        lambda on: {"job": on.job, "lines": logs.read(on.job, tail=LOG_PANEL_LINES)}),
     },
     "nodes": {
         "health": Section("dashboard/sections/health.html", lambda on: queries.cluster_health()),
@@ -70,7 +72,10 @@ PAGES: dict[str, dict[str, Section]] = {
 #: Which sections of which page a kind of change touches (the relay's routing table). Job
 #: sections are those of the job the change belongs to.
 JOB_EVENT_SECTIONS = ["summary", "banner", "timeline", "incidents", "lineage"]
-METRICS_SECTIONS = ["summary", "skew"]
+#: Step metrics arrive while a job trains, and so does its output: the log panel follows them.
+METRICS_SECTIONS = ["summary", "skew", "logs"]
+#: Lines of training output the job page's panel shows.
+LOG_PANEL_LINES = 100
 CLUSTER_JOB_SECTIONS = ["jobs", "feed"]  # overview sections a job's change touches
 # A node's change. The heat map is not re-rendered: the nodes that changed are sent as blocks of
 # their own (``fleet.heatmap_cells``), so an update costs what changed, not the fleet.

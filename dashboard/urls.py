@@ -14,6 +14,7 @@ urlpatterns = [
     path("jobs/<int:pk>/pause", views.pause, name="job-pause"),
     path("jobs/<int:pk>/checkpoint", views.checkpoint_now, name="job-checkpoint"),
     path("jobs/<int:pk>/rollback", views.rollback, name="job-rollback"),
+    path("jobs/<int:pk>/resize", views.resize, name="job-resize"),
     path("jobs/<int:pk>/nodes/<int:node>/", views.job_node, name="job-node"),
     path("jobs/<int:pk>/timeline/", views.job_timeline, name="job-timeline"),
     path("nodes/", views.nodes, name="nodes"),

@@ -26,6 +26,7 @@ from core.auth import actor_label
 from core.problems import CONTENT_TYPE, problem
 from dashboard import fleet, node_page, queries, sections
 from dashboard.relay import RELAY
+from jobs import fit
 from jobs import services as job_services
 from jobs.models import Job
 from jobs.state import TransitionError
@@ -162,6 +163,29 @@ def pause(request, pk: int, *, reason: str, actor: str) -> str:
 def checkpoint_now(request, pk: int, *, reason: str, actor: str) -> str:
     job = job_services.request_checkpoint(get_object_or_404(Job, pk=pk), actor=actor, reason=reason)
     return f"{job.name}: checkpoint requested; the hooks take it at the next step"
+
+
+#: The bounds of a world size, as the API's (``jobs.api.serializers.ResizeSerializer``).
+SIZE_BOUNDS = {"nnodes": 4096, "nproc_per_node": 64}
+
+
+@action(roles.OPERATE)
+def resize(request, pk: int, *, reason: str, actor: str) -> str:
+    job = get_object_or_404(Job, pk=pk)
+    size = {}
+    for name, most in SIZE_BOUNDS.items():
+        value = parse_int(request.POST.get(name, ""))
+        if value is None or not 1 <= value <= most:
+            raise ActionRefused(400, "invalid", f"{name}: a whole number from 1 to {most}.")
+        size[name] = value
+    if (size["nnodes"], size["nproc_per_node"]) == (job.nnodes, job.nproc_per_node) and not job.resize_to:
+        raise ActionRefused(400, "invalid", f"nnodes: job {job.pk} already runs on {job.nnodes} node(s) × "
+                                            f"{job.nproc_per_node} process(es).")
+    if never := fit.refusal({**size, "accelerator": job.accelerator, "recovery_policy": job.recovery_policy}):
+        raise ActionRefused(422, "unprocessable", " ".join(f"{k}: {v}" for k, v in never.items()))
+    job = job_services.resize_job(job, **size, actor=actor, reason=reason)
+    then = "pausing at a checkpoint, then resuming on it" if job.state != "paused" else "the next resume takes it"
+    return f"{job.name}: resize to {size['nnodes']} node(s) × {size['nproc_per_node']} process(es); {then}"
 
 
 @action(roles.OPERATE)

@@ -3,6 +3,7 @@
 
 - checkpoint interval push every 5 minutes (``jobs.checkpoint_interval``): failure rates and save
   costs change slowly, and the hooks pick the new value up on their next control poll.
+- training output retention hourly (``jobs.logs.prune``).
 - node-window partitions and retention hourly (``jobs.windows``): six hours of partitions are
   made ahead, so a missed run costs nothing.
 """
@@ -14,6 +15,11 @@ BEAT_SCHEDULE: dict = {
         "task": "jobs.tasks.push_checkpoint_intervals",
         "schedule": 300.0,
         "options": {"expires": 300},
+    },
+    "jobs-training-logs": {
+        "task": "jobs.tasks.prune_training_logs",
+        "schedule": 3600.0,
+        "options": {"expires": 3600},
     },
     "jobs-node-windows": {
         "task": "jobs.tasks.maintain_node_windows",

@@ -136,6 +136,9 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
        job), and stamp open incidents as relaunched.
     """
     job.refresh_from_db()
+    resized = job.resize_to
+    if resized:  # a resize asked for (jobs.services.resize_job): this generation takes the new shape
+        job.nnodes, job.nproc_per_node = resized["nnodes"], resized["nproc_per_node"]
     pool = candidates(job)
     previous = set(
         Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname", flat=True)
@@ -176,6 +179,7 @@ def start_generation(job: Job, *, actor: str, reason: str, restart: bool,
         Job.objects.filter(pk=job.pk).update(
             progress_deadline=now + timedelta(seconds=startup_s), quiesce_deadline=None,
             relaunch_after=None, pause_requested_at=None,
+            **({"nnodes": job.nnodes, "nproc_per_node": job.nproc_per_node, "resize_to": None} if resized else {}),
         )
         # The nodes' transport queues the launch: agent commands, or one Slurm batch job.
         transports.for_nodes(nodes).launch(transports.Launch(

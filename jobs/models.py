@@ -49,6 +49,9 @@ class Job(models.Model):
                                               help_text="Checkpoint, then exit with EXIT_PAUSED.")
     recommended_interval_steps = models.PositiveIntegerField(null=True, blank=True,
                                                              help_text="Pushed when the policy is 'auto'.")
+    resize_to = models.JSONField(null=True, blank=True,
+                                 help_text='A resize asked for ({"nnodes", "nproc_per_node"}): the next generation '
+                                           "starts with that shape (jobs.services.resize_job).")
     # --- recovery bookkeeping (written by jobs.orchestrator) ------------------------------
     # Stop commands were sent; by then every node must have confirmed, or we escalate.
     quiesce_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
@@ -264,6 +267,46 @@ class EfficiencyTarget(models.Model):
 
     def __str__(self):
         return f"efficiency target of job {self.job_id}"
+
+
+class LogStream(models.Model):
+    """One node's share of a generation's training output (``jobs.logs``): how far it has arrived,
+    what it holds and what was dropped to stay within the per-generation cap."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_streams")
+    generation = models.PositiveIntegerField()
+    hostname = models.CharField(max_length=255)
+    #: The next line number expected from the node (every line before it arrived or was dropped).
+    next_line = models.BigIntegerField(default=0)
+    bytes = models.BigIntegerField(default=0, help_text="Characters of the lines still stored.")
+    dropped = models.BigIntegerField(default=0, help_text="Lines dropped: by the agent's buffer or the cap.")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "generation", "hostname"], name="one_log_stream")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} generation {self.generation} on {self.hostname}"
+
+
+class LogLine(models.Model):
+    """A line of a generation's torchrun output as the node's agent shipped it (sanitised text). The
+    id is the follow cursor: lines arrive in id order."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_lines")
+    generation = models.PositiveIntegerField()
+    stream = models.ForeignKey(LogStream, on_delete=models.CASCADE, related_name="lines")
+    line = models.BigIntegerField(help_text="Line number in the node's output of the generation.")
+    rank = models.IntegerField(null=True, blank=True, help_text="The rank that printed it, when the line says so.")
+    text = models.TextField()
+    received_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "generation", "id"], name="log_line_job_generation"),
+                   models.Index(fields=["job", "id"], name="log_line_job")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} generation {self.generation} line {self.line}"
 
 
 class PoolPrice(models.Model):

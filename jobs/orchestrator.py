@@ -402,6 +402,10 @@ def advance_recovery(job_id: int, *, actor: str = SYSTEM) -> bool:
             end_generations(Generation.objects.filter(pk=getattr(generation, "pk", None)), now)
             if incident is not None and incident.decision in RESTARTING:
                 return _move(job, JobState.RECOVERING, actor, "every rank confirmed stopped")
+            if incident is None and job.resize_to:  # an operator's resize: resume on the new shape now
+                return _move(job, JobState.RECOVERING, actor,
+                             f"every rank confirmed stopped: resuming on {job.resize_to['nnodes']} node(s) × "
+                             f"{job.resize_to['nproc_per_node']} process(es)")
             reason = full_reason(incident) if incident else "paused by an operator"
             return _move(job, JobState.PAUSED, actor, reason, pause_reason=reason)
         if job.quiesce_deadline and now > job.quiesce_deadline:

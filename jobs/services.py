@@ -89,6 +89,41 @@ def pause_job(job: Job, *, actor: str, reason: str) -> Job:
     return job
 
 
+def resize_job(job: Job, *, nnodes: int, nproc_per_node: int, actor: str, reason: str) -> Job:
+    """Change the job's world size: ``nnodes`` × ``nproc_per_node`` from its next generation on.
+
+    A running job pauses as ``pause_job`` does (the hooks commit a checkpoint and exit) and, once
+    every rank is confirmed gone, resumes at once on the new shape from its newest checkpoint that
+    re-verifies on disk (``advance_recovery``; no approval: nothing went wrong). A paused job stays
+    paused and its next resume (approve, roll back) takes the new shape. The hooks' global sample
+    cursor continues the sample stream exactly on any world size; the global batch (per-rank batch
+    × ranks) changes with it. ``start_generation`` applies ``resize_to``; audited as ``job.resize``.
+    """
+    with transaction.atomic():
+        current = Job.objects.select_for_update().get(pk=job.pk)
+        if current.state not in (JobState.RUNNING, JobState.PAUSED):
+            raise state.TransitionConflict(f"job {job.pk} is {current.state}; only a running or paused job can be "
+                                           "resized")
+        if current.resize_to and current.state != JobState.PAUSED:
+            raise state.TransitionConflict(f"job {job.pk} is already being resized to "
+                                           f"{current.resize_to['nnodes']}×{current.resize_to['nproc_per_node']}")
+        target = {"nnodes": nnodes, "nproc_per_node": nproc_per_node}
+        record_event(EventKind.JOB_RESIZE, actor=actor, job=current, generation=current.generation,
+                     reason=f"resize to {nnodes} node(s) × {nproc_per_node} process(es): {reason}",
+                     evidence={"old_nnodes": current.nnodes, "old_nproc_per_node": current.nproc_per_node,
+                               **target, "last_step": current.last_step, "state": current.state})
+        Job.objects.filter(pk=job.pk).update(resize_to=target)
+        if current.state == JobState.RUNNING:
+            state.transition(current, JobState.QUIESCING, actor=actor, expect_state=JobState.RUNNING,
+                             reason=f"resize to {nnodes}×{nproc_per_node} requested: pausing at a checkpoint")
+            now = timezone.now()
+            Job.objects.filter(pk=job.pk).update(
+                pause_requested_at=now,
+                quiesce_deadline=now + timedelta(seconds=settings.NIGHTWATCH["QUIESCE_TIMEOUT_S"]))
+    job.refresh_from_db()
+    return job
+
+
 def _require_quiesced(job: Job, force: bool) -> None:
     generation = Generation.objects.filter(job=job, number=job.generation).first()
     if all_stopped(generation) or force:

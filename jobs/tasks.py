@@ -11,7 +11,7 @@ import logging
 
 from celery import shared_task
 
-from jobs import checkpoint_interval, orchestrator, progress, reconcile, services, stragglers, windows
+from jobs import checkpoint_interval, logs, orchestrator, progress, reconcile, services, stragglers, windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job
 
@@ -114,3 +114,9 @@ def check_stragglers(job_id: int, generation: int) -> None:
     job = Job.objects.filter(pk=job_id, generation=generation, state__in=orchestrator.WATCHED).first()
     if job is not None:
         stragglers.check_stragglers(job, generation)
+
+
+@shared_task(ignore_result=True)
+def prune_training_logs() -> int:
+    """Beat: delete shipped training output past its retention (``jobs.logs.prune``)."""
+    return logs.prune()

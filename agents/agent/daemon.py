@@ -19,6 +19,7 @@ from typing import Any
 from agents import __version__
 from agents.agent.commands import CommandLedger, CommandRunner
 from agents.agent.config import AgentConfig
+from agents.agent.logship import LogShipper
 from agents.agent.outbox import AuthRejected, Outbox
 from agents.agent.registration import (
     NodeCredentials,
@@ -73,10 +74,13 @@ class Agent:
         self.collector = TelemetryCollector(self.source, window_s=config.rate_window_s)
         self.gpus = self.source.gpus()
         self.thresholds = config.thresholds
+        #: Each generation's torchrun output, shipped to the control plane (nightwatch logs).
+        self.logs = LogShipper()
         self.supervisor = Supervisor(config.work_dir / "supervisor", on_exit=self._on_exit,
                                      torchrun=config.torchrun or DEFAULT_TORCHRUN,
                                      log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
-                                     default_grace_s=config.stop_grace_s, warm_launcher=config.warm_launcher)
+                                     default_grace_s=config.stop_grace_s, warm_launcher=config.warm_launcher,
+                                     on_output=self.logs.add)
         self.outbox = Outbox(config.work_dir / "spool.sqlite3", max_records=config.spool_max_records)
         self.samples_taken = 0
         self.credentials: NodeCredentials | None = None
@@ -114,6 +118,8 @@ class Agent:
             self.credentials = creds
             self._client = ControlPlaneClient(self.config.control_plane_url, creds.node_token,
                                               timeout=self.config.request_timeout_s)
+            self.logs.start(ControlPlaneClient(self.config.control_plane_url, creds.node_token,
+                                               timeout=self.config.request_timeout_s), creds.node_id)
             self.commands = CommandRunner(
                 CommandLedger(self.config.work_dir / "commands.json"),
                 {"launch": self._launch, "stop": self._stop_generation, "drain": self._drain,
@@ -320,6 +326,7 @@ class Agent:
         started = time.time() - report.runtime_s
         report = attach_xids(report, [code for at, code in list(self._xids) if at >= started])
         kind = "stopped" if report.requested_stop else "exited"
+        self.logs.ended(job, generation)  # its log has been read to the end
         self.outbox.add_event(kind, report, job=job, generation=generation)
         if not report.requested_stop:
             # The control plane is deciding what this node runs next (usually a relaunch within a
@@ -339,6 +346,10 @@ class Agent:
                 self.outbox.flush(self._client, self.credentials.node_id, lambda ack: None)
             except (Unreachable, AuthRejected) as exc:
                 log.warning("%d records stay spooled for the next start: %s", len(self.outbox), exc)
+        if self.credentials is not None and self._client is not None:
+            self.logs.stop(self._client, self.credentials.node_id)  # what waits goes now, if it can
+        else:
+            self.logs.stop()
         if self._probe is not None:
             self._probe.close()
         self.outbox.close()

@@ -155,6 +155,44 @@ def status(client: Client, args) -> int:
     return EXIT_OK
 
 
+def logs(client: Client, args) -> int:
+    """The job's training output (each generation's torchrun output, shipped by the nodes): the last
+    ``--tail`` lines, then with ``--follow`` what arrives, until the job has ended and nothing more came."""
+    filters = {"generation": args.generation, "rank": args.rank}
+    page = client.get(f"/jobs/{args.job}/logs", tail=args.tail, **filters)
+    shown: list = [None]
+    _print_lines(page["lines"], shown, args)
+    cursor = page["cursor"]
+    if not args.follow:
+        if not page["lines"] and not args.json:
+            print(f"job {args.job}: no training output yet", file=sys.stderr)
+        return EXIT_OK
+    quiet_after_end = 0
+    while quiet_after_end < 2:  # the last lines of an ended job may still be on their way: two quiet polls
+        time.sleep(args.poll)
+        page = client.get(f"/jobs/{args.job}/logs", after=cursor or 0, limit=5000, **filters)
+        _print_lines(page["lines"], shown, args)
+        cursor = page["cursor"] if page["cursor"] is not None else cursor
+        if page["lines"]:
+            quiet_after_end = 0
+        elif client.get(f"/jobs/{args.job}/status")["terminal"]:
+            quiet_after_end += 1
+    return EXIT_OK
+
+
+def _print_lines(lines: list[dict], shown: list, args) -> None:
+    """Each line as the node printed it, under a header whenever the generation or node changes."""
+    for line in lines:
+        if args.json:
+            print(json.dumps(line), flush=True)
+            continue
+        source = (line["generation"], line["node"])
+        if source != shown[0]:
+            print(f"=== generation {line['generation']} on {line['node']} ===", flush=True)
+            shown[0] = source
+        print(line["text"], flush=True)
+
+
 def incidents(client: Client, args) -> int:
     """Incident evidence (exit codes, the error line, log tails) for the job, oldest first."""
     incidents = client.list(f"/jobs/{args.job}/incidents", limit=args.limit)
@@ -244,6 +282,23 @@ def job_action(client: Client, args) -> int:
             body["skip_data"] = list(args.skip_data)
     job = client.post(f"/jobs/{args.job}/{args.command}", body)
     _say(args, f"job {job['id']} ({job['name']}): {job['state']}", job)
+    return EXIT_OK
+
+
+def resize(client: Client, args) -> int:
+    """A new world size: a running job pauses at a checkpoint and resumes on it; a paused job takes
+    it at its next resume. A size left out stays what it is."""
+    if args.nnodes is None and args.nproc_per_node is None:
+        return _fail("give --nnodes, --nproc-per-node or both", EXIT_USAGE)
+    current = client.get(f"/jobs/{args.job}")
+    body = {"nnodes": args.nnodes if args.nnodes is not None else current["nnodes"],
+            "nproc_per_node": args.nproc_per_node if args.nproc_per_node is not None else current["nproc_per_node"],
+            "reason": args.reason}
+    job = client.post(f"/jobs/{args.job}/resize", body)
+    then = ("pausing at a checkpoint, then resuming on it" if job["state"] != "paused"
+            else "paused: the next resume (approve, rollback) takes it")
+    _say(args, f"job {job['id']} ({job['name']}): resize to {body['nnodes']} node(s) × {body['nproc_per_node']} "
+               f"process(es); {then}", job)
     return EXIT_OK
 
 
@@ -350,6 +405,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.set_defaults(handler=status)
 
+    p = sub.add_parser("logs", help="a job's training output (each generation's torchrun output)")
+    p.add_argument("job", type=int)
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    p.add_argument("--rank", type=int, help="only lines of this rank (those torch marks [rankN]:)")
+    p.add_argument("--generation", type=int, help="only this generation")
+    p.add_argument("--tail", type=int, default=200, help="lines to show first (default 200)")
+    p.add_argument("--poll", type=float, default=1.0, help="with --follow: seconds between polls")
+    p.set_defaults(handler=logs)
+
     p = sub.add_parser("incidents", help="incident evidence (exit codes, error lines, log tails) of a job")
     p.add_argument("job", type=int)
     p.add_argument("--incident", type=int, help="only this incident")
@@ -383,6 +447,13 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--to", type=int, required=True, metavar="CKPT", help="checkpoint id")
             p.add_argument("--skip-data", type=_skip_range, metavar="A:B", help="global sample range to skip")
         p.set_defaults(handler=job_action)
+
+    p = sub.add_parser("resize", help="change a job's world size (pause at a checkpoint, resume on the new size)")
+    p.add_argument("job", type=int)
+    p.add_argument("--nnodes", type=int, help="nodes (default: as now)")
+    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: as now)")
+    p.add_argument("--reason", default="resized with nightwatch resize", help="recorded in the audit log")
+    p.set_defaults(handler=resize)
 
     p = sub.add_parser("checkpoints", help="a job's checkpoints, newest first")
     p.add_argument("job", type=int)

@@ -520,6 +520,25 @@ class EventBatch:
     events: list[AgentEvent] = field(max_len=MAX_EVENTS_PER_BATCH)
 
 
+#: Lines of training output per ``LogBatch``; the agent ships more in several.
+MAX_LOG_LINES_PER_BATCH = 1000
+#: Characters of one shipped line; a longer line arrives in pieces.
+MAX_SHIPPED_LINE = 4096
+
+
+@dataclass(frozen=True)
+class LogBatch:
+    """Lines of one generation's torchrun output on this node, in order (``POST /nodes/{id}/logs``).
+
+    ``first_line`` numbers ``lines[0]`` in the generation's output on this node (from 0), so a batch
+    sent twice is stored once, and a gap says how many lines the agent's bounded buffer dropped."""
+
+    job: str = field(pattern=ID_PATTERN)
+    generation: int = field(min=0)
+    first_line: int = field(min=0)
+    lines: list[str] = field(max_len=MAX_LOG_LINES_PER_BATCH)
+
+
 @dataclass(frozen=True)
 class RankExit:
     rank: int = field(min=0)

@@ -73,10 +73,14 @@ _READ_CHUNK = 65536
 class Supervisor:
     def __init__(self, work_dir: Path, *, on_exit: Callable[[str, int, ExitReport], None],
                  torchrun: Sequence[str] = DEFAULT_TORCHRUN, log_max_bytes: int = 20 * 2**20,
-                 log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True):
+                 log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
+                 on_output: Callable[[str, int, str], None] | None = None):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._on_exit = on_exit
+        #: Every line of a generation's output, as it is read: (job, generation, line). The agent
+        #: ships them (``agents.agent.logship``); it must not block.
+        self._on_output = on_output
         self._torchrun = list(torchrun)
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
         self._warm: subprocess.Popen[bytes] | None = None
@@ -442,9 +446,13 @@ class Supervisor:
             rest = b""
         return rest
 
-    @staticmethod
-    def _take_line(gen: _Generation, raw: bytes) -> None:
+    def _take_line(self, gen: _Generation, raw: bytes) -> None:
         line = decode_line(raw)
+        if self._on_output is not None:
+            try:
+                self._on_output(gen.job, gen.generation, line)
+            except Exception:  # shipping output must never stop the reading that finds the exit
+                log.exception("job %s generation %d: the output callback failed", gen.job, gen.generation)
         gen.tail.append(line[:MAX_LOG_LINE])
         gen.scan.feed(line)
         if gen.scan.table_complete:

@@ -257,7 +257,7 @@ class JobSerializer(serializers.ModelSerializer):
                   "rdzv_port", "nccl_profile",
                   "checkpoint_policy", "recovery_policy", "state", "generation", "restart_count",
                   "state_changed_at", "pause_reason", "last_step", "last_step_at", "recommended_interval_steps",
-                  "created_by", "created_at"]
+                  "resize_to", "created_by", "created_at"]
         read_only_fields = fields
 
 
@@ -270,6 +270,24 @@ class EventSerializer(serializers.ModelSerializer):
 
 class ReasonSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the audit log.")
+
+
+class ResizeSerializer(StrictSerializer):
+    """A new world size: the same bounds as a launch (``JobSpecSerializer``)."""
+
+    nnodes = serializers.IntegerField(min_value=1, max_value=4096, help_text="Nodes of the next generation.")
+    nproc_per_node = serializers.IntegerField(min_value=1, max_value=64,
+                                              help_text="Processes (ranks) per node of the next generation.")
+    reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the audit log.")
+
+    def validate(self, attrs):
+        job = self.context.get("job")
+        if job is not None and (attrs["nnodes"], attrs["nproc_per_node"]) == (job.nnodes, job.nproc_per_node) \
+                and not job.resize_to:
+            raise serializers.ValidationError({"nnodes": [
+                f"job {job.pk} already runs on {job.nnodes} node(s) × {job.nproc_per_node} process(es); "
+                "give another nnodes or nproc_per_node"]})
+        return attrs
 
 
 class ApproveSerializer(ReasonSerializer):

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import checkpoints, views
+from jobs.api import checkpoints, logs, views
 
 urlpatterns = [
     path("jobs", views.JobListCreate.as_view(), name="job-list"),
@@ -12,7 +12,11 @@ urlpatterns = [
     path("jobs/<int:pk>/checkpoint", views.JobCheckpoint.as_view(), name="job-checkpoint"),
     path("jobs/<int:pk>/approve", views.JobApprove.as_view(), name="job-approve"),
     path("jobs/<int:pk>/rollback", views.JobRollback.as_view(), name="job-rollback"),
+    path("jobs/<int:pk>/resize", views.JobResize.as_view(), name="job-resize"),
     path("jobs/<int:pk>/incidents", views.JobIncidents.as_view(), name="job-incidents"),
+    path("jobs/<int:pk>/logs", logs.JobLogs.as_view(), name="job-logs"),
+    # The node agents ship training output here (jobs.logs): a jobs endpoint under the node's URL.
+    path("nodes/<int:node_id>/logs", logs.AgentLogs.as_view(), name="agent-logs"),
     path("jobs/<int:pk>/goodput", views.JobGoodput.as_view(), name="job-goodput"),
     path("jobs/<int:pk>/generations", views.JobGenerations.as_view(), name="job-generations"),
     path("jobs/<int:pk>/reports", views.JobReports.as_view(), name="job-reports"),

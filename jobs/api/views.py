@@ -36,6 +36,7 @@ from jobs.api.serializers import (
     JobSpecSerializer,
     JobStatusSerializer,
     ReasonSerializer,
+    ResizeSerializer,
     RollbackSerializer,
 )
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
@@ -258,6 +259,33 @@ class JobCheckpoint(_Action):
 
     def perform(self, job, data, actor):
         services.request_checkpoint(job, actor=actor, reason=data["reason"])
+
+
+class JobResize(APIView):
+    """Change the world size: a running job pauses at a checkpoint and resumes at once on
+    ``nnodes`` × ``nproc_per_node`` (its newest checkpoint that re-verifies, the global sample stream
+    continuing exactly); a paused job takes the new size at its next resume."""
+
+    required = roles.OPERATE
+
+    @extend_schema(request=ResizeSerializer,
+                   responses={200: JobSerializer,
+                              409: OpenApiResponse(description="The job is neither running nor paused, or a "
+                                                               "resize is already under way."),
+                              422: OpenApiResponse(description="The registered fleet can never hold the new size "
+                                                               "(the field is named), as for a launch.")})
+    def post(self, request, pk):
+        job = get_object_or_404(Job, pk=pk)
+        body = ResizeSerializer(data=request.data, context={"job": job})
+        body.is_valid(raise_exception=True)
+        size = {"nnodes": body.validated_data["nnodes"], "nproc_per_node": body.validated_data["nproc_per_node"]}
+        if never := fit.refusal({**size, "accelerator": job.accelerator, "recovery_policy": job.recovery_policy}):
+            raise Unprocessable({field: [reason] for field, reason in never.items()})
+        try:
+            job = services.resize_job(job, **size, actor=actor_label(request), reason=body.validated_data["reason"])
+        except TransitionError as exc:
+            raise Conflict(str(exc)) from exc
+        return Response(JobSerializer(job).data)
 
 
 @extend_schema_view(post=extend_schema(request=ApproveSerializer, responses={200: JobSerializer}))

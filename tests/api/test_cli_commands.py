@@ -178,3 +178,34 @@ def test_output_into_a_closed_pipe_ends_quietly(world, live_server):
     assert first.startswith(b"[")
     assert "Traceback" not in err and "BrokenPipeError" not in err and err == "", err
     assert code == EXIT_OK
+
+
+def test_logs_shows_the_training_output_by_generation_and_rank_and_resize_asks_for_a_new_size(run, world):
+    from jobs.models import Event, Job, LogLine, LogStream
+
+    job = world.cast.job
+    stream = LogStream.objects.create(job=job, generation=1, hostname="gpu-01", next_line=3)
+    for n, text in enumerate(["step 1 loss 2.5", "[rank1]: RuntimeError: boom", "step 2 loss 2.4"]):
+        LogLine.objects.create(job=job, generation=1, stream=stream, line=n, text=text,
+                               rank=1 if text.startswith("[rank1]") else None)
+    code, out, _ = run("viewer", "logs", str(job.pk))
+    assert code == EXIT_OK
+    assert out.splitlines() == ["=== generation 1 on gpu-01 ===", "step 1 loss 2.5", "[rank1]: RuntimeError: boom",
+                                "step 2 loss 2.4"]
+    code, out, _ = run("viewer", "logs", str(job.pk), "--rank", "1", "--generation", "1")
+    assert code == EXIT_OK and out.splitlines()[1:] == ["[rank1]: RuntimeError: boom"]
+    code, out, err = run("viewer", "logs", str(job.pk), "--generation", "2")
+    assert code == EXIT_OK and out == "" and "no training output yet" in err
+    Job.objects.filter(pk=job.pk).update(state="completed")
+    code, out, _ = run("viewer", "logs", str(job.pk), "--follow", "--tail", "1", "--poll", "0.05")
+    assert code == EXIT_OK and out.splitlines() == ["=== generation 1 on gpu-01 ===", "step 2 loss 2.4"]
+
+    paused = world.paused_job
+    code, _, err = run("viewer", "resize", str(paused.pk), "--nnodes", "2")
+    assert code == EXIT_ERROR and "403" in err
+    code, _, err = run("operator", "resize", str(paused.pk), "--nproc-per-node", "0")
+    assert code == EXIT_ERROR and "nproc_per_node" in err and "greater than or equal to 1" in err
+    code, out, _ = run("operator", "resize", str(paused.pk), "--nnodes", "2", "--reason", "more nodes")
+    assert code == EXIT_OK and "resize to 2 node(s) × 1 process(es); paused: the next resume" in out
+    assert Job.objects.get(pk=paused.pk).resize_to == {"nnodes": 2, "nproc_per_node": 1}
+    assert Event.objects.filter(job=paused, kind="job.resize", reason__contains="more nodes").exists()

@@ -20,6 +20,8 @@ SENT: dict[EventKind, dict] = {
     EventKind.JOB_STATE: {"nodes": ["gpu-1", "gpu-2"], "resume_from": None, "shrunk": False},
     EventKind.JOB_EFFICIENCY_TARGET: {"expected_mfu": 0.4, "mfu_margin": None, "flops_per_token": 6_000_000_000},
     EventKind.JOB_CHECKPOINT_REQUEST: {"last_step": 1200},
+    EventKind.JOB_RESIZE: {"old_nnodes": 1, "old_nproc_per_node": 2, "nnodes": 1, "nproc_per_node": 1,
+                           "last_step": 40, "state": "running"},
     EventKind.JOB_REPORTS_REFUSED: {"records": 1, "reason": "far_ahead", "reasons": {"far_ahead": 1},
                                     "examples": [{"rank": 0, "step": 100_400, "reason": "far_ahead"}]},
     EventKind.INCIDENT_OPEN: {"incident": 3, "decision": "restart"},

@@ -130,7 +130,7 @@ def test_consumers_refuse_strangers_and_snapshot_on_connect(running_job, cast):
         assert connected
         snapshot = await communicator.receive_json_from(timeout=10)
         assert snapshot["type"] == "snapshot" and snapshot["page"] == "job"
-        assert set(snapshot["html"]) == {"summary", "banner", "skew", "timeline", "incidents", "lineage"}
+        assert set(snapshot["html"]) == {"summary", "banner", "skew", "timeline", "incidents", "lineage", "logs"}
         assert snapshot["chart"]["job"] == running_job.pk
         # A push to the job's group comes back as an update with the sections rendered for a viewer.
         from channels.layers import get_channel_layer

@@ -103,6 +103,9 @@ class World:
             exited = {"key": f"exit-{principal}", "kind": "exited", "time": now, "job": str(job), "generation": 2,
                       "detail": {"exit_code": 1, "ranks": [{"rank": 0, "local_rank": 0, "exit_code": 1}]}}
             return client.post(f"/api/v1/nodes/{node.pk}/events", {"events": [exited]}, format="json")
+        if request.startswith("POST /nodes/{own}/logs"):
+            lines = {"job": str(job), "generation": 2, "first_line": 0, "lines": ["[rank0]: step 1", "hello"]}
+            return client.post(f"/api/v1/nodes/{node.pk}/logs", lines, format="json")
         if request.startswith("POST /nodes/{own}/commands/{launch}/ack"):
             ack = {"command_id": str(self.launch.pk), "idempotency_key": "launch-g2", "status": "done", "time": now,
                    "job": str(job), "generation": 2, "detail": "torchrun started"}
@@ -135,7 +138,7 @@ def world(cast, api, tmp_path, settings):
 def test_the_matrix_names_every_machine_principal_and_endpoint():
     assert PRINCIPALS == ["agent of node A", "agent of node B", "job token of job 1 generation 2",
                           "job token of a finished generation", "bootstrap token"]
-    assert len(TABLE) == 9, sorted(TABLE)
+    assert len(TABLE) == 10, sorted(TABLE)
 
 
 @pytest.mark.django_db

@@ -253,6 +253,11 @@
     document.getElementById("confirm-reason").value = "";
     document.getElementById("confirm-force").checked = false;
     document.getElementById("confirm-force-label").hidden = !button.dataset.force;
+    document.getElementById("confirm-size").hidden = !button.dataset.resize;
+    if (button.dataset.resize) {
+      document.getElementById("confirm-nnodes").value = button.dataset.nnodes || "";
+      document.getElementById("confirm-nproc").value = button.dataset.nproc || "";
+    }
     dialog.showModal();
   });
   document.getElementById("confirm-cancel").addEventListener("click", () => dialog.close());
@@ -262,6 +267,10 @@
     const body = new FormData();
     body.append("reason", document.getElementById("confirm-reason").value);
     if (pending.dataset.force && document.getElementById("confirm-force").checked) body.append("force", "1");
+    if (pending.dataset.resize) {
+      body.append("nnodes", document.getElementById("confirm-nnodes").value);
+      body.append("nproc_per_node", document.getElementById("confirm-nproc").value);
+    }
     for (const [key, value] of Object.entries(pending.dataset)) {
       if (key.startsWith("field")) body.append(key.slice(5).toLowerCase(), value);
     }
