@@ -33,7 +33,9 @@ class RecoveryPolicy:
     progress_timeout_s: int | None = None
     #: First step of a new generation within this long; None: derived from the job's earlier starts.
     startup_timeout_s: int | None = None
-    #: Consecutive loss-spike steps before pausing.
+    #: A run of this many consecutive loss-spike steps always pauses. Current hooks say in each spike
+    #: event whether it pauses (``agents.detectors.DetectionPolicy``, docs/detection.md), so this decides
+    #: only for hooks that send no verdict, or a longer run.
     loss_spike_limit: int = 3
     #: After an approved retry storm the budget is halved (then quartered, …) until the job has run
     #: this long without an automatic restart; then the whole budget is back.
