@@ -340,7 +340,8 @@ def test_the_quickstart_runs_as_written(tmp_path):
         except AssertionError:
             raise AssertionError(f"{status()}\n{guide.logs()}") from None
         watched = guide.run("watch")
-        assert f"job {job} running" in watched and "verified" in watched, watched
+        # status, the checkpoints the control plane verified, and the ranks' own output.
+        assert f"job {job} running" in watched and "verified" in watched and "rank" in watched, watched
 
         # First kill: a crash inside the budget, restarted on its own from a verified checkpoint.
         guide.run("fault")
