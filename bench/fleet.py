@@ -361,10 +361,13 @@ def fault_plan(rng: random.Random, jobs: list[int], sizes: list[int], placement:
 
 
 def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
+    # Faults go to jobs that train: at 1,024 nodes one job may still wait for nodes, and a rank exit
+    # sent to it found no rank to end (the run of 2026-12-01 17:50 UTC reported it "not injected").
     placement = {job: [h for (h,) in conn.execute(
         "SELECT n.hostname FROM jobs_generation g JOIN jobs_generation_nodes gn ON gn.generation_id = g.id "
         "JOIN nodes_node n ON n.id = gn.node_id JOIN jobs_job j ON j.id = g.job_id "
-        "WHERE g.job_id = %s AND g.number = j.generation", (job,))] for job in jobs}
+        "WHERE g.job_id = %s AND g.number = j.generation AND j.state = 'running' AND j.last_step > 0", (job,))]
+        for job in jobs}
     plan = fault_plan(random.Random(opts.seed), jobs, sizes, placement, opts.duration)
     database = plane.database
     before = measure.tables(conn)

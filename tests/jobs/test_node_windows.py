@@ -3,6 +3,7 @@ past their retention; a window already past it is not stored; without partitions
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -106,3 +107,50 @@ def test_the_skew_view_reads_the_newest_windows_of_a_long_job(cast, django_asser
     with django_assert_max_num_queries(4):
         skew = rank_skew(job)
     assert skew["steps"] == list(range(86_400 - 10 * (SKEW_WINDOWS - 1), 86_401, 10))
+
+
+def test_phase_times_are_stored_as_a_real_array_and_read_back_as_written(cast, frozen):
+    from agents.protocol import hooks as wire
+
+    job = _started(cast.job)
+    phases = {"input": 0.0123, "compute": 0.4123457, "optimizer": 0.1}  # no checkpoint phase reported
+    batch = wire.ReportBatch(job=str(job.pk), generation=job.generation, windows=[
+        wire.NodeWindow(job=str(job.pk), generation=job.generation, node=0, first_step=1, last_step=10, ranks=8,
+                        step_median_s=0.52, step_max_s=0.6, slowest_rank=3, slowest_s=0.55, slowest_phases=phases,
+                        phases=phases, time=NOW.timestamp())])
+    ingest.record_reports(job, batch, actor="node:gpu-01")
+    window = NodeWindow.objects.get()
+    assert window.phases == window.slowest_phases == phases
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_typeof(phases)::text, phases::text FROM jobs_nodewindow")
+        assert cursor.fetchone() == ("real[]", "{0.0123,0.4123457,0.1,NULL}")
+
+
+def test_the_migration_turns_stored_json_phases_into_arrays_and_back(cast):
+    from django.db.migrations.executor import MigrationExecutor
+
+    def migrate(target) -> None:
+        executor = MigrationExecutor(connection)
+        executor.migrate(target or executor.loader.graph.leaf_nodes())
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no ALTER TABLE with deferred checks pending
+    migrate([("jobs", "0011_training_logs")])
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO jobs_nodewindow (job_id, generation, node, first_step, last_step, ranks, step_median_s, "
+                "step_max_s, slowest_rank, slowest_s, slowest_phases, phases, reported_at, received_at) VALUES "
+                "(%s, 1, 0, 1, 10, 8, 0.5, 0.6, 3, 0.55, '{\"compute\": 0.5, \"input\": 0.01}', "
+                "'{\"compute\": 0.45}', now(), now())", [cast.job.pk])
+        migrate([("jobs", "0012_nodewindow_phase_arrays")])
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT phases::text, slowest_phases::text FROM jobs_nodewindow")
+            assert cursor.fetchone() == ("{NULL,0.45,NULL,NULL}", "{0.01,0.5,NULL,NULL}")
+        assert NodeWindow.objects.get().slowest_phases == {"input": 0.01, "compute": 0.5}
+        migrate([("jobs", "0011_training_logs")])
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT phases, slowest_phases FROM jobs_nodewindow")
+            assert [json.loads(text) for text in cursor.fetchone()] == [{"compute": 0.45}, {"input": 0.01, "compute": 0.5}]
+    finally:
+        migrate(None)
