@@ -43,6 +43,10 @@ from nodes.services import issue_bootstrap_token
 DEMO_SCENARIO = "gpus: 1\nbaseline: {temperature: 45, utilization: 80}\n"
 
 
+#: Wildcard addresses the web process may listen on, and the address this machine reaches it by.
+LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "127.0.0.1"}  # noqa: S104 - names, not a bind
+
+
 class Command(BaseCommand):
     help = "Run the embedded demo (SQLite, embedded broker, worker, agent, a 2-rank job with faults) until Ctrl-C."
 
@@ -63,7 +67,9 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         password = self._demo_user()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
-        url = f"http://{host}:{port}"
+        # Listening on every address (--host 0.0.0.0): this machine reaches it on loopback, which the
+        # default ALLOWED_HOSTS admit; "0.0.0.0" is no host a request can name.
+        url = f"http://{LOOPBACK.get(host, host)}:{port}"
         env.setdefault("NIGHTWATCH_PUBLIC_URL", url)
         python = sys.executable
         var = Path(settings.VAR_DIR)
