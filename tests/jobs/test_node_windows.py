@@ -151,6 +151,7 @@ def test_the_migration_turns_stored_json_phases_into_arrays_and_back(cast):
         migrate([("jobs", "0011_training_logs")])
         with connection.cursor() as cursor:
             cursor.execute("SELECT phases, slowest_phases FROM jobs_nodewindow")
-            assert [json.loads(text) for text in cursor.fetchone()] == [{"compute": 0.45}, {"input": 0.01, "compute": 0.5}]
+            restored = [json.loads(text) for text in cursor.fetchone()]
+            assert restored == [{"compute": 0.45}, {"input": 0.01, "compute": 0.5}]
     finally:
         migrate(None)
