@@ -74,3 +74,17 @@ def test_near_the_end_a_restart_does_not_pay(straggling):
     assert incident.evidence["remaining_s"] == pytest.approx(300.0)
     assert "would cost more than it saves" in incident.evidence["reason"]
     assert Incident.objects.filter(job=straggling).count() == 1
+
+
+def test_a_cpu_job_is_judged_against_the_noisy_machine_bar(running, cast):
+    # A rank 10 % slower: a straggler on a GPU job, noise for CPU ranks that share their cores.
+    generation = Generation.objects.create(job=running, number=1, world_size=2)
+    generation.nodes.set([cast.node1])
+    store_windows(running, slow_by=0.1)
+    Job.objects.filter(pk=running.pk).update(accelerator="cpu")
+    running.refresh_from_db()
+    assert stragglers.check_stragglers(running, 1) is None
+    Job.objects.filter(pk=running.pk).update(accelerator="gpu")
+    running.refresh_from_db()
+    incident = stragglers.check_stragglers(running, 1)
+    assert incident is not None and incident.kind == IncidentKind.STRAGGLER
