@@ -93,7 +93,7 @@ def test_launch_waits_with_progress_and_exits_with_the_outcome(cluster, tokens, 
     paused_job = int(nan_out.split("launched job ", 1)[1].split()[0])
 
     # The paused job's evidence, status and checkpoints, from the same CLI.
-    logs = cli(cluster, token, "logs", str(paused_job))
+    logs = cli(cluster, token, "incidents", str(paused_job))  # `logs` is the training output now
     assert logs.returncode == 0 and "numerical" in logs.stdout, logs.stdout + logs.stderr
     status = cli(cluster, token, "status", str(paused_job))
     assert status.returncode == 0 and " paused · " in status.stdout, status.stdout + status.stderr
