@@ -22,8 +22,11 @@ $(INSTALLED): pyproject.toml dashboard/frontend/package-lock.json
 	cd dashboard/frontend && npm ci --no-audit --no-fund
 	touch $@
 
+# Options of the demo command go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--port 8001 --no-job".
+DEMO_ARGS ?=
+
 demo: $(INSTALLED)
-	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py demo
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py demo $(DEMO_ARGS)
 
 system-deps:
 	bash scripts/install-system-deps.sh

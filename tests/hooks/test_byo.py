@@ -1,6 +1,7 @@
 """A user's own script, before and after the hooks (examples/byo): the adaptation stays small, and the
 adapted script keeps its sampler, its loader and its gradient accumulation, yet resumes bit-identically
-after a SIGKILL and after a hang, with a resume that lands inside an accumulation window.
+after a SIGKILL, after a hang and after a kill in the middle of a checkpoint commit, with a resume
+that lands inside an accumulation window.
 
 The runs are real torchrun (gloo on CPU, 2 ranks, free ports through ``--standalone``). Faults are
 planted from outside the script by ``tests/hooks/byo_run.py``. The reference is the user's *plain*
@@ -137,6 +138,22 @@ def test_a_hung_rank_is_killed_and_the_relaunch_resumes_bit_identical(tmp_path, 
                           env={"BYO_LOADER": _kind(loader)}))
     step = resumed_step(output)
     assert step % 4 == 0 and 0 < step <= stop_at // ACCUM
+    assert_matches_reference(final, reference)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_rank_killed_inside_a_checkpoint_commit_resumes_from_the_checkpoint_before(tmp_path, reference, loader):
+    # Rank 0 dies in its third commit (step 12's), with the shards and manifest.json written and the
+    # commit marker not: a torn save that must never be restored. The relaunch takes step 8's.
+    final, ckpt = tmp_path / "final.pt", tmp_path / "ckpt"
+    output = finish(start("watched.py", [*ARGS, "--out", str(final)], ckpt_dir=ckpt, generation=1, max_restarts=1,
+                          env={"BYO_FAULT": "commit:0:3", "BYO_LOADER": _kind(loader)}))
+    assert re.search(r"exitcode: -9\) local_rank: 0", output), "rank 0 was not SIGKILLed"
+    torn = re.search(r"killed inside the commit of (step-00000012-\S+)", output)
+    assert torn, output[-3000:]
+    assert (ckpt / torn[1] / "manifest.json").is_file() and not (ckpt / torn[1] / "COMMITTED").exists()
+    assert resumed_step(output) == 8
     assert_matches_reference(final, reference)
 
 
