@@ -6,6 +6,8 @@
 - ``LossWatch``: judge each step's loss once, as it happens: NaN, spikes (robust score and a
   minimum size), LR restarts, level shifts, slow divergence; the verdict says marker or pause.
 - ``DriftWatch``: at each exchange, a rank whose mean loss drifts from the others' by a few per cent.
+- ``SpreadWatch``: at each exchange, ranks whose mean losses disagree by more than half their mean,
+  the same rank on the same side exchange after exchange (noise does not stay on one side).
 - ``judge_consistency``: given every rank's (loss, gradient norm), flag a relative spread above
   the threshold, naming the rank farthest from the others.
 """
@@ -31,11 +33,16 @@ class GuardSettings:
     skip_bad_steps: bool = True  # False: report exploding/NaN steps but still apply them
     check_every: int = 10  # steps between cross-rank exchanges (consistency + control)
     spread_threshold: float = 0.5  # relative spread of loss or gradient norm that is flagged
+    #: The loss spread is judged on the ranks' mean losses over the exchange window, and must stay
+    #: above ``spread_threshold`` with the same rank on the same side for this many exchanges...
+    spread_hold: int = 3
+    #: ...unless it reaches this at once (with two ranks: one rank's loss 4× the other's).
+    spread_now: float = 1.2
     #: Loss spikes, level shifts, divergence and a drifting rank (docs/detection.md).
     detection: detectors.DetectionPolicy = field(default_factory=detectors.DetectionPolicy)
 
     def __post_init__(self) -> None:
-        for name in ("grad_window", "check_every"):
+        for name in ("grad_window", "check_every", "spread_hold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GuardSettings.{name} must be at least 1")
 
@@ -247,6 +254,60 @@ class DriftWatch:
 
 
 @dataclass(frozen=True)
+class Disagreement:
+    """Ranks whose mean losses disagree for longer than noise would (``SpreadWatch.judge``)."""
+
+    rank: int  # the rank farthest from the others' median (with two ranks the higher, either may be wrong)
+    spread: float  # relative spread of the values judged
+    held: int  # exchanges in a row over the bar with the same rank on the same side, this one included
+
+
+class SpreadWatch:
+    """At each cross-rank exchange: do the ranks' losses disagree by more than noise explains?
+
+    Data-parallel ranks see different batches, so their losses differ; with small batches near
+    convergence, by a lot. The quickstart's CNN on two ranks (4 samples a micro-batch, loss ≈ 0.03)
+    had this step's losses spread over half their mean at 34 % of its exchanges, healthy. Two
+    things tell a rank that computes something different from that noise:
+
+    - averaging: the spread is taken of each rank's mean loss over the exchange window (4 % of the
+      same exchanges over the bar), this step's losses only where a window mean is missing;
+    - persistence: noise falls on either side of the others, a wrong rank stays on its side. The
+      spread must exceed ``threshold`` with the same rank farthest from the others' median on the
+      same side for ``hold`` exchanges in a row, or exceed ``now`` at once. Two-sided noise that
+      crosses the bar 4 % of the time stays on one side for 3 exchanges about once in 60,000.
+
+    The same on every rank: every rank judges the same all-gathered figures.
+    """
+
+    def __init__(self, threshold: float, *, hold: int, now: float):
+        self.threshold, self.hold, self.now = threshold, hold, now
+        self._side: tuple[int, bool] | None = None
+        self._held = 0
+
+    def judge(self, means: list[float], losses: list[float]) -> Disagreement | None:
+        """The disagreement once established, else None. ``means``: each rank's mean loss over
+        the window; ``losses``: this step's, judged instead when a mean is missing (NaN)."""
+        values = means if all(math.isfinite(v) for v in means) else losses
+        if len(values) < 2 or not all(math.isfinite(v) for v in values):  # a NaN is the NaN detector's
+            self._side, self._held = None, 0
+            return None
+        spread = detectors.relative_spread(values)
+        if spread <= self.threshold:
+            self._side, self._held = None, 0
+            return None
+        # The rank farthest from the others' median; with two ranks, the higher one (either may be wrong).
+        drift = detectors.rank_drift(values)
+        rank = max(range(len(drift)), key=lambda i: abs(drift[i]))
+        side = (rank, drift[rank] > 0)
+        self._held = self._held + 1 if side == self._side else 1
+        self._side = side
+        if self._held >= self.hold or spread >= self.now:
+            return Disagreement(rank, spread, self._held)
+        return None
+
+
+@dataclass(frozen=True)
 class Consistency:
     inconsistent: bool
     losses: list[float]
@@ -258,17 +319,27 @@ class Consistency:
 
 
 def judge_consistency(losses: list[float], grad_norms: list[float], threshold: float,
-                      drift: tuple[int, float] | None = None) -> Consistency:
-    """Inconsistent when this step's losses or gradient norms spread beyond ``threshold``, or when
-    ``drift`` (``DriftWatch.judge``) names a rank drifting over the windows; the drift names the rank."""
+                      drift: tuple[int, float] | None = None, *,
+                      disagreement: Disagreement | None | bool = True) -> Consistency:
+    """Inconsistent when the gradient norms spread beyond ``threshold`` (after the all-reduce they
+    should be identical, noise or not), when the losses disagree, or when ``drift``
+    (``DriftWatch.judge``) names a rank drifting over the windows; the drift names the rank.
+
+    ``disagreement``: what ``SpreadWatch.judge`` made of the losses (None: nothing established).
+    ``True`` (the default) judges this step's losses alone, the spread against ``threshold`` at
+    once: the rule before issue 21, kept for callers without the exchange's history.
+    """
     # Non-finite values are the NaN detector's: it pauses on its own, with a rollback.
     loss_spread = detectors.relative_spread([v for v in losses if math.isfinite(v)] or [0.0])
     grad_spread = detectors.relative_spread([v for v in grad_norms if math.isfinite(v)] or [0.0])
-    inconsistent = loss_spread > threshold or grad_spread > threshold or drift is not None
+    losses_disagree = loss_spread > threshold if disagreement is True else isinstance(disagreement, Disagreement)
+    inconsistent = losses_disagree or grad_spread > threshold or drift is not None
     suspect = None
     if drift is not None:
         suspect = drift[0]
+    elif isinstance(disagreement, Disagreement):
+        suspect = disagreement.rank
     elif inconsistent:
-        suspect = detectors.outlier_rank(losses if loss_spread >= grad_spread else grad_norms)
+        suspect = detectors.outlier_rank(losses if losses_disagree else grad_norms)
     return Consistency(inconsistent, losses, grad_norms, loss_spread, grad_spread, suspect,
                        drift[1] if drift is not None else None)

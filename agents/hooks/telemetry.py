@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agents.detectors import GuardDecision
-from agents.hooks.guards import Consistency, DriftWatch, GuardSettings, LossVerdict, judge_consistency
+from agents.hooks.guards import Consistency, DriftWatch, GuardSettings, LossVerdict, SpreadWatch, judge_consistency
 from agents.hooks.reporter import DROPPABLE, Reporter
 from agents.hooks.settings import Environment
 from agents.hooks.topology import Topology
@@ -70,6 +70,7 @@ class Telemetry:
         self._event_numbers: Counter[tuple[int, str]] = Counter()
         self._timings = RankTimings()
         self._drift = DriftWatch(settings.detection)
+        self._spread = SpreadWatch(settings.spread_threshold, hold=settings.spread_hold, now=settings.spread_now)
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -114,14 +115,18 @@ class Telemetry:
             for window in node_windows([r[CONTROL_FIELDS:] for r in rows], job=self.env.job,
                                        generation=self.env.generation, time=time.time()):
                 reporter.window(window)
-        drift = self._drift.judge([r[6] for r in rows])
-        consistency = judge_consistency([r[0] for r in rows], [r[1] for r in rows], self.settings.spread_threshold,
-                                        drift)
+        means, losses = [r[6] for r in rows], [r[0] for r in rows]
+        drift = self._drift.judge(means)
+        disagreement = self._spread.judge(means, losses)
+        consistency = judge_consistency(losses, [r[1] for r in rows], self.settings.spread_threshold, drift,
+                                        disagreement=disagreement)
         if consistency.inconsistent:
             suspect = consistency.suspect_rank
             node = int(rows[suspect][CONTROL_FIELDS]) if suspect is not None else None
             drifted = (f", its mean loss {consistency.drift:+.1%} off the others'" if consistency.drift is not None
                        else "")
+            if disagreement is not None:
+                drifted += f", mean-loss spread {disagreement.spread:.3g} for {disagreement.held} exchange(s)"
             self.event(step, "inconsistency",
                        f"ranks disagree at step {step}: loss spread {consistency.loss_spread:.3g}, "
                        f"grad-norm spread {consistency.grad_norm_spread:.3g}, suspect rank {suspect}"
@@ -129,6 +134,8 @@ class Telemetry:
                        {"losses": consistency.losses, "grad_norms": consistency.grad_norms,
                         "loss_spread": consistency.loss_spread, "grad_norm_spread": consistency.grad_norm_spread,
                         "suspect_rank": suspect, "suspect_node": node, "drift": consistency.drift,
+                        "mean_loss_spread": disagreement.spread if disagreement else None,
+                        "held": disagreement.held if disagreement else None,
                         "window_losses": [r[6] if math.isfinite(r[6]) else None for r in rows]},
                        level=logging.WARNING)
         leader = rows[0]

@@ -1,16 +1,18 @@
-"""The loss detectors judged per step (``LossWatch``), the cross-rank drift check (``DriftWatch``),
-the straggler detector over node windows, and the control plane's reading of the verdicts: pure,
+"""The loss detectors judged per step (``LossWatch``), the cross-rank checks (``DriftWatch``,
+``SpreadWatch``), the straggler detector over node windows, and the control plane's reading of the verdicts: pure,
 literal or seeded data, fast."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from agents import detectors
-from agents.hooks.guards import DriftWatch, LossWatch, judge_consistency
+from agents.hooks.guards import DriftWatch, GuardSettings, LossWatch, SpreadWatch, judge_consistency
 from agents.protocol.hooks import Event
 from jobs import detection, policy
 
@@ -129,6 +131,71 @@ class TestDrift:
 
     def test_a_nan_is_left_to_the_nan_detector(self):
         assert not judge_consistency([2.0, math.nan, 2.0], [1.0, 1.0, 1.0], 0.5).inconsistent
+
+
+#: Real exchanges of a healthy, noisy job: two CPU ranks of examples/byo/watched.py with 4 samples a
+#: micro-batch, whose single-step losses spread over 0.5 at a third of the exchanges.
+NOISY = json.loads((Path(__file__).parent / "noisy_exchanges.json").read_text())["exchanges"]
+
+
+def spread_watch() -> SpreadWatch:
+    settings = GuardSettings()
+    return SpreadWatch(settings.spread_threshold, hold=settings.spread_hold, now=settings.spread_now)
+
+
+def flagged(exchanges, factor: float = 1.0, rank: int = 1) -> list[tuple[int, int]]:
+    """(exchange, suspect) where ``SpreadWatch`` flags the exchanges, one rank's losses × ``factor``."""
+    watch, out = spread_watch(), []
+    for i, x in enumerate(exchanges):
+        scale = [factor if r == rank else 1.0 for r in range(len(x["means"]))]
+        found = watch.judge([m * f for m, f in zip(x["means"], scale, strict=True)],
+                            [v * f for v, f in zip(x["losses"], scale, strict=True)])
+        if found is not None:
+            out.append((i, found.rank))
+    return out
+
+
+class TestSpread:
+    def test_a_noisy_healthy_job_is_never_flagged(self):
+        single_step = sum(detectors.relative_spread(x["losses"]) > 0.5 for x in NOISY)
+        assert single_step > len(NOISY) / 4  # the old rule's false flags: this step's spread alone
+        assert flagged(NOISY) == []
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_a_rank_off_by_2x_in_the_same_noise_is_named_from_the_third_exchange(self, rank):
+        found = flagged(NOISY, factor=2.0, rank=rank)
+        assert found[0] == (2, rank) and len(found) > len(NOISY) / 3
+        assert {suspect for _, suspect in found} == {rank}
+
+    def test_noise_over_the_bar_on_alternating_sides_is_not_persistence(self):
+        watch = spread_watch()
+        assert all(watch.judge(means, means) is None for means in [[1.0, 2.0], [2.0, 1.0]] * 5)
+
+    def test_the_hold_restarts_below_the_bar_and_a_huge_spread_needs_no_hold(self):
+        watch = spread_watch()
+        assert [watch.judge(m, m) for m in ([1.0, 2.0], [1.0, 2.0], [1.0, 1.1], [1.0, 2.0])] == [None] * 4
+        assert watch.judge([1.0, 5.0], [1.0, 5.0]).held == 2  # spread 1.33 ≥ 1.2: at once
+
+    def test_a_rank_named_among_four_and_nans_left_to_the_nan_detector(self):
+        watch = spread_watch()
+        verdicts = [watch.judge([1.0, 1.02, 0.98, 2.0], [1.0, 1.0, 1.0, 1.0]) for _ in range(3)]
+        assert verdicts[:2] == [None, None] and verdicts[2].rank == 3
+        # A missing window mean falls back to this step's losses; a NaN loss judges nothing.
+        assert spread_watch().judge([math.nan, 1.0], [1.0, 9.0]).rank == 1
+        assert spread_watch().judge([1.0, 9.0], [math.nan, 9.0]) is not None  # the means are finite
+        assert spread_watch().judge([math.nan, 9.0], [math.nan, 9.0]) is None
+
+    def test_only_an_established_disagreement_makes_the_losses_inconsistent(self):
+        wide = [1.0, 2.0]  # this step's spread 0.67: over the bar
+        assert judge_consistency(wide, [1.0, 1.0], 0.5).inconsistent  # the single-step rule (bench legacy)
+        assert not judge_consistency(wide, [1.0, 1.0], 0.5, disagreement=None).inconsistent
+        # The gradient norms are all-reduced: their spread needs no persistence.
+        assert judge_consistency([1.0, 1.0], [1.0, 2.0], 0.5, disagreement=None).inconsistent
+        held = spread_watch()
+        for _ in range(3):
+            found = held.judge([1.0, 3.0], wide)
+        consistency = judge_consistency(wide, [1.0, 1.0], 0.5, disagreement=found)
+        assert consistency.inconsistent and consistency.suspect_rank == 1
 
 
 def windows(slow_rank=None, slow_by=0.0, phase="compute", stall=False, hiccup_rank=None):
