@@ -76,6 +76,15 @@ class DetectionPolicy:
     rank_drift_hold: int = 3
     #: ...unless it is this far off (then one exchange is enough).
     rank_drift_now: float = 0.08
+    #: Both bars widen with the job's own noise, from this many ranks on: the hold's bar to this many
+    #: times the noise, the at-once bar to ``rank_drift_now_noise_k`` times. The noise is the median
+    #: over ranks of each rank's drift (one bad rank among four or more does not move it), this
+    #: exchange's or the median of the last ``rank_drift_noise_window`` exchanges', whichever is larger
+    #: (noise grows as a loss falls: an estimate that only looks back lags behind it).
+    rank_drift_noise_k: float = 3.0
+    rank_drift_now_noise_k: float = 8.0
+    rank_drift_noise_window: int = 10
+    rank_drift_noise_ranks: int = 4
     # -- stragglers: judged by the control plane over the node windows -----------------------
     #: A rank's phase (compute, communication, input) over the job's median of that phase, as the
     #: extra seconds it costs relative to the job's median step (+2.5 %).

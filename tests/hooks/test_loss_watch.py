@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -132,10 +133,29 @@ class TestDrift:
     def test_a_nan_is_left_to_the_nan_detector(self):
         assert not judge_consistency([2.0, math.nan, 2.0], [1.0, 1.0, 1.0], 0.5).inconsistent
 
+    def test_a_drift_must_stay_on_one_side(self):
+        watch = DriftWatch(POLICY)
+        means = [[2.0, 2.01, 1.99, 2.07], [2.0, 2.01, 1.99, 1.93]] * 3  # rank 3 ±3.5 %, alternating
+        assert [watch.judge(m) for m in means] == [None] * 6
 
-#: Real exchanges of a healthy, noisy job: two CPU ranks of examples/byo/watched.py with 4 samples a
-#: micro-batch, whose single-step losses spread over 0.5 at a third of the exchanges.
-NOISY = json.loads((Path(__file__).parent / "noisy_exchanges.json").read_text())["exchanges"]
+    def test_the_bars_widen_with_a_noisy_jobs_own_noise(self):
+        def named(factor: float) -> list[int]:
+            watch = DriftWatch(POLICY)
+            verdicts = [watch.judge([m * (factor if r == 3 else 1.0) for r, m in enumerate(x["means"])])
+                        for x in NOISY_4]
+            return [v[0] for v in verdicts if v is not None]
+
+        fixed = DriftWatch(replace(POLICY, rank_drift_noise_ranks=5))  # four ranks: the fixed bars
+        assert sum(fixed.judge(x["means"]) is not None for x in NOISY_4) > len(NOISY_4) / 2
+        assert named(1.0) == []
+        assert len(named(1.5)) > len(NOISY_4) / 3 and set(named(1.5)) == {3}
+
+
+#: Real exchanges of a healthy, noisy job: CPU ranks of examples/byo/watched.py with 4 samples a
+#: micro-batch. On two ranks, this step's losses spread over 0.5 at a third of the exchanges; on four,
+#: the window means differ by 5-40 %.
+_EXCHANGES = json.loads((Path(__file__).parent / "noisy_exchanges.json").read_text())
+NOISY, NOISY_4 = _EXCHANGES["two_ranks"], _EXCHANGES["four_ranks"]
 
 
 def spread_watch() -> SpreadWatch:
