@@ -160,7 +160,7 @@ def train(args: argparse.Namespace) -> None:
     nw = Hooks(model, optimizer, scheduler=scheduler, dataset=dataset, batch_size=args.batch_size,  # hooks 1/3
                ckpt_dir=args.ckpt_dir, checkpoint_every=args.ckpt_every, config=config, seed=args.seed,
                max_grad_norm=args.max_grad_norm, guards=guards, async_save=not args.sync_save,
-               tokens_per_sample=args.seq_len)
+               tokens_per_sample=args.seq_len, snapshot_every=args.snapshot_every)
     with nw:
         for batch in nw.batches(max_steps=args.steps):  # hooks 2/3
             step = nw.step_count + 1
@@ -218,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ckpt-dir", help="checkpoint directory (NIGHTWATCH_CKPT_DIR wins when set)")
     add("--ckpt-every", type=int, default=20, help="checkpoint every N steps (0: only at the end)")
     add("--sync-save", action="store_true", help="synchronous checkpoints instead of async_save")
+    add("--snapshot-every", type=int, help="in-memory snapshot (copied to a partner rank) every N steps; "
+        "0: off (NIGHTWATCH_SNAPSHOT_EVERY wins)")
     add("--batch-size", type=int, default=4, help="samples per rank per step")
     add("--dataset-size", type=int, default=512)
     add("--seq-len", type=int, default=32)

@@ -38,17 +38,25 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from agents.hooks import resume, state
+from agents.hooks import resume, snapshot, state
 from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure
 from agents.hooks.data import GlobalCursorSampler, epoch_aware, is_stateful, pipeline_parts
 from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
 from agents.hooks.settings import Environment
+from agents.hooks.snapshot import Lineage, SnapshotCommit, Snapshotter
+from agents.hooks.snapshot_store import COPY, OWN, SnapshotStore, default_root, job_key
 from agents.hooks.staging import stable_tensors
 from agents.hooks.telemetry import Exchange, Telemetry
-from agents.hooks.topology import discover
+from agents.hooks.topology import discover, side_group
 from agents.protocol.hooks import EXIT_PAUSED, EXIT_RESUME_REFUSED, EXIT_STALE_GENERATION
 
 log = logging.getLogger("nightwatch.hooks")
+
+#: In-memory snapshots every this many steps unless the script or NIGHTWATCH_SNAPSHOT_EVERY says
+#: otherwise (docs/benchmarks/snapshot.md has the measured cost behind it).
+DEFAULT_SNAPSHOT_EVERY = 0
+#: The snapshot group's timeout: a partner that stops answering fails the copy, not training.
+_SNAPSHOT_GROUP_TIMEOUT_S = 300.0
 
 
 class StopTraining(SystemExit):
@@ -97,6 +105,8 @@ class Hooks:
     stepped per step, ``epoch_scheduler`` per data epoch (``ReduceLROnPlateau`` with
     ``epoch_metric()`` or the epoch's mean loss). ``config`` holds whatever makes a checkpoint
     incompatible; ``env`` defaults to the NIGHTWATCH_* variables (see ``settings.py``).
+    ``snapshot_every``: an in-memory snapshot, copied to a partner rank, every N steps (0: off;
+    see ``snapshot.py``); NIGHTWATCH_SNAPSHOT_EVERY wins.
     docs/hooks.md is the user's guide.
     """
 
@@ -109,7 +119,8 @@ class Hooks:
                  shuffle: bool = True, max_grad_norm: float | None = None,
                  guards: GuardSettings | None = None, async_save: bool = True,
                  loader_options: Mapping[str, Any] | None = None, tokens_per_sample: int = 0,
-                 flops_per_token: float | None = None, env: Environment | None = None):
+                 flops_per_token: float | None = None, snapshot_every: int | None = None,
+                 env: Environment | None = None):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be at least 1, not {accumulation_steps}")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -162,6 +173,10 @@ class Hooks:
             Checkpointer(self.ckpt_dir, self.topology, generation=self.env.generation, run_id=run_id,
                          use_async=async_save, on_commit=self._committed, on_failure=self._save_failed)
             if self.ckpt_dir else None)
+        self.snapshot_every = next(v for v in (self.env.snapshot_every, snapshot_every, DEFAULT_SNAPSHOT_EVERY)
+                                   if v is not None)
+        self.snapshotter = self._start_snapshots(run_id) if self.snapshot_every > 0 else None
+        self.last_snapshot: SnapshotCommit | None = None
         self._resume()
         self.parameter_count = parameter_count(model)
         self._report_model(flops_per_token)
@@ -350,8 +365,13 @@ class Hooks:
             if exchange.checkpoint_interval:
                 self.checkpoint_every = exchange.checkpoint_interval
         before_checkpoint = time.perf_counter()
-        if self._checkpoint_due(exchange):
-            self._save()
+        checkpoint_due, snapshot_due = self._checkpoint_due(exchange), self._snapshot_due()
+        if checkpoint_due or snapshot_due:
+            captured = self._capture()
+            if checkpoint_due:
+                self._save(captured)
+            if snapshot_due:
+                self._snapshot(captured)
         checkpoint_s = time.perf_counter() - before_checkpoint
         optimizer_s = before_checkpoint - entered + waited
         outcome = StepOutcome(self.step_count, loss_value, grad_norm, skipped, verdict.spike, nan, self._inconsistent)
@@ -380,6 +400,8 @@ class Hooks:
         if self._closed:
             return
         self._closed = True
+        if self.snapshotter:
+            self.snapshotter.close()
         if self.checkpointer:
             self.checkpointer.close()
         self.telemetry.close()
@@ -433,6 +455,8 @@ class Hooks:
         applied = not skip
         if self.checkpointer:
             self.checkpointer.before_update()  # a checkpoint still copying these tensors goes first
+        if self.snapshotter:
+            self.snapshotter.before_update()  # and so does a snapshot
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             if not skip:
@@ -456,22 +480,35 @@ class Hooks:
         every = self.checkpoint_every
         return every is not None and every != 0 and self.step_count % every == 0
 
-    def _save(self) -> None:
-        if self.checkpointer is None:
-            return
+    def _snapshot_due(self) -> bool:
+        return self.snapshotter is not None and self.step_count % self.snapshot_every == 0
+
+    def _capture(self) -> dict[str, Any]:
+        """The state a checkpoint or a snapshot holds, as of now (live tensors, fresh blobs)."""
         progress = state.Progress(self.step_count, self.data_cursor, self.topology.world_size,
                                   self.env.generation, self.epoch)
-        snapshot = state.collect_state(self.model, self.optimizer, scheduler=self.scheduler,
-                                       scaler=self.scaler, progress=progress, rank=self.topology.rank,
-                                       epoch_scheduler=self.epoch_scheduler, loop=self._loop_state())
+        return state.collect_state(self.model, self.optimizer, scheduler=self.scheduler,
+                                   scaler=self.scaler, progress=progress, rank=self.topology.rank,
+                                   epoch_scheduler=self.epoch_scheduler, loop=self._loop_state())
+
+    def _snapshot(self, captured: dict[str, Any]) -> None:
+        assert self.snapshotter is not None
+        fields = {"job": self.env.job, "config_hash": self.config_hash, "world_size": self.topology.world_size,
+                  "data_cursor": self.data_cursor, "base": self.resumed_from or ""}
+        self.snapshotter.take(self.step_count, captured, fields, stable=stable_tensors(self.model, self.optimizer))
+
+    def _save(self, captured: dict[str, Any] | None = None) -> None:
+        if self.checkpointer is None:
+            return
+        captured = captured if captured is not None else self._capture()
         fields = {"loss": self._last_loss if math.isfinite(self._last_loss) else None,
                   "config_hash": self.config_hash, "world_size": self.topology.world_size,
                   "data_cursor": self.data_cursor, "generation": self.env.generation, "job": self.env.job,
-                  "parts": state.saved_parts(set(snapshot)),
+                  "parts": state.saved_parts(set(captured)),
                   # The registry then requires the grad scaler's state in the checkpoint.
                   "amp": self.scaler is not None}
         self._last_saved_step = self.step_count
-        self.checkpointer.save(self.step_count, snapshot, fields, stable=stable_tensors(self.model, self.optimizer))
+        self.checkpointer.save(self.step_count, captured, fields, stable=stable_tensors(self.model, self.optimizer))
 
     def _obey(self, exchange: Exchange) -> None:
         if exchange.stale:
@@ -500,13 +537,15 @@ class Hooks:
                                  {"path": path, "reason": reason}, level=None)
         if choice.refused:
             self._stop(EXIT_RESUME_REFUSED, f"checkpoint to resume from failed verification: {choice.refused}")
-        if choice.path is None:
-            log.info("no verified checkpoint to resume from: starting at step 0")
-            return
         if self.loader is not None and choice.world_size not in (None, self.topology.world_size):
             self._stop(EXIT_RESUME_REFUSED, f"{choice.path} was written by {choice.world_size} ranks: a job with its "
                        f"own data loader resumes only on that many (its sampler's state is per rank); the "
                        f"default sampler continues on any world size")
+        if self._resume_from_snapshot(choice):
+            return
+        if choice.path is None:
+            log.info("no verified checkpoint to resume from: starting at step 0")
+            return
         progress, parts = resume.restore(choice.path, self.topology, self.model, self.optimizer,
                                          scheduler=self.scheduler, scaler=self.scaler,
                                          epoch_scheduler=self.epoch_scheduler, loop=self._restore_loop)
@@ -524,6 +563,57 @@ class Hooks:
                                  f"{self.topology.world_size}; continuing at global sample {progress.data_cursor}",
                                  {"previous": progress.world_size, "current": self.topology.world_size,
                                   "data_cursor": progress.data_cursor})
+
+    def _start_snapshots(self, run_id: str) -> Snapshotter:
+        store = SnapshotStore(default_root(self.env.snapshot_dir), job_key(self.env.job, self.ckpt_dir))
+        group = side_group(self.topology, _SNAPSHOT_GROUP_TIMEOUT_S)
+        return Snapshotter(store, self.topology, group, generation=self.env.generation, run_id=run_id,
+                           on_commit=self._snapshot_committed)
+
+    def _resume_from_snapshot(self, choice: resume.ResumeChoice) -> bool:
+        """Restore the newest snapshot every rank can, if it is newer than the disk checkpoint
+        chosen and of this lineage (``snapshot.choose_snapshot``); False: the disk checkpoint stands.
+
+        Either way the job's snapshots on this node are this run's from now on: all but the one
+        restored are removed (older ones are history, newer ones a branch this run does not follow).
+        """
+        if self.snapshotter is None:
+            return False
+        store, rank = self.snapshotter.store, self.topology.rank
+        branch = self.env.branch_generation
+        lineage = Lineage(job=self.env.job, config_hash=self.config_hash, world_size=self.topology.world_size,
+                          generation=self.env.generation,
+                          min_generation=self.env.generation if branch is None else branch,
+                          after_step=choice.step or 0)
+        found = snapshot.choose_snapshot(store, self.topology, self.snapshotter.group, lineage)
+        for path, reason in found.rejected:  # logged as each was turned down
+            self.telemetry.event(0, "checkpoint_rejected", f"not restoring snapshot {path}: {reason}",
+                                 {"path": path, "reason": reason}, level=None, local=True)
+        store.keep_only(rank, OWN, found.key)
+        store.keep_only(self.topology.snapshot_source, COPY, found.key)
+        if found.snapshot is None or found.key is None:
+            return False
+        progress, parts = state.apply_state(snapshot.load(found.snapshot), self.model, self.optimizer,
+                                            scheduler=self.scheduler, scaler=self.scaler, rank=rank,
+                                            epoch_scheduler=self.epoch_scheduler, loop=self._restore_loop)
+        self.step_count, self.data_cursor, self.epoch = progress.step, progress.data_cursor, progress.epoch
+        self.resumed_from = str(found.snapshot.path)
+        where = f"rank {self.topology.snapshot_partner}'s copy" if found.from_partner else "this node's memory"
+        self.telemetry.event(progress.step, "resumed",
+                             f"resumed from step {progress.step} (snapshot {found.key.dirname}, {where}; "
+                             f"newer than the disk checkpoint {choice.path or 'none'})",
+                             {"step": progress.step, "checkpoint": choice.path, "snapshot": found.key.dirname,
+                              "from_partner": found.from_partner, "parts": parts,
+                              "world_size": self.topology.world_size, "previous_world_size": progress.world_size},
+                             local=found.from_partner)
+        return True
+
+    def _snapshot_committed(self, commit: SnapshotCommit) -> None:
+        """From the snapshot thread: both copies are committed. Logged, not reported: the protocol has
+        no event kind for it yet, and one event per step would flood the job's timeline."""
+        self.last_snapshot = commit
+        log.debug("snapshot of step %d committed on both copies (%s, %d bytes, blocked %.4f s, %.3f s in all)",
+                  commit.step, commit.path, commit.size_bytes, commit.blocking_s, commit.total_s)
 
     def _restore_loop(self, saved: dict[str, Any]) -> None:
         """Called by ``resume.restore`` before the RNG states are put back."""

@@ -12,6 +12,9 @@ script passes, resume from the newest verified checkpoint found there.
 | NIGHTWATCH_CKPT_DIR | checkpoint directory; wins over the script's argument |
 | NIGHTWATCH_RESUME_FROM | checkpoint the control plane chose to resume from |
 | NIGHTWATCH_SPOOL_DIR | where undelivered reports wait during an outage |
+| NIGHTWATCH_SNAPSHOT_EVERY | in-memory snapshot every N steps (0: off); wins over ``Hooks(snapshot_every=)`` |
+| NIGHTWATCH_SNAPSHOT_DIR | where snapshots live in node memory (default ``/dev/shm/nightwatch``) |
+| NIGHTWATCH_BRANCH_GENERATION | first generation of the job's lineage branch: no older snapshot is restored |
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class Environment:
     spool_dir: str | None = None
     #: Global sample ranges [start, end) a rollback chose to skip: ``NIGHTWATCH_SKIP_DATA=a-b,c-d``.
     skip_data: tuple[tuple[int, int], ...] = ()
+    snapshot_every: int | None = None
+    snapshot_dir: str | None = None
+    branch_generation: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Environment:
@@ -47,7 +53,10 @@ class Environment:
         return cls(url=get("NIGHTWATCH_URL"), token=token, job=get("NIGHTWATCH_JOB") or "local",
                    generation=int(get("NIGHTWATCH_GENERATION") or 0), ckpt_dir=get("NIGHTWATCH_CKPT_DIR"),
                    resume_from=get("NIGHTWATCH_RESUME_FROM"), spool_dir=get("NIGHTWATCH_SPOOL_DIR"),
-                   skip_data=parse_skip_data(get("NIGHTWATCH_SKIP_DATA") or ""))
+                   skip_data=parse_skip_data(get("NIGHTWATCH_SKIP_DATA") or ""),
+                   snapshot_every=_optional_int(get("NIGHTWATCH_SNAPSHOT_EVERY")),
+                   snapshot_dir=get("NIGHTWATCH_SNAPSHOT_DIR"),
+                   branch_generation=_optional_int(get("NIGHTWATCH_BRANCH_GENERATION")))
 
     def spool_path(self, rank: int) -> Path:
         """One spool per rank: each rank reports on its own and must replay only its own records."""
@@ -65,3 +74,7 @@ def parse_skip_data(raw: str) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"NIGHTWATCH_SKIP_DATA: {part!r} is not a range start-end with start < end")
         ranges.append((int(start), int(end)))
     return tuple(ranges)
+
+
+def _optional_int(raw: str | None) -> int | None:
+    return None if raw is None else int(raw)

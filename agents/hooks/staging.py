@@ -35,7 +35,7 @@ log = logging.getLogger("nightwatch.hooks")
 
 TORN_PREFIX = "TORN-rank"
 
-_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class OverlappedStager(AsyncStager):
@@ -58,11 +58,11 @@ class OverlappedStager(AsyncStager):
         if not _plain_tensors_only(state_dict):
             # DTensor / ShardedTensor (FSDP, tensor parallel): DCP's own staging keeps their sharding.
             return DefaultStager(StagingOptions(False, False, False, False)).stage(state_dict)
-        now: _Pairs = []
-        later: _Pairs = []
-        self._buffers, staged = _mirror(state_dict, self._buffers, self._stable if self.overlap else frozenset(),
+        now: Pairs = []
+        later: Pairs = []
+        self._buffers, staged = mirror(state_dict, self._buffers, self._stable if self.overlap else frozenset(),
                                         now, later)
-        _copy(now)
+        copy_pairs(now)
         if not later:
             return staged
         versions = [src._version for src, _ in later]
@@ -83,8 +83,8 @@ class OverlappedStager(AsyncStager):
         self._copier.shutdown(wait=True)
         self._buffers = None
 
-    def _copy_in_background(self, staged: Any, pairs: _Pairs, versions: list[int], directory: Path | None) -> Any:
-        _copy(pairs)
+    def _copy_in_background(self, staged: Any, pairs: Pairs, versions: list[int], directory: Path | None) -> Any:
+        copy_pairs(pairs)
         if any(src._version != version for (src, _), version in zip(pairs, versions, strict=True)):
             # Returning normally matters: a rank that failed here would leave the other ranks
             # waiting forever in DCP's collectives. The checkpoint is written, but never committed.
@@ -97,7 +97,7 @@ class OverlappedStager(AsyncStager):
         return staged
 
 
-def _mirror(src: Any, buffers: Any, stable: frozenset[int], now: _Pairs, later: _Pairs) -> tuple[Any, Any]:
+def mirror(src: Any, buffers: Any, stable: frozenset[int], now: Pairs, later: Pairs) -> tuple[Any, Any]:
     """(buffers, staged): ``src``'s structure with every tensor replaced by its reused CPU buffer.
 
     Buffers are reused where shape and dtype still match and allocated otherwise. Each tensor is
@@ -110,12 +110,12 @@ def _mirror(src: Any, buffers: Any, stable: frozenset[int], now: _Pairs, later: 
         return buffers, buffers
     if isinstance(src, dict):
         old_by_key = buffers if isinstance(buffers, dict) else {}
-        by_key = {key: _mirror(value, old_by_key.get(key), stable, now, later) for key, value in src.items()}
+        by_key = {key: mirror(value, old_by_key.get(key), stable, now, later) for key, value in src.items()}
         return {k: b for k, (b, _) in by_key.items()}, {k: s for k, (_, s) in by_key.items()}
     if isinstance(src, (list, tuple)):
         old: Sequence[Any] = (buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(src)
                               else [None] * len(src))
-        pairs = [_mirror(value, b, stable, now, later) for value, b in zip(src, old, strict=True)]
+        pairs = [mirror(value, b, stable, now, later) for value, b in zip(src, old, strict=True)]
         return type(src)(b for b, _ in pairs), type(src)(s for _, s in pairs)
     return None, src  # ints, floats, strings, bytes blobs: immutable, staged as they are
 
@@ -130,7 +130,7 @@ def _plain_tensors_only(value: Any) -> bool:
     return True
 
 
-def _copy(pairs: _Pairs) -> None:
+def copy_pairs(pairs: Pairs) -> None:
     with torch.no_grad():
         for src, dst in pairs:
             dst.copy_(src)

@@ -9,6 +9,9 @@ own, in the same order on every rank:
   check, control agreement, resume choice). A group is an ordered stream of collectives, so it
   must not be shared with the checkpoint thread either.
 
+In-memory snapshots (``snapshot.py``) get a third group, created by ``side_group`` only when they
+are on, for the same reason: their copies to the partner rank run in a background thread.
+
 gloo works on CPU tensors, so these exchanges never synchronise a GPU stream.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,12 +34,32 @@ class Topology:
     world_size: int = 1
     local_rank: int = 0
     node: int = 0  # torchrun's node rank (GROUP_RANK): which of the job's nodes this process runs on
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
     checkpoint_group: Any = None
     sync_group: Any = None
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def snapshot_shift(self) -> int:
+        """How far a rank's snapshot partner is: one node on (``local_world_size`` ranks), so the
+        copy survives the loss of this node; on a single node, the next rank. A shift by a constant
+        is a ring, so every rank holds exactly one other rank's copy."""
+        if self.world_size <= 1:
+            return 0
+        return self.local_world_size if 0 < self.local_world_size < self.world_size else 1
+
+    @property
+    def snapshot_partner(self) -> int:
+        """The rank that holds a copy of this rank's snapshots."""
+        return (self.rank + self.snapshot_shift) % max(1, self.world_size)
+
+    @property
+    def snapshot_source(self) -> int:
+        """The rank whose snapshots this rank holds a copy of."""
+        return (self.rank - self.snapshot_shift) % max(1, self.world_size)
 
     @property
     def restart_count(self) -> int:
@@ -67,5 +91,14 @@ def discover() -> Topology:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return Topology(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     node=int(os.environ.get("GROUP_RANK", "0")),
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dist.get_world_size(),
                     checkpoint_group=dist.new_group(backend="gloo"),
                     sync_group=dist.new_group(backend="gloo"))
+
+
+def side_group(topology: Topology, timeout_s: float) -> Any:
+    """A new gloo group of every rank (a collective: every rank calls it at the same point), for
+    a background thread's own traffic; None for a single process."""
+    if not topology.distributed:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

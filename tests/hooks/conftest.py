@@ -38,11 +38,12 @@ class Run:
 
 
 def torchrun(args: list[str], *, nproc: int = 2, max_restarts: int = 0, env: dict[str, str] | None = None,
-             timeout: float = 60.0) -> Run:
-    """Run examples/train.py under a real torchrun (gloo on CPU); kill everything it started on timeout."""
+             timeout: float = 60.0, module: str = "examples.train") -> Run:
+    """Run examples/train.py (or a wrapper ``module`` around it) under a real torchrun (gloo on CPU);
+    kill everything it started on timeout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # standalone: free ports
                f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-               "-m", "examples.train", *args]
+               "-m", module, *args]
     environment = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTWATCH_")}
     environment.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                         # torch 2.13: restarted workers otherwise reach the dead peer's address.

@@ -1,0 +1,67 @@
+"""Runs examples/train.py the way torchrun would, with snapshot faults planted from outside it.
+
+``python -m tests.hooks.snapshot_run ARGS...`` under torchrun, with
+``SNAPSHOT_FAULTS=ATTEMPT:KIND:RANK:STEP,...``; each fault fires on torchrun attempt ATTEMPT only:
+
+- ``copy``: rank RANK SIGKILLs itself from the snapshot thread in the middle of the snapshot of
+  step STEP: its own copy is written (shard and manifest, no marker), its partner has received
+  nothing. That snapshot is torn: the resume must take the one before it.
+- ``lose``: at step STEP, once the snapshot before it is committed on both copies, rank RANK
+  removes its own snapshots (its node's memory is gone) and SIGKILLs itself mid-step: the resume
+  must fetch its copy from the partner.
+- ``kill``: rank RANK SIGKILLs itself mid-step at step STEP (after backward, before the update),
+  whatever the snapshot thread is doing.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import signal
+import sys
+from typing import Any
+
+
+def main() -> None:
+    from agents.hooks import api, snapshot
+    from agents.hooks.snapshot_store import OWN
+
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    faults = {}
+    for spec in filter(None, os.environ.get("SNAPSHOT_FAULTS", "").split(",")):
+        when, kind, who, step = spec.split(":")
+        if int(when) == attempt and int(who) == rank:
+            faults[kind] = int(step)
+
+    original_step = api.Hooks.step
+
+    def step(self: Any, loss: Any) -> Any:
+        coming = self.step_count + 1
+        if faults.get("lose") == coming:
+            self.snapshotter.wait()
+            shutil.rmtree(self.snapshotter.store.place(rank, OWN))
+            print(f"rank {rank} lost its snapshots and is killed at step {coming}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faults.get("kill") == coming:
+            print(f"rank {rank} killed at step {coming}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_step(self, loss)
+
+    original_replicate = snapshot.Snapshotter._replicate
+
+    def replicate(self: Any, key: Any, *args: Any) -> bool:
+        if faults.get("copy") == key.step:
+            print(f"rank {rank} killed in the middle of the snapshot copy of step {key.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_replicate(self, key, *args)
+
+    api.Hooks.step = step  # type: ignore[method-assign]
+    snapshot.Snapshotter._replicate = replicate  # type: ignore[method-assign]
+    sys.argv = ["examples/train.py", *sys.argv[1:]]
+    runpy.run_module("examples.train", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

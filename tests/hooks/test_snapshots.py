@@ -1,0 +1,62 @@
+"""In-memory snapshots on real torchrun: a rank killed in the middle of a snapshot copy, a rank
+that lost its node's memory, and the rank holding its partner's copy killed, one after the other
+in one run (torchrun restarts it each time). Every resume takes the newest snapshot that is whole
+on every rank, never a torn one, and the run ends bit-identical to one never interrupted, having
+trained the same samples at every step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.hooks.conftest import read_samples, torchrun
+from tests.hooks.test_exact_resume import assert_identical
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 18
+COMMON = ["--steps", str(STEPS), "--ckpt-every", "8", "--check-every", "5", "--snapshot-every", "1"]
+# attempt:kind:rank:step (tests/hooks/snapshot_run.py): rank 1 dies copying snapshot 5; then rank 1
+# loses its snapshots and dies at step 11; then rank 0, which holds rank 1's copies, dies at step 15.
+FAULTS = "0:copy:1:5,1:lose:1:11,2:kill:0:15"
+
+
+def test_snapshot_resumes_after_torn_copy_lost_memory_and_killed_holder(tmp_path):
+    def run(name, **options):
+        directory = tmp_path / name
+        result = torchrun([*COMMON, "--ckpt-dir", str(directory / "ckpt"), "--log-samples",
+                           str(directory / "samples"), "--final-state", str(directory / "final")],
+                          env={"NIGHTWATCH_SNAPSHOT_DIR": str(directory / "memory"), **options.pop("env", {})},
+                          module="tests.hooks.snapshot_run", timeout=120, **options)
+        assert result.returncode == 0, result.output[-4000:]
+        return directory, result
+
+    reference, _ = run("uninterrupted")
+    faulted, result = run("faulted", max_restarts=3, env={"SNAPSHOT_FAULTS": FAULTS})
+    output = result.output
+    assert "rank 1 killed in the middle of the snapshot copy of step 5" in output
+    assert "rank 1 lost its snapshots and is killed at step 11" in output
+    assert "rank 0 killed at step 15" in output
+
+    resumes = [(int(step), line) for line in output.splitlines()
+               for step in re.findall(r"resumed from step (\d+) \(snapshot ", line)]
+    steps = [step for step, _ in resumes]
+    assert len(steps) == 6, output[-4000:]  # 3 restarts, 2 ranks each
+    torn, lost, killed = sorted(steps)[0:2], sorted(steps)[2:4], sorted(steps)[4:6]
+    assert torn == [4, 4], "the snapshot torn at step 5 must never be restored"
+    assert re.search(r"not restoring snapshot step-00000005-\S+: this rank stopped before it was committed", output)
+    assert lost == [10, 10], "lost work: one step at most"
+    assert [line for step, line in resumes if step == 10 and "rank 0's copy" in line], (
+        "rank 1 lost its memory: its snapshot comes from its partner's copy")
+    assert killed[0] == killed[1] and killed[0] in (13, 14), "lost work: one step (and the one in flight)"
+
+    for rank in (0, 1):
+        expected = torch.load(reference / "final" / f"rank{rank}.pt")
+        actual = torch.load(faulted / "final" / f"rank{rank}.pt")
+        assert actual["step"] == expected["step"] == STEPS
+        assert_identical(actual["model"], expected["model"])
+        assert_identical(actual["optim"], expected["optim"])
+        assert actual["scheduler"] == expected["scheduler"]
+        assert read_samples(faulted / "samples", rank) == read_samples(reference / "samples", rank)
