@@ -540,12 +540,18 @@ def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> No
                                                     "error_line", "log_tail", "xids")})
 
 
+#: The exit report's times of the failure, earliest evidence first: the agent finding a rank gone,
+#: torchrun's own log time of closing the worker group, the agent seeing that (or, for a generation
+#: that ended while no agent watched, its log's last write), and the control plane's receipt.
+EXIT_FAULT_STAMPS = ("rank_exited_at", "torchrun_failed_at", "ended_at", "exited_at")
+
+
 def exit_fault_time(job: Job, generation: int, detail: dict):
-    """When the generation failed on the node, from the earliest evidence: the time the agent saw
-    it fail (``ended_at``: torchrun closing its worker group, or the log's last write when no agent
-    watched) or reported it (``exited_at``), never before the generation started or the last step
-    its ranks reported (they were alive then), never after now. None without such evidence."""
-    stamps = [t for t in (detail.get("ended_at"), detail.get("exited_at")) if isinstance(t, int | float) and t > 0]
+    """When the generation failed on the node, from the earliest evidence (``EXIT_FAULT_STAMPS``),
+    never before the generation started or the last step its ranks reported (they were alive
+    then: a node clock behind ours), never after now. None without such evidence."""
+    stamps = [t for t in (detail.get(k) for k in EXIT_FAULT_STAMPS)
+              if isinstance(t, int | float) and not isinstance(t, bool) and t > 0]
     if not stamps:
         return None
     now = timezone.now()

@@ -572,6 +572,13 @@ class ExitReport:
     #: it, its log's last write. The control plane dates the fault from it (the event's own time
     #: is when the report was made, which after an agent restart is much later).
     ended_at: float | None = field(default=None, min=0, max=MAX_TIME)
+    #: Unix time (the node's clock) the agent first found one of torchrun's workers gone: a rank
+    #: died (at most one watch tick earlier), before torchrun noticed it. None if it saw none.
+    rank_exited_at: float | None = field(default=None, min=0, max=MAX_TIME)
+    #: torchrun's own time of the failure: when it first logged it (closing the worker group, or a
+    #: failed worker's error; a monitor interval after the rank died), from the log line's
+    #: timestamp. None without such a line.
+    torchrun_failed_at: float | None = field(default=None, min=0, max=MAX_TIME)
     #: Xid codes seen on this node while the generation ran.
     xids: list[int] = field(default_factory=list, max_len=64)
 

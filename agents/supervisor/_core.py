@@ -30,7 +30,7 @@ from agents.protocol.agent import (
 from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
-from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat
+from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
 log = logging.getLogger(__package__)
@@ -374,7 +374,8 @@ class Supervisor:
             exit_code=exit_code, ranks=sorted(gen.scan.ranks.values(), key=lambda r: r.rank),
             root_cause_rank=gen.scan.root_cause_rank, signature=signature, error_line=error_line,
             log_tail=list(gen.tail), log_path=str(gen.log_path),
-            requested_stop=gen.requested_stop, runtime_s=runtime_s, ended_at=ended_at)
+            requested_stop=gen.requested_stop, runtime_s=runtime_s, ended_at=ended_at,
+            rank_exited_at=gen.rank_exited_at, torchrun_failed_at=gen.scan.closing_logged_at)
         with self._lock:
             if self._running.get(gen.job) is gen:
                 del self._running[gen.job]
@@ -485,7 +486,10 @@ class Supervisor:
 
     def _refresh_family(self, gen: _Generation) -> None:
         if gen.torchrun_present():
-            gen.seen |= _family(gen.pid, gen.pid)
+            family = _family(gen.pid, gen.pid)
+            if gen.rank_exited_at is None and not gen.requested_stop and _worker_gone(gen.seen, family, gen.pid):
+                gen.rank_exited_at = time.time()
+            gen.seen |= family
 
     def _terminate(self, gen: _Generation, grace_s: float) -> ExitReport | None:
         gen.requested_stop = True

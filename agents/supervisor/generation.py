@@ -53,6 +53,9 @@ class _Generation:
     ended_at: float | None = None
     #: Wall-clock time torchrun was first seen closing its worker group (a worker failed).
     failing_since: float | None = None
+    #: Wall-clock time the watcher first found one of torchrun's workers gone (a rank ended), one
+    #: watch tick at most after it did; None while every rank runs.
+    rank_exited_at: float | None = None
 
     def torchrun_present(self) -> bool:
         """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 from agents.protocol.agent import (
     MAX_LOG_LINE,
@@ -35,8 +36,33 @@ _LOG_SIGNATURES = (
 #: was told to stop ("Sending process 1234 closing signal SIGTERM", from
 #: torch.distributed.elastic.multiprocessing.api ``_close``).
 _CLOSING_LINE = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
+#: torchrun reporting a failed worker at level E (a worker's traceback, "failed (exitcode: 1)"): with
+#: workers started by spawn it logs no closing line, and this is its first word of the failure.
+_ELASTIC_ERROR = re.compile(r"^E\d{4} .*torch/distributed/elastic/")
+#: The prefix torch's logging gives each line (glog's: level, month and day, local time to the
+#: microsecond, pid): "W1202 00:46:46.911000 8436 torch/distributed/...] Sending process ...".
+_GLOG_TIME = re.compile(r"^[DIWEC](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) ")
 _EXIT_CODE_SIGNATURES = {EXIT_PAUSED: "paused", EXIT_STALE_GENERATION: "stale_generation",
                          EXIT_RESUME_REFUSED: "resume_refused"}
+
+
+def logged_at(line: str, now: float | None = None) -> float | None:
+    """The Unix time in ``line``'s glog prefix (the node's local time, no year: the year that puts
+    it no later than a day after ``now``), or None when the line has no such prefix."""
+    match = _GLOG_TIME.match(line)
+    if match is None:
+        return None
+    month, day, hour, minute, second, micro = (int(g) for g in match.groups())
+    now = time.time() if now is None else now
+    year = time.localtime(now).tm_year
+    for candidate in (year, year - 1):
+        at = time.mktime((candidate, month, day, hour, minute, second, 0, 0, -1))  # the node's local time
+        landed = time.localtime(at)
+        if (landed.tm_mon, landed.tm_mday) != (month, day):  # 29 February of the other year, a garbled prefix
+            continue
+        if at <= now + 86400:
+            return at + micro / 1e6
+    return None
 
 
 def decode_line(raw: bytes) -> str:
@@ -62,6 +88,9 @@ class OutputScan:
         #: Worker pids torchrun is closing (signalling, then waiting up to 30 s for): the
         #: generation is over once this is not empty.
         self.closing_pids: set[int] = set()
+        #: When torchrun first logged the failure (closing the worker group, or a failed worker's
+        #: error: its own time of it, a monitor interval after the rank died), from the glog prefix.
+        self.closing_logged_at: float | None = None
         self._pending: tuple[int, int] | None = None
         self._in_root_cause = False
 
@@ -78,6 +107,8 @@ class OutputScan:
             self.error_lines.append((rank, error.group(1)[:MAX_LOG_LINE]))
         if closing := _CLOSING_LINE.search(line):
             self.closing_pids.add(int(closing.group(1)))
+        if self.closing_logged_at is None and (closing or _ELASTIC_ERROR.match(line)):
+            self.closing_logged_at = logged_at(line)
         if _ROOT_CAUSE in line:
             self._in_root_cause = True
         elif self._in_root_cause and self.root_cause_rank is not None and _RULE.match(line):

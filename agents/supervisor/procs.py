@@ -52,6 +52,19 @@ def _alive(procs: Iterable[_Proc]) -> list[_Proc]:
     return [p for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
 
 
+def _worker_gone(seen: Iterable[_Proc], family: Iterable[_Proc], torchrun_pid: int) -> bool:
+    """Whether a worker of torchrun (a child of ``torchrun_pid`` seen before) is missing from, or a
+    zombie in, ``family`` (the family as it is now): a rank ended, which torchrun notices only at
+    its next monitor tick, and reports after closing the rest of the group."""
+    now = {(p.pid, p.started): p for p in family}
+    for proc in seen:
+        if proc.ppid == torchrun_pid and proc.pid != torchrun_pid:
+            current = now.get((proc.pid, proc.started))
+            if current is None or current.state == "Z":
+                return True
+    return False
+
+
 def _family(root: int, pgid: int) -> set[_Proc]:
     """``root``, everything below it, and everything in its process group."""
     table = _proc_table()

@@ -105,6 +105,15 @@ def test_a_failing_rank_is_reported_with_its_code_and_signature(
     if error is not None:
         assert report.error_line == error
     assert report.log_tail and report.runtime_s > 0
+    # The failure is dated from torchrun's own log time (and the agent's sighting of the dead
+    # rank), no later than the agent saw torchrun close the worker group.
+    assert report.ended_at is not None
+    if mode == "kill":
+        assert report.torchrun_failed_at is not None and report.rank_exited_at is not None
+    if report.torchrun_failed_at is not None:
+        assert report.torchrun_failed_at <= report.ended_at
+    if report.rank_exited_at is not None:
+        assert report.rank_exited_at <= report.ended_at + supervisor_module.WATCH_TICK_S
     # A generation that ended on its own leaves nothing behind either, setsid'd children included.
     wait_for(lambda: not [pid for pid in family_pids(out, rank_info) if pid_alive(pid)],
              timeout=10, what="the children of the failed generation to be killed", interval=POLL_S)

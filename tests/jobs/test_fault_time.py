@@ -35,12 +35,20 @@ def lose(job, hostname="gpu-01", *, heartbeat_age_s=3.0):
 
 
 @pytest.mark.django_db
-def test_an_exit_dates_from_when_the_agent_saw_it_not_from_detection(cast, job):
-    seen = timezone.now() - timedelta(seconds=5.5)
-    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 1, "signature": "signal", "ended_at": seen.timestamp(),
-                                                   "exited_at": (seen + timedelta(seconds=2)).timestamp()})
+@pytest.mark.parametrize("stamps", [
+    pytest.param({"ended_at": 0.0, "exited_at": 2.0}, id="torchrun-closing-the-group"),
+    # Issue 20: torchrun's own log time of the failure and the agent's sighting of the dead rank
+    # come before torchrun closing the group (ended_at).
+    pytest.param({"torchrun_failed_at": 0.0, "rank_exited_at": 0.2, "ended_at": 0.3, "exited_at": 2.0},
+                 id="the-rank-seen-dying"),
+])
+def test_an_exit_dates_from_its_earliest_evidence_not_from_detection(cast, job, stamps):
+    """Seconds after the failure each stamp of the exit report says; the earliest is the fault."""
+    failed = timezone.now() - timedelta(seconds=5.5)
+    orchestrator.handle_exit(job.pk, 1, "gpu-01", {"exit_code": 1, "signature": "signal", **{
+        name: (failed + timedelta(seconds=after)).timestamp() for name, after in stamps.items()}})
     incident = Incident.objects.get(job=job)
-    assert abs((incident.fault_at - seen).total_seconds()) < 0.01
+    assert abs((incident.fault_at - failed).total_seconds()) < 0.01
     assert (incident.detected_at - incident.fault_at).total_seconds() >= 5.5
 
 
@@ -148,3 +156,10 @@ def test_a_nan_dates_from_the_step_that_went_nan(cast, job, eager_celery):
     TrainingEvent.objects.create(job=job, generation=1, rank=0, step=9, kind="inconsistency", key="k",
                                  message="ranks disagree", detail={}, reported_at=disagreed, received_at=disagreed)
     assert orchestrator.flagged_fault_time(job, "inconsistency", 1, timezone.now()) == disagreed
+
+
+@pytest.mark.django_db
+def test_a_stamp_that_is_not_a_time_is_ignored(cast, job):
+    seen = timezone.now() - timedelta(seconds=1)
+    assert orchestrator.exit_fault_time(job, 1, {"rank_exited_at": True, "torchrun_failed_at": "yesterday",
+                                                 "ended_at": seen.timestamp()}) == seen
