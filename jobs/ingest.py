@@ -82,7 +82,7 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.end_startup(job, batch.generation, now)
         if fresh:
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
-                                      now, actor=actor)
+                                      now, actor=actor, stepped_at=_utc(max(r.time for r in fresh)))
         _raise_flags(job, batch.generation, fresh, fresh_events)
         if batch.windows:
             transaction.on_commit(lambda: check_stragglers.delay(job.pk, batch.generation))

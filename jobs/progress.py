@@ -1,31 +1,62 @@
 """Progress deadlines: how long a generation may go without a new step, and what moves the deadline.
 
     launch ─▶ start-up allowance (jobs.launching.startup_timeout_s)
-    "resumed"/"model" from rank 0 ─▶ end_startup: now + progress timeout (only ever earlier)
-    every new step ─▶ advance_progress: now + progress timeout
+    "resumed"/"model" from rank 0 ─▶ end_startup: now + first-step allowance (only ever earlier)
+    every new step ─▶ advance_progress: the newest step's time + progress timeout
     contact back after a fleet silence ─▶ restart_after_silence: now + at least the heartbeat grace
     its reports refused by admission control ─▶ expire_one_progress_deadline: last refusal + timeout
     deadline passed ─▶ expire_one_progress_deadline: a hang, for the orchestrator and the policy
 
-The progress timeout (``progress_timeout_s``) is the one rule for all of them: the policy's
-``progress_timeout_s`` when set, else ``PROGRESS_TIMEOUT_STEPS`` median step times (never below
-``PROGRESS_TIMEOUT_FLOOR_S``), else ``DEFAULT_PROGRESS_TIMEOUT_S`` while there is no step history.
-A new generation starts with no deadline (``jobs.state``) until its launch sets the allowance.
+The progress timeout (``progress_timeout_s``) is the one rule for all of them, taken from the job's
+own rhythm (``rhythm_timeout_s``) so that a 0.1 s-step job is found hung in seconds and a
+10 min-step job is not found hung at all while it steps:
+
+1. The policy's ``progress_timeout_s`` when set (an explicit override, at least
+   ``PROGRESS_TIMEOUT_MIN_OVERRIDE_S``; the API refuses less).
+2. Else, with step history: ``PROGRESS_TIMEOUT_STEPS`` × the p99 of the job's recent step times
+   + ``PROGRESS_TIMEOUT_SLACK_S``, never below ``PROGRESS_TIMEOUT_FLOOR_S``. The step times are
+   rank 0's newest ``jobs.steps.RECENT_STEPS`` steps of the job (the current generation's, then
+   the previous one's while it has few), each the sum of its phases, so a step that
+   blocked on a checkpoint save counts with its ``checkpoint`` phase; and the newest
+   ``RHYTHM_CHECKPOINTS`` saves' blocking times (the checkpoint registry's ``blocking_s``), each on
+   top of a median step, count as steps too, so a save every 500 steps is still in the rhythm when
+   the last 50 steps held none; before any save is measured the timeout is at least
+   ``UNMEASURED_SAVE_FLOOR_S`` (the first save's stall is unknown). The slack covers the hooks'
+   report batching (rank 0's reporter sends every second,
+   ``agents.hooks.reporter.Reporter.flush_interval``): a job's reports arrive a second apart
+   however short its steps.
+3. Else (no step history): ``DEFAULT_PROGRESS_TIMEOUT_S``.
+
+The deadline runs from the newest step's own time (the hooks' clock, at the end of the step), at
+most ``ANCHOR_LAG_MAX_S`` before the report arrived (a node clock behind ours must not make a
+healthy job look late), and the hang's fault time is that step's time: the last progress.
+
+A slow first step (imports, compilation, a cold cache) is covered by the start-up allowance and,
+once the generation has restored, by ``FIRST_STEP_ALLOWANCE_S``: ``end_startup`` never brings the
+deadline closer than that. A new generation starts with no deadline (``jobs.state``) until its
+launch sets the allowance.
+
+Known limit: a periodic stall that is neither a checkpoint save nor among the newest
+``RECENT_STEPS`` steps (an evaluation every 1,000 steps, say) and lasts longer than the timeout
+is taken for a hang; set the policy's ``progress_timeout_s`` for such a job.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from django.db.models import Q, Value
+from django.db.models import Max, Q, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
+from checkpoints.models import Checkpoint
 from core import refusals
 from jobs import policy, state
 from jobs.choices import GenerationState, JobState
-from jobs.models import Generation, Job
+from jobs.models import Generation, Job, StepMetric
 from jobs.orchestrator import record_first_step, report_fault
 from jobs.policies import RecoveryPolicy
 from jobs.steps import recent_step_seconds
@@ -33,10 +64,36 @@ from nodes.services import overload, silence
 
 #: A generation whose ranks report no step for this long (when the policy sets no timeout and
 #: there is no step history yet) is considered hung.
-DEFAULT_PROGRESS_TIMEOUT_S = 120
-#: With step history, the timeout is this many median step times, but never below the floor.
-PROGRESS_TIMEOUT_STEPS = 20
-PROGRESS_TIMEOUT_FLOOR_S = 15
+DEFAULT_PROGRESS_TIMEOUT_S = 120.0
+#: With step history, the timeout is this many p99 step times plus the slack, never below the floor.
+PROGRESS_TIMEOUT_STEPS = 3
+PROGRESS_TIMEOUT_SLACK_S = 1.0
+#: Why not 2 s (issue 20's target): a rank that dies is reported only once torchrun has closed the
+#: rest of its group, and the survivors, stuck in a collective, take seconds to go; a hang declared
+#: sooner takes the crash for a hang, losing its exception (and the pause a deterministic one gets).
+#: Measured on the shared 2-core machine (tests/e2e, a rank raising at step 15): the exit report came
+#: 3.9 s and 5.3 s after the last step; with a 2 s floor every such crash was reported as a hang.
+PROGRESS_TIMEOUT_FLOOR_S = 8.0
+#: The lowest explicit ``progress_timeout_s`` the API accepts: an operator may trade that risk for speed.
+PROGRESS_TIMEOUT_MIN_OVERRIDE_S = 2
+#: The percentile of recent step times the rhythm is read at: the slow tail, not the typical step.
+RHYTHM_PERCENTILE = 99
+#: How many of the job's newest checkpoint saves count in the rhythm with their blocking time.
+RHYTHM_CHECKPOINTS = 3
+#: Until one of the job's saves has been measured, the stall of its next save is unknown: the
+#: timeout is at least this long (the fixed floor of the rule before issue 20).
+UNMEASURED_SAVE_FLOOR_S = 15.0
+#: Once the generation has restored, its first step may take this long (or the progress timeout,
+#: if longer): it pays for lazy initialisation, compilation and cold caches that later steps do not.
+FIRST_STEP_ALLOWANCE_S = 30.0
+#: How far before a report's arrival its step's own time may anchor the deadline. A report arrives
+#: up to the reporter's flush interval (1 s) after its step; trusting only this much of that lag
+#: keeps most of the gain, while a node clock behind ours costs a healthy job at most this much of
+#: its slack (a false hang needs a report later than timeout - this after the previous one).
+ANCHOR_LAG_MAX_S = 0.25
+#: How far before the report that carried it a hang's last step may date the fault: the reporter's
+#: flush interval and the network. An earlier step time is a node clock behind ours.
+REPORT_DELAY_MAX_S = 2.0
 #: Hook events that mean the generation's ranks are past restoring their checkpoint (or found none
 #: and start from scratch), i.e. the training loop is about to run: ``resumed`` once a checkpoint
 #: is loaded, and ``model``, which every process reports right after that point whether it
@@ -46,51 +103,107 @@ LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
 PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING)
 
 
-def progress_timeout_s(job: Job, step_seconds: list[float]) -> float:
-    """How long the job may go without a new step before it counts as hung."""
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of ``values`` (not empty): a value that occurred, so the
+    p99 of 50 steps is their slowest, not an interpolation below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def rhythm_timeout_s(step_seconds: Sequence[float], checkpoint_blocks: Sequence[float] = ()) -> float | None:
+    """How long a job with these recent step times may go without a step: ``PROGRESS_TIMEOUT_STEPS``
+    p99 step times plus ``PROGRESS_TIMEOUT_SLACK_S``, never below ``PROGRESS_TIMEOUT_FLOOR_S``;
+    None without step history. Each of ``checkpoint_blocks`` (a recent save's blocking seconds)
+    counts as a typical step that blocked that long, so the next save is in the rhythm too; with
+    none (no save measured yet) the next save's stall is unknown, and the timeout is at least
+    ``UNMEASURED_SAVE_FLOOR_S``."""
+    if not step_seconds:
+        return None
+    typical = statistics.median(step_seconds)
+    rhythm = [*step_seconds, *(typical + blocked for blocked in checkpoint_blocks)]
+    floor = PROGRESS_TIMEOUT_FLOOR_S if checkpoint_blocks else UNMEASURED_SAVE_FLOOR_S
+    return max(floor, PROGRESS_TIMEOUT_STEPS * percentile(rhythm, RHYTHM_PERCENTILE) + PROGRESS_TIMEOUT_SLACK_S)
+
+
+def progress_timeout_s(job: Job, step_seconds: Sequence[float], checkpoint_blocks: Sequence[float] = ()) -> float:
+    """How long the job may go without a new step before it counts as hung: the policy's override,
+    else the job's rhythm (``rhythm_timeout_s``), else ``DEFAULT_PROGRESS_TIMEOUT_S``."""
     configured = RecoveryPolicy.of(job).progress_timeout_s
     if configured:
         return float(configured)
-    if not step_seconds:
-        return float(DEFAULT_PROGRESS_TIMEOUT_S)
-    return max(PROGRESS_TIMEOUT_FLOOR_S, PROGRESS_TIMEOUT_STEPS * statistics.median(step_seconds))
+    derived = rhythm_timeout_s(step_seconds, checkpoint_blocks)
+    return float(DEFAULT_PROGRESS_TIMEOUT_S) if derived is None else derived
+
+
+def job_progress_timeout_s(job: Job) -> float:
+    """``progress_timeout_s`` for ``job`` now, from its newest step times and its newest checkpoint
+    saves (no query when the policy sets the timeout). The newest steps are the current
+    generation's first; while it has stepped only a few times, the previous generation's fill the
+    window, so the steps right after a restart (warm-up, the first save after it) are judged by
+    the job's rhythm, not by one fast first step."""
+    if RecoveryPolicy.of(job).progress_timeout_s:
+        return progress_timeout_s(job, [])
+    return progress_timeout_s(job, recent_step_seconds(job), checkpoint_blocks(job))
+
+
+def checkpoint_blocks(job: Job) -> list[float]:
+    """How long the job's newest ``RHYTHM_CHECKPOINTS`` saves blocked training (the registry's
+    ``blocking_s``, any generation: the save cost belongs to the model, not the run)."""
+    return list(Checkpoint.objects.filter(job=job, blocking_s__isnull=False).order_by("-step", "-pk")
+                .values_list("blocking_s", flat=True)[:RHYTHM_CHECKPOINTS])
 
 
 def end_startup(job: Job, generation: int, now: datetime) -> bool:
     """The generation's ranks have restored (or started from scratch): bring the progress deadline
-    forward to ``now`` + the progress timeout; returns whether it moved.
+    forward to ``now`` + the first-step allowance; returns whether it moved.
 
     The start-up allowance set at launch (``jobs.launching.startup_timeout_s``) covers process
     start, rendezvous and the restore; once those are over, a missing first step is a hang like
-    any other, and waiting out the rest of the start-up allowance only delays its detection.
-    Compare-and-set: only the current generation's deadline moves (an event of a generation
-    fenced off meanwhile changes nothing), only in a state the hang sweep watches, and only
-    earlier (or from unset), never later.
+    any other, and waiting out the rest of the start-up allowance only delays its detection. The
+    first step may still be slow (lazy initialisation, compilation): without an explicit policy
+    timeout it gets at least ``FIRST_STEP_ALLOWANCE_S``, however fast the earlier generation
+    stepped. Compare-and-set: only the current generation's deadline moves (an event of a
+    generation fenced off meanwhile changes nothing), only in a state the hang sweep watches, and
+    only earlier (or from unset), never later.
     """
-    deadline = now + timedelta(seconds=progress_timeout_s(job, _earlier_step_seconds(job, generation)))
+    timeout = progress_timeout_s(job, *_earlier_rhythm(job, generation))
+    if not RecoveryPolicy.of(job).progress_timeout_s:
+        timeout = max(timeout, FIRST_STEP_ALLOWANCE_S)
+    deadline = now + timedelta(seconds=timeout)
     moved = (Job.objects.filter(pk=job.pk, generation=generation, state__in=PROGRESS_WATCHED)
              .filter(Q(progress_deadline__isnull=True) | Q(progress_deadline__gt=deadline))
              .update(progress_deadline=deadline))
     return bool(moved)
 
 
-def _earlier_step_seconds(job: Job, generation: int) -> list[float]:
+def _earlier_rhythm(job: Job, generation: int) -> tuple[list[float], list[float]]:
     """Rank 0's recent step times in the newest earlier generation that trained (the starting
-    one has none yet), for a progress timeout derived from them; none when the policy sets it."""
+    one has none yet) and the job's recent checkpoint blocks, for a progress timeout derived from
+    them; none when the policy sets it."""
     if RecoveryPolicy.of(job).progress_timeout_s:
-        return []
+        return [], []
     previous = (Generation.objects.filter(job=job, number__lt=generation, first_step_at__isnull=False)
                 .order_by("-number").values_list("number", flat=True).first())
     if previous is None:
-        return []
-    return recent_step_seconds(job, generation=previous)
+        return [], []
+    return recent_step_seconds(job, generation=previous), checkpoint_blocks(job)
 
 
-def advance_progress(job: Job, generation: int, first: int, last: int, now: datetime, *, actor: str) -> None:
-    """Steps ``first``..``last`` of ``generation`` are newly reported: the deadline moves to ``now``
-    + the progress timeout, and a generation reporting its first step is running (its job too, and
-    the incidents it recovered from are over)."""
-    deadline = now + timedelta(seconds=progress_timeout_s(job, recent_step_seconds(job, generation=generation)))
+def progress_anchor(now: datetime, stepped_at: datetime | None) -> datetime:
+    """Where a new step's deadline runs from: the step's own time (``stepped_at``, the hooks'
+    clock), no earlier than ``ANCHOR_LAG_MAX_S`` before ``now`` and no later than ``now``."""
+    if stepped_at is None:
+        return now
+    return min(now, max(stepped_at, now - timedelta(seconds=ANCHOR_LAG_MAX_S)))
+
+
+def advance_progress(job: Job, generation: int, first: int, last: int, now: datetime, *, actor: str,
+                     stepped_at: datetime | None = None) -> None:
+    """Steps ``first``..``last`` of ``generation`` are newly reported (the newest ended at
+    ``stepped_at``, by the hooks' clock): the deadline moves to the anchored step time
+    (``progress_anchor``) + the progress timeout, and a generation reporting its first step is
+    running (its job too, and the incidents it recovered from are over)."""
+    deadline = progress_anchor(now, stepped_at) + timedelta(seconds=job_progress_timeout_s(job))
     Job.objects.filter(pk=job.pk, generation=generation).update(
         last_step=Greatest(Coalesce("last_step", Value(last)), Value(last)),
         last_step_at=now,
@@ -108,11 +221,24 @@ def advance_progress(job: Job, generation: int, first: int, last: int, now: date
         record_first_step(job, generation)
 
 
+def hang_fault_time(job: Job) -> datetime:
+    """When a hung generation last made progress: its newest step's own time (the hooks' clock),
+    no earlier than ``REPORT_DELAY_MAX_S`` before the report that carried it arrived
+    (``last_step_at``), no later than that arrival. A generation that never stepped hung starting
+    up: its fault dates from its launch (the job's last state change), the last thing known to work."""
+    stepped = (StepMetric.objects.filter(job=job, generation=job.generation, rank=0)
+               .aggregate(at=Max("reported_at"))["at"])
+    arrived = job.last_step_at
+    if stepped is None or arrived is None:
+        return job.state_changed_at
+    return min(arrived, max(stepped, arrived - timedelta(seconds=REPORT_DELAY_MAX_S)))
+
+
 def _spare_refused(job: Job, now: datetime) -> bool:
     """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
     fell within its progress timeout; returns whether the job was spared (a report that moved the
     deadline meanwhile wins the compare-and-set: spared all the same)."""
-    timeout = timedelta(seconds=progress_timeout_s(job, recent_step_seconds(job, generation=job.generation)))
+    timeout = timedelta(seconds=job_progress_timeout_s(job))
     refused = refusals.refused_since(timeout.total_seconds(), now=now)
     last = refused.generations.get((job.pk, job.generation)) if refused is not None else None
     if last is None or last + timeout <= now:
@@ -128,7 +254,7 @@ def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
     Compare-and-set on each deadline, so a report that moved one meanwhile wins."""
     moved = 0
     for job in Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now + grace):
-        timeout = timedelta(seconds=progress_timeout_s(job, recent_step_seconds(job, generation=job.generation)))
+        timeout = timedelta(seconds=job_progress_timeout_s(job))
         moved += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(
             progress_deadline=now + max(grace, timeout))
     return moved
@@ -150,7 +276,7 @@ def expire_one_progress_deadline() -> bool:
     if _spare_refused(job, now):
         return True
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
-                            fault_at=job.last_step_at or job.state_changed_at,
+                            fault_at=hang_fault_time(job),
                             detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
     if incident is None:  # fenced off: clear the deadline so we do not spin on it
         Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)

@@ -23,6 +23,7 @@ from checkpoints.policies import CheckpointPolicy
 from core.models import Event
 from jobs.models import Generation, Incident, Job
 from jobs.policies import RecoveryPolicy
+from jobs.progress import PROGRESS_TIMEOUT_MIN_OVERRIDE_S
 
 
 class StrictSerializer(serializers.Serializer):
@@ -137,10 +138,12 @@ class RecoveryPolicySerializer(StrictSerializer):
     backoff_seconds = serializers.IntegerField(min_value=0, max_value=3600, default=_RECOVERY.backoff_seconds)
     allow_shrink = serializers.BooleanField(default=_RECOVERY.allow_shrink,
                                             help_text="Restart on fewer nodes when no spare is free.")
-    progress_timeout_s = serializers.IntegerField(min_value=5, max_value=24 * 3600, allow_null=True,
-                                                  default=_RECOVERY.progress_timeout_s,
-                                                  help_text="No step within this long = hang. Null: derive "
-                                                            "from recent step times.")
+    # Below the derived rule's floor (8 s): an operator may trade a crash reported as a hang for speed.
+    progress_timeout_s = serializers.IntegerField(min_value=PROGRESS_TIMEOUT_MIN_OVERRIDE_S, max_value=24 * 3600,
+                                                  allow_null=True, default=_RECOVERY.progress_timeout_s,
+                                                  help_text="No step within this long = hang. Null: derive from "
+                                                            "the job's rhythm: 3 × the p99 of recent step times "
+                                                            "(checkpoint saves included) + 1 s, at least 8 s.")
     startup_timeout_s = serializers.IntegerField(
         min_value=10, max_value=24 * 3600, allow_null=True, default=_RECOVERY.startup_timeout_s,
         error_messages={"min_value": STARTUP_TIMEOUT_RANGE, "max_value": STARTUP_TIMEOUT_RANGE,

@@ -119,20 +119,31 @@ def test_sigkilled_rank_resumes_from_the_last_good_checkpoint_and_ends_bit_ident
 
 
 def test_a_stopped_rank_is_detected_as_a_hang_and_the_group_restarted(cluster, tokens, tmp_path):
-    """Scenario 2: SIGSTOP freezes a rank; no step arrives past the progress timeout."""
+    """Scenario 2: SIGSTOP freezes a rank; no step arrives past the progress timeout, which the job's
+    own rhythm sets (issue 20: no policy override), and the hang dates from the last step."""
     import time
 
+    from jobs import progress
     from jobs.models import Incident
+    from jobs.steps import recent_step_seconds
 
     start_nodes(cluster, tokens)
-    job_id = launch(cluster, tokens, tmp_path, recovery_policy={"progress_timeout_s": 8})
-    wait_for_step(job_id, 5)
+    job_id = launch(cluster, tokens, tmp_path)
+    wait_for_verified(job_id, 10)  # a save measured: the rhythm knows what a checkpoint step costs
+    wait_for_step(job_id, 15)
     frozen = rank_pid(cluster, job_id, 1, 1)
     stopped_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
     incident = wait_for(lambda: Incident.objects.filter(job_id=job_id, kind="hang").first(), timeout=60,
                         what="a hang incident")
-    assert incident.detected_at.timestamp() - stopped_at <= 8 + 5
+    job = job_row(job_id)  # the hung generation's rhythm (the next one may have stepped by now)
+    timeout = progress.progress_timeout_s(job, recent_step_seconds(job, generation=1), progress.checkpoint_blocks(job))
+    assert timeout < progress.UNMEASURED_SAVE_FLOOR_S  # 0.15 s steps: seconds, not a fixed allowance
+    # The last step came before the stop, at most a slow step and a report earlier...
+    assert stopped_at - 3 <= incident.fault_at.timestamp() <= stopped_at + 0.5
+    # ...and the verdict a timeout after it (plus the 0.5 s sweep and a shared machine's delays).
+    assert incident.detected_at.timestamp() - stopped_at <= timeout + 0.5 + 3
+    assert (incident.detected_at - incident.fault_at).total_seconds() >= timeout - progress.ANCHOR_LAG_MAX_S
     wait_for(lambda: job_row(job_id).state == "completed", timeout=150, what="the job to complete")
     assert not Path(f"/proc/{frozen}").exists(), "the frozen rank was left behind"
     assert job_row(job_id).generation == 2

@@ -14,7 +14,7 @@ from django.utils import timezone
 from agents.protocol import hooks as hooks_protocol
 from jobs import ingest, progress, state
 from jobs.choices import JobState
-from jobs.models import Generation, Job, StepMetric, TrainingEvent
+from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
 
 T0 = datetime.fromisoformat("2026-11-30T12:00:00+00:00")
 
@@ -136,24 +136,46 @@ def test_a_replayed_event_does_not_pull_a_running_generations_deadline_back(cast
         assert deadline(cast.job) == T0 + timedelta(seconds=60)  # a duplicate is not news
 
 
+def trained_then_relaunched(cast, clock, phases):
+    """A first generation that trained five steps of ``phases``, then a second one launched 100 s later."""
+    first = launched(cast)
+    Generation.objects.filter(job=cast.job, number=first).update(first_step=1, first_step_at=timezone.now())
+    StepMetric.objects.bulk_create([
+        StepMetric(job=cast.job, generation=first, rank=0, step=s, loss=1.0, world_size=2, data_cursor=8 * s,
+                   phases=phases, reported_at=timezone.now())
+        for s in range(1, 6)])
+    state.transition(cast.job, JobState.RUNNING, actor="test")
+    state.transition(cast.job, JobState.QUIESCING, actor="test")
+    state.transition(cast.job, JobState.RECOVERING, actor="test")
+    clock.shift(100)
+    return launched(cast)
+
+
 @pytest.mark.django_db
 def test_without_a_configured_timeout_the_previous_generations_step_times_count(cast, api):
-    """20 × the median step time of the last generation that trained (2 s here): 40 s."""
+    """3 × the p99 step time of the last generation that trained (12 s here) + 1 s: 37 s, more
+    than the first-step allowance."""
     with time_machine.travel(T0, tick=False) as clock:
-        first = launched(cast)
-        Generation.objects.filter(job=cast.job, number=first).update(first_step=1, first_step_at=timezone.now())
-        StepMetric.objects.bulk_create([
-            StepMetric(job=cast.job, generation=first, rank=0, step=s, loss=1.0, world_size=2, data_cursor=8 * s,
-                       phases={"input": 0.5, "compute": 1.0, "optimizer": 0.5}, reported_at=timezone.now())
-            for s in range(1, 6)])
-        state.transition(cast.job, JobState.RUNNING, actor="test")
-        state.transition(cast.job, JobState.QUIESCING, actor="test")
-        state.transition(cast.job, JobState.RECOVERING, actor="test")
-        clock.shift(100)
-        second = launched(cast)
+        second = trained_then_relaunched(cast, clock, {"input": 2.0, "compute": 8.0, "optimizer": 2.0})
         clock.shift(4)
         post(api, cast, second, [event(cast.job, second, "model")])
-        assert deadline(cast.job) == T0 + timedelta(seconds=104 + 40)
+        assert deadline(cast.job) == T0 + timedelta(seconds=104 + 37)
+
+
+@pytest.mark.django_db
+def test_a_fast_jobs_first_step_still_gets_the_first_step_allowance(cast, api):
+    """0.1 s steps give a 2 s progress timeout, but the first step of a generation pays for lazy
+    initialisation: a slow first step is not a hang before ``FIRST_STEP_ALLOWANCE_S``."""
+    with time_machine.travel(T0, tick=False) as clock:
+        second = trained_then_relaunched(cast, clock, {"input": 0.01, "compute": 0.07, "optimizer": 0.02})
+        clock.shift(4)
+        post(api, cast, second, [event(cast.job, second, "model")])
+        assert deadline(cast.job) == T0 + timedelta(seconds=104 + progress.FIRST_STEP_ALLOWANCE_S)
+        clock.shift(progress.FIRST_STEP_ALLOWANCE_S - 1)  # a first step of 29 s: slow, not hung
+        assert not progress.expire_one_progress_deadline()
+        clock.shift(2)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=cast.job).evidence["signal"] == "hang"
 
 
 @pytest.mark.django_db

@@ -1,0 +1,187 @@
+"""Issue 20: the progress timeout comes from the job's own rhythm (3 × the p99 of its recent step
+times + 1 s, at least 8 s, or the policy's override), so a fast job is found hung in seconds while
+a checkpoint save or a slow first step is never taken for a hang; a hang dates from the last step."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+import time_machine
+from django.utils import timezone
+
+from agents.protocol import hooks as hooks_protocol
+from agents.protocol import parse
+from checkpoints.models import Checkpoint
+from jobs import ingest, progress
+from jobs.api.serializers import RecoveryPolicySerializer
+from jobs.choices import JobState
+from jobs.models import Generation, Incident, Job
+
+T0 = datetime.fromisoformat("2026-12-02T12:00:00+00:00")
+FAST = {"input": 0.01, "compute": 0.07, "optimizer": 0.02}  # a 0.1 s step
+
+
+# --- the rule, pure --------------------------------------------------------------------------
+
+SAVED = [0.05]  # one measured save that blocked training for 50 ms (an async save)
+
+
+def test_the_timeout_is_three_p99_steps_plus_a_second():
+    steps = [5.0] * 98 + [6.0, 9.0]  # p99 of 100 steps: the 99th slowest, 6 s
+    assert progress.rhythm_timeout_s(steps, SAVED) == pytest.approx(3 * 6.0 + 1.0)
+
+
+def test_a_fast_job_gets_the_floor_and_a_slow_one_its_rhythm():
+    assert progress.rhythm_timeout_s([0.1] * 50, SAVED) == progress.PROGRESS_TIMEOUT_FLOOR_S == 8.0
+    assert progress.rhythm_timeout_s([3.0] * 50, SAVED) == pytest.approx(3 * (3.0 + 0.05) + 1.0)  # with its save
+
+
+def test_no_step_history_gives_no_rhythm():
+    assert progress.rhythm_timeout_s([]) is None
+    assert progress.rhythm_timeout_s([], [5.0]) is None
+
+
+def test_a_recent_checkpoint_save_counts_as_a_step_that_blocked_that_long():
+    """A save every 500 steps is not among the last 50; its blocking time keeps it in the rhythm."""
+    assert progress.rhythm_timeout_s([0.1] * 50, [9.0]) == pytest.approx(3 * 9.1 + 1.0)
+
+
+def test_before_any_save_is_measured_the_next_saves_stall_is_unknown():
+    assert progress.rhythm_timeout_s([0.1] * 50) == progress.UNMEASURED_SAVE_FLOOR_S
+    assert progress.rhythm_timeout_s([10.0] * 50) == pytest.approx(31.0)
+
+
+def test_the_percentile_is_a_value_that_occurred():
+    assert progress.percentile([3.0, 1.0, 2.0], 99) == 3.0
+    assert progress.percentile([1.0] * 99 + [9.0], 99) == 1.0
+    assert progress.percentile([1.0] * 98 + [9.0, 9.0], 99) == 9.0
+
+
+def test_a_policy_override_wins_over_the_rhythm(cast):
+    cast.job.recovery_policy = {"progress_timeout_s": 7}
+    assert progress.progress_timeout_s(cast.job, [0.1] * 50, [3.0]) == 7.0
+    cast.job.recovery_policy = {}
+    assert progress.progress_timeout_s(cast.job, []) == progress.DEFAULT_PROGRESS_TIMEOUT_S
+    assert progress.progress_timeout_s(cast.job, [0.1] * 50, SAVED) == progress.PROGRESS_TIMEOUT_FLOOR_S
+
+
+def test_the_deadline_runs_from_the_steps_own_time_within_a_bounded_lag():
+    now = T0
+    assert progress.progress_anchor(now, None) == now
+    assert progress.progress_anchor(now, now - timedelta(seconds=0.1)) == now - timedelta(seconds=0.1)
+    lag = timedelta(seconds=progress.ANCHOR_LAG_MAX_S)
+    assert progress.progress_anchor(now, now - timedelta(seconds=30)) == now - lag  # a node clock behind ours
+    assert progress.progress_anchor(now, now + timedelta(seconds=30)) == now  # a node clock ahead
+
+
+@pytest.mark.parametrize("value, ok", [(1, False), (2, True), (5, True), (None, True)])
+def test_the_api_accepts_an_override_down_to_the_floor(value, ok):
+    serializer = RecoveryPolicySerializer(data={"progress_timeout_s": value})
+    assert serializer.is_valid() is ok, serializer.errors
+
+
+# --- through the reports endpoint's ingest ---------------------------------------------------
+
+@pytest.fixture
+def job(cast):
+    """cast.job running generation 1 on node1, its timeout derived (no policy override); one of its
+    saves, from an earlier run, blocked training for 50 ms."""
+    Job.objects.filter(pk=cast.job.pk).update(state=JobState.RUNNING, generation=1, recovery_policy={})
+    generation = Generation.objects.create(job=cast.job, number=1, world_size=2, started_at=timezone.now())
+    generation.nodes.add(cast.node1)
+    cast.job.refresh_from_db()
+    committed(cast.job, 0, 0.05)
+    return cast.job
+
+
+def committed(job, step, blocking_s):
+    """A checkpoint of ``step`` in the registry, whose save blocked training ``blocking_s``."""
+    Checkpoint.objects.create(job=job, step=step, location=f"/ckpt/{job.pk}/{step}", blocking_s=blocking_s)
+
+
+def report(job, step, phases, *, at=None):
+    """Rank 0's report of ``step`` (ending now, by the hooks' clock), ingested."""
+    stamp = (at or timezone.now()).timestamp()
+    body = {"job": str(job.pk), "generation": 1,
+            "reports": [{"job": str(job.pk), "generation": 1, "rank": 0, "step": step, "loss": 2.0,
+                         "grad_norm": 1.0, "world_size": 2, "data_cursor": 8 * step, "samples": 8,
+                         "phases": phases, "time": stamp}]}
+    ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, body), actor="test")
+
+
+def train(job, clock, steps, phases=FAST, seconds=0.1, first=1):
+    for step in range(first, first + steps):
+        clock.shift(seconds)
+        report(job, step, phases)
+
+
+@pytest.mark.django_db
+def test_a_fast_job_that_stops_stepping_is_hung_within_seconds_and_dates_from_its_last_step(job):
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 30)
+        last_step = timezone.now()
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S - 0.1)
+        assert not progress.expire_one_progress_deadline()
+        clock.shift(0.2)
+        assert progress.expire_one_progress_deadline()
+        incident = Incident.objects.get(job=job)
+        assert incident.evidence["signal"] == "hang"
+        assert incident.fault_at == last_step  # the last progress, not the verdict
+        assert (incident.detected_at - incident.fault_at).total_seconds() == pytest.approx(
+            progress.PROGRESS_TIMEOUT_FLOOR_S + 0.1)
+
+
+@pytest.mark.django_db
+def test_a_hang_dates_from_the_steps_own_time_not_the_reports_arrival(job):
+    """The reporter sends once a second: the last step's report arrives up to a second after it."""
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 10)
+        clock.shift(0.1)
+        stepped = timezone.now()
+        clock.shift(0.8)  # the report waited for the reporter's next flush
+        report(job, 11, FAST, at=stepped)
+        # The deadline ran from at most ANCHOR_LAG_MAX_S before the arrival...
+        anchored = timezone.now() - timedelta(seconds=progress.ANCHOR_LAG_MAX_S)
+        timeout = timedelta(seconds=progress.PROGRESS_TIMEOUT_FLOOR_S)
+        assert Job.objects.get(pk=job.pk).progress_deadline == anchored + timeout
+        clock.shift(timeout.total_seconds())
+        assert progress.expire_one_progress_deadline()
+        # ...and the fault from the step itself.
+        assert Incident.objects.get(job=job).fault_at == stepped
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_stall_is_not_a_hang(job):
+    """Saves that block 9 s, 1 s past a fast job's 8 s timeout: the steps after one are judged with
+    its 9.1 s step in their rhythm, and once it has left the newest 50 steps, with its measured
+    blocking time; so the next save is not taken for a hang."""
+    with time_machine.travel(T0, tick=False) as clock:
+        committed(job, 10, 9.0)
+        train(job, clock, 20)
+        clock.shift(9.1)  # step 21 blocks on its save
+        assert not progress.expire_one_progress_deadline()
+        report(job, 21, {**FAST, "checkpoint": 9.0})
+        committed(job, 21, 9.0)
+        assert progress.job_progress_timeout_s(job) == pytest.approx(3 * 9.1 + 1.0)
+        train(job, clock, 60, first=22)  # step 21 leaves the window of the newest 50
+        assert progress.job_progress_timeout_s(job) == pytest.approx(3 * 9.1 + 1.0)
+        clock.shift(9.1)  # step 82 blocks on the next save
+        assert not progress.expire_one_progress_deadline()
+        report(job, 82, {**FAST, "checkpoint": 9.0})
+        assert not Incident.objects.filter(job=job).exists()
+
+
+@pytest.mark.django_db
+def test_an_occasional_long_step_in_the_window_is_not_a_hang(job):
+    """An end-of-epoch stall (a new loader, an evaluation) of 3 s among 0.1 s steps: the next one
+    like it, within the newest 50 steps, is inside 3 × 3 + 1 s; a real hang is still found then."""
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 20)
+        clock.shift(3.0)
+        report(job, 21, {**FAST, "input": 2.91})
+        train(job, clock, 20, first=22)
+        clock.shift(9.9)
+        assert not progress.expire_one_progress_deadline()
+        clock.shift(0.2)
+        assert progress.expire_one_progress_deadline()
