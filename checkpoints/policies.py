@@ -40,6 +40,10 @@ class CheckpointPolicy:
     #: Under disk pressure, permanent checkpoints that retention promoted itself may go too (never
     #: one an operator pinned).
     release_permanent_under_pressure: bool = True
+    #: In-memory snapshots, copied to a partner rank, every this many steps (``agents.hooks.snapshot``):
+    #: a relaunch after a crash resumes from the newest one of the job's lineage branch. 0: the
+    #: script's own ``Hooks(snapshot_every=)`` (off unless it sets one).
+    snapshot_every: int = 0
 
     @classmethod
     def of(cls, job: _HasCheckpointPolicy) -> CheckpointPolicy:

@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from checkpoints.models import Checkpoint
 from checkpoints.paths import checkpoint_dir
+from checkpoints.policies import CheckpointPolicy
 from checkpoints.services import restore_point
 from core.tokens import revoke_generation_tokens
 from jobs import state
@@ -211,7 +212,7 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
     # Before it starts, each node probes its bandwidth to the job's other nodes and refuses to
     # launch on a pair below the expected ratio (agents without a probe server are not probed).
     peers = [n for n in nodes if n.pk != nodes[node_rank].pk and n.probe_port]
-    return {
+    return _snapshot_fields(job) | {
         "probe_peers": probe_peers_for(peers),
         "script": job.entrypoint or None,
         "module": job.module or None,
@@ -229,6 +230,15 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
         "require_gpu": job.accelerator == "gpu",
         "skip_data": [list(r) for r in job.skip_data],
     }
+
+
+def _snapshot_fields(job: Job) -> dict:
+    """The launch's snapshot fields, only when the job's policy turns snapshots on: the hooks then
+    restore a snapshot of any generation since the job's branch began (a relaunch after a crash
+    loses at most ``snapshot_every`` steps), never one from before a rollback. Left out otherwise,
+    so an agent that predates them still takes the launch (``agents.protocol.agent``)."""
+    every = CheckpointPolicy.of(job).snapshot_every
+    return {"snapshot_every": every, "branch_generation": job.branch_since_generation} if every else {}
 
 
 def _wait_for_nodes(job: Job, *, actor: str, free: int) -> None:

@@ -32,7 +32,7 @@ STR, INT, BOOL = "a string", "an integer", "true or false"
 
 CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto"), "interval_steps": INT,
                      "keep_last": INT, "permanent_every_hours": INT, "min_free_percent": INT,
-                     "release_permanent_under_pressure": BOOL}
+                     "release_permanent_under_pressure": BOOL, "snapshot_every": INT}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
                    "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT,
                    "clean_run_minutes": INT, "max_steps": INT, "max_step_jump": INT}

@@ -55,6 +55,8 @@ log = logging.getLogger("nightwatch.hooks")
 #: In-memory snapshots every this many steps unless the script or NIGHTWATCH_SNAPSHOT_EVERY says
 #: otherwise (docs/benchmarks/snapshot.md has the measured cost behind it).
 DEFAULT_SNAPSHOT_EVERY = 0
+#: At most one ``snapshot_committed`` event per this many seconds (``_snapshot_committed``).
+SNAPSHOT_EVENT_INTERVAL_S = 30.0
 #: The snapshot group's timeout: a partner that stops answering fails the copy, not training.
 _SNAPSHOT_GROUP_TIMEOUT_S = 300.0
 
@@ -177,6 +179,7 @@ class Hooks:
                                    if v is not None)
         self.snapshotter = self._start_snapshots(run_id) if self.snapshot_every > 0 else None
         self.last_snapshot: SnapshotCommit | None = None
+        self._snapshot_reported_at: float | None = None
         self._resume()
         self.parameter_count = parameter_count(model)
         self._report_model(flops_per_token)
@@ -609,11 +612,22 @@ class Hooks:
         return True
 
     def _snapshot_committed(self, commit: SnapshotCommit) -> None:
-        """From the snapshot thread: both copies are committed. Logged, not reported: the protocol has
-        no event kind for it yet, and one event per step would flood the job's timeline."""
+        """From the snapshot thread: both copies are committed. Reported (from rank 0) only when the
+        last report is ``SNAPSHOT_EVENT_INTERVAL_S`` old: with ``snapshot_every`` 1 a commit follows
+        every step, and an event per step would flood the job's timeline and its event table for a
+        fact the next commit makes stale anyway. The control plane learns the snapshots are being
+        taken, how big they are and, within that interval, how far they have got."""
         self.last_snapshot = commit
         log.debug("snapshot of step %d committed on both copies (%s, %d bytes, blocked %.4f s, %.3f s in all)",
                   commit.step, commit.path, commit.size_bytes, commit.blocking_s, commit.total_s)
+        now = time.monotonic()
+        if self._snapshot_reported_at is not None and now - self._snapshot_reported_at < SNAPSHOT_EVENT_INTERVAL_S:
+            return
+        self._snapshot_reported_at = now
+        self.telemetry.event(commit.step, "snapshot_committed",
+                             f"snapshot of step {commit.step} committed on both copies",
+                             {"step": commit.step, "generation": self.env.generation, "size_bytes": commit.size_bytes},
+                             level=None)
 
     def _restore_loop(self, saved: dict[str, Any]) -> None:
         """Called by ``resume.restore`` before the RNG states are put back."""

@@ -27,6 +27,14 @@ Delivery is at-least-once in both directions, so both sides deduplicate:
 ``AgentEvent.detail`` and ``Command.payload`` depend on ``kind``; ``parse_event_details`` and
 ``parse_command_payload`` validate them with the classes in ``EVENT_DETAILS`` and
 ``COMMAND_PAYLOADS``; ``compact()`` encodes them without their null fields (``dump`` works too).
+
+Old and new ends keep working together. ``parse`` refuses a field it does not know, so a field
+added to a message defaults to None, meaning "as before", and the sender leaves it out while it is
+None (``compact``, the form commands are stored in, drops it): an old agent still takes every
+launch that does not use the new field, and a new agent reads a missing one as "as before". A
+launch that does use one (``snapshot_every``) is refused by an old agent, naming the field: the job
+asked for something that node cannot do.
+
 Times are Unix epoch seconds (UTC), memory is in bytes.
 """
 
@@ -57,6 +65,9 @@ MAX_LOG_TAIL_LINES = 80
 MAX_LOG_LINE = 500
 MAX_SCRIPT = 500
 MAX_MODULE = 200
+#: A job's ``checkpoint_policy.snapshot_every`` and the launch's: beyond this a snapshot is as rare
+#: as a disk checkpoint, which is cheaper to keep.
+MAX_SNAPSHOT_EVERY = 10_000
 
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")
@@ -199,6 +210,13 @@ class LaunchPayload:
     probe_peers: list[ProbePeer] = field(default_factory=list, max_len=64)
     probe_bytes: int = field(default=16 * 2**20, min=2**16, max=2**32)
     probe_seconds: float = field(default=2.0, min=0.1, max=60)
+    #: In-memory snapshots every this many steps (NIGHTWATCH_SNAPSHOT_EVERY); None: not set, the
+    #: script's own choice. Sent only when the job's policy sets it (see the module docstring).
+    snapshot_every: int | None = field(default=None, min=1, max=MAX_SNAPSHOT_EVERY)
+    #: The first generation of the job's lineage branch (NIGHTWATCH_BRANCH_GENERATION): a snapshot
+    #: of an earlier one belongs to history a rollback left and is never restored. None: not set,
+    #: and the hooks restore only snapshots of their own generation.
+    branch_generation: int | None = field(default=None, min=0, max=2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -411,6 +429,19 @@ def nccl_environment(profile: Mapping[str, Any], log_dir: str, prefix: str = "")
     for name in NCCL_FILE_VARIABLES:
         if name in env:
             env[name] = f"{log_dir.rstrip('/')}/{prefix}{env[name]}"
+    return env
+
+
+def snapshot_environment(payload: LaunchPayload) -> dict[str, str]:
+    """The hooks' snapshot variables for ``payload`` (``agents.hooks.settings``), as the agent's
+    supervisor and the Slurm script both export them: none when the launch sets no snapshots, so
+    the script's own ``Hooks(snapshot_every=)`` stands and a snapshot of another generation is never
+    restored."""
+    if not payload.snapshot_every:
+        return {}
+    env = {"NIGHTWATCH_SNAPSHOT_EVERY": str(payload.snapshot_every)}
+    if payload.branch_generation is not None:
+        env["NIGHTWATCH_BRANCH_GENERATION"] = str(payload.branch_generation)
     return env
 
 

@@ -53,6 +53,7 @@ EVENT_KINDS = (
     "divergence",           # detail: loss, action (pause), since_step, rise, reason
     "inconsistency",        # detail: losses, grad_norms, loss_spread, grad_norm_spread, suspect_rank
     "checkpoint_saved",     # detail: path, blocking_s, total_s
+    "snapshot_committed",   # detail: step, generation, size_bytes (both in-memory copies; throttled)
     "checkpoint_failed",    # detail: path, reason (the cause in words), errno, error
     "pause_ack",            # detail: checkpoint
     "data_skipped",         # detail: from, to (global sample cursor; a rollback's skip range)

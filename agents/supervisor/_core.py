@@ -25,6 +25,7 @@ from agents.protocol.agent import (
     RunningGeneration,
     module_files,
     nccl_environment,
+    snapshot_environment,
     validate_launch,
 )
 from agents.supervisor.generation import _Generation, _read_record, _record_path
@@ -343,7 +344,8 @@ class Supervisor:
         hooks = {"NIGHTWATCH_URL": p.hooks_url, "NIGHTWATCH_TOKEN": p.hooks_token, "NIGHTWATCH_JOB": job,
                  "NIGHTWATCH_GENERATION": str(generation), "NIGHTWATCH_CKPT_DIR": p.ckpt_dir,
                  "NIGHTWATCH_RESUME_FROM": p.resume_from, "NIGHTWATCH_SPOOL_DIR": str(gen_dir / "spool"),
-                 "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None}
+                 "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None,
+                 **snapshot_environment(p)}
         env.update({k: v for k, v in hooks.items() if v is not None})
         env.update(_TORCHRUN_ENV)
         return env

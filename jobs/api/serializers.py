@@ -13,6 +13,7 @@ from rest_framework import serializers
 from agents.protocol.agent import (
     MAX_MODULE,
     MAX_SCRIPT,
+    MAX_SNAPSHOT_EVERY,
     LaunchSpecError,
     module_problem,
     script_problem,
@@ -79,6 +80,11 @@ class CheckpointPolicySerializer(StrictSerializer):
         default=_CHECKPOINT.release_permanent_under_pressure,
         help_text="Under disk pressure, permanent checkpoints retention promoted itself (the first one, then one "
                   "every permanent_every_hours) may be deleted too, oldest first; never one an operator pinned.")
+    snapshot_every = serializers.IntegerField(
+        min_value=0, max_value=MAX_SNAPSHOT_EVERY, default=_CHECKPOINT.snapshot_every,
+        help_text="In-memory snapshots, copied to a partner rank, every this many steps: a relaunch after a crash "
+                  "resumes from the newest one of the job's lineage branch (a rollback never does), losing at most "
+                  "this many steps. 0: the script's own Hooks(snapshot_every=), off unless it sets one.")
 
     def validate_dir(self, value):
         # Confined like every checkpoint path (realpath: neither ".." nor a symlink inside the root may

@@ -29,6 +29,7 @@ from agents.protocol.agent import (
     compact,
     parse_command_payload,
     parse_event_details,
+    snapshot_environment,
     validate_nccl_profile,
 )
 
@@ -65,12 +66,26 @@ def test_messages_survive_the_wire(message: Any) -> None:
     (GpuSample, {"node": "n", "gpu": 0, "time": 1.0, "memory_free": -5}, "memory_free", ">= 0"),
     (GpuSample, {"node": "n", "gpu": 64, "time": 1.0}, "gpu", "<= 63"),
     (AgentEvent, {"key": "k", "kind": "exited", "time": 1.0, "detail": "oops"}, "detail", "expected an object"),
+    (LaunchPayload, {**LAUNCH, "snapshot_every": 0}, "snapshot_every", ">= 1"),
+    (LaunchPayload, {**LAUNCH, "snapshot_every": 10_001}, "snapshot_every", "<= 10000"),
+    (LaunchPayload, {**LAUNCH, "snapshot_every": True}, "snapshot_every", "expected an integer"),
+    (LaunchPayload, {**LAUNCH, "branch_generation": -1}, "branch_generation", ">= 0"),
+    (LaunchPayload, {**LAUNCH, "branch_generation": 2**31}, "branch_generation", "<= 2147483647"),
 ])
 def test_malformed_messages_name_the_field(cls: type, data: dict[str, Any], field: str, reason: str) -> None:
     with pytest.raises(ProtocolError) as caught:
         parse(cls, data)
     assert caught.value.field == field
     assert reason in caught.value.reason
+
+
+def test_a_launch_without_snapshot_fields_stays_as_it_was_and_exports_no_snapshot_variables() -> None:
+    """What an agent that predates the fields is sent (``compact`` drops them) and what it sets."""
+    plain = parse(LaunchPayload, LAUNCH)
+    assert "snapshot_every" not in compact(plain) and "branch_generation" not in compact(plain)
+    assert snapshot_environment(plain) == {}
+    snapshots = parse(LaunchPayload, {**LAUNCH, "snapshot_every": 20, "branch_generation": 4})
+    assert snapshot_environment(snapshots) == {"NIGHTWATCH_SNAPSHOT_EVERY": "20", "NIGHTWATCH_BRANCH_GENERATION": "4"}
 
 
 def test_oversized_telemetry_batch_is_refused() -> None:

@@ -141,13 +141,14 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
         free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor_module, "WARM_RESPAWN_DELAY_S", 0.1)
 
-    def run(sup: Supervisor, generation: int) -> tuple[LaunchedDetail, dict[str, Any]]:
+    def run(sup: Supervisor, generation: int, **snapshots: int) -> tuple[LaunchedDetail, dict[str, Any]]:
         out = tmp_path / f"out-{sup.work_dir.name}-{generation}"
         out.mkdir()
         payload = LaunchPayload(script="train.py", workdir=str(train_script.parent),
                                 args=[str(out), "loop"], nnodes=1, nproc_per_node=2,
                                 node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"g{generation}",
-                                nccl_env={"NCCL_DEBUG": "INFO"}, hooks_url="http://cp:8000", hooks_token="t0k")
+                                nccl_env={"NCCL_DEBUG": "INFO"}, hooks_url="http://cp:8000", hooks_token="t0k",
+                                **snapshots)
         detail = sup.launch("job", generation, payload)
         info = wait_for(lambda: rank_info(out, 1), timeout=60, what="rank 1 to start", interval=POLL_S)
         assert sup.stop("job", generation, grace_s=5.0).requested_stop
@@ -155,7 +156,7 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
 
     warm = Supervisor(tmp_path / "warm", on_exit=lambda *a: exits.put(a))
     try:
-        first, env = run(warm, 1)
+        first, env = run(warm, 1, snapshot_every=5, branch_generation=1)
         # The next one too: a fresh launcher replaced the one the first generation used.
         second, _ = run(warm, 2)
     finally:
@@ -164,6 +165,8 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
     # The warm launcher became exactly the generation a cold start would have run.
     assert env["NIGHTWATCH_GENERATION"] == "1" and env["NIGHTWATCH_TOKEN"] == "t0k" and env["NCCL_DEBUG"] == "INFO"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    # The snapshot settings reach the ranks (the hooks restore snapshots of generation 1 on).
+    assert (env["NIGHTWATCH_SNAPSHOT_EVERY"], env["NIGHTWATCH_BRANCH_GENERATION"]) == ("5", "1")
 
     cold = Supervisor(tmp_path / "cold", on_exit=lambda *a: exits.put(a), warm_launcher=False)
     try:
@@ -171,6 +174,8 @@ def test_generations_start_in_the_warm_launcher_and_cold_without_it(
     finally:
         cold.shutdown(grace_s=2.0)
     assert not detail.warm and env["NIGHTWATCH_GENERATION"] == "1"
+    # A launch without them sets neither: the script's own snapshot_every, its own generation only.
+    assert "NIGHTWATCH_SNAPSHOT_EVERY" not in env and "NIGHTWATCH_BRANCH_GENERATION" not in env
 
 
 LINGERING_TORCHRUN = """\

@@ -28,7 +28,7 @@ def test_launch_fills_policy_defaults_and_audits(cast, api):
     assert body["recovery_policy"]["window_minutes"] == 60
     assert body["checkpoint_policy"] == {"interval": "fixed", "interval_steps": None, "keep_last": 3,
                                          "permanent_every_hours": 12, "min_free_percent": 5,
-                                         "release_permanent_under_pressure": True}
+                                         "release_permanent_under_pressure": True, "snapshot_every": 0}
     event = Event.objects.get(job_id=body["id"], kind="job.launch")
     assert event.actor == "token:ci(ci-bot)"
 
@@ -50,6 +50,14 @@ def test_launch_fills_policy_defaults_and_audits(cast, api):
          "recovery_policy.max_restarts", "greater than or equal to 0"),
         ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"interval": "sometimes"}},
          "checkpoint_policy.interval", "not a valid choice"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"snapshot_every": -1}},
+         "checkpoint_policy.snapshot_every", "greater than or equal to 0"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"snapshot_every": 10_001}},
+         "checkpoint_policy.snapshot_every", "less than or equal to 10000"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"snapshot_every": "often"}},
+         "checkpoint_policy.snapshot_every", "valid integer"),
+        ({"name": "x", "entrypoint": "t.py", "checkpoint_policy": {"snapshot_every": None}},
+         "checkpoint_policy.snapshot_every", "may not be null"),
     ],
 )
 def test_bad_launch_names_the_field_and_writes_nothing(cast, api, body, field, reason):

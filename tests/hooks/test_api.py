@@ -133,3 +133,25 @@ def test_amp_grad_scaler_state_is_checkpointed(tmp_path):
     fresh = torch.amp.GradScaler("cpu", init_scale=1.0)
     with make_hooks(tmp_path, scaler=fresh) as nw:
         assert nw.step_count == 3 and fresh.get_scale() == scaler.get_scale()
+
+
+def test_committed_snapshots_are_reported_at_most_once_per_interval(tmp_path, monkeypatch):
+    """With a snapshot every step a commit follows every step; the control plane hears of the first
+    at once and then of one per ``SNAPSHOT_EVENT_INTERVAL_S``, with step, generation and size."""
+    from agents.hooks import api
+    from agents.hooks.snapshot import SnapshotCommit
+
+    nw = make_hooks(tmp_path, env=Environment(generation=4))
+    sent: list[tuple[int, str, dict]] = []
+    monkeypatch.setattr(nw.telemetry, "event", lambda step, kind, message, detail=None, **_: sent.append(
+        (step, kind, detail)))
+    clock = [1000.0]
+    monkeypatch.setattr(api.time, "monotonic", lambda: clock[0])
+    for step in range(1, 40):
+        nw._snapshot_committed(SnapshotCommit(f"/dev/shm/s{step}", step, 100 + step, 0.001, 0.01))
+        clock[0] += 1.0  # a step a second: 39 commits in 39 s
+    interval = api.SNAPSHOT_EVENT_INTERVAL_S
+    assert [s for s, _, _ in sent] == [1, 1 + int(interval)]
+    assert sent[0] == (1, "snapshot_committed", {"step": 1, "generation": 4, "size_bytes": 101})
+    assert nw.last_snapshot is not None and nw.last_snapshot.step == 39  # every commit is still kept
+    nw.close()

@@ -47,6 +47,12 @@ def test_the_script_sets_the_hooks_environment_as_the_agent_does_and_holds_no_to
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # it parses
 
 
+def test_the_snapshot_settings_are_exported_only_when_the_launch_sets_them():
+    lines = render(payload(snapshot_every=25, branch_generation=2)).script.splitlines()
+    assert "export NIGHTWATCH_SNAPSHOT_EVERY=25" in lines and "export NIGHTWATCH_BRANCH_GENERATION=2" in lines
+    assert not [line for line in render().script.splitlines() if "SNAPSHOT" in line or "BRANCH" in line]
+
+
 def test_hostile_arguments_stay_single_words():
     nasty = ["$(touch /tmp/pwned)", "a b; rm -rf /", "`id`", "it's"]
     text = render(payload(args=nasty)).script

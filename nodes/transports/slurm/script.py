@@ -30,7 +30,13 @@ import shlex
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from agents.protocol.agent import LaunchPayload, module_files, nccl_environment, validate_launch
+from agents.protocol.agent import (
+    LaunchPayload,
+    module_files,
+    nccl_environment,
+    snapshot_environment,
+    validate_launch,
+)
 
 #: Variables passed from sbatch's environment into the job; nothing else of the control plane's
 #: environment (database URLs, secrets) leaves it.
@@ -50,7 +56,8 @@ def _hooks_environment(job: str, generation: int, p: LaunchPayload, spool_dir: s
     hooks = {"NIGHTWATCH_URL": p.hooks_url, "NIGHTWATCH_JOB": job, "NIGHTWATCH_GENERATION": str(generation),
              "NIGHTWATCH_CKPT_DIR": p.ckpt_dir, "NIGHTWATCH_RESUME_FROM": p.resume_from,
              "NIGHTWATCH_SPOOL_DIR": spool_dir,
-             "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None}
+             "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None,
+             **snapshot_environment(p)}
     return {k: v for k, v in hooks.items() if v is not None}
 
 
