@@ -388,7 +388,10 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
         generation = wait_for(lambda: Generation.objects.filter(job_id=job_id, number=2, first_step_at__isnull=False)
                                 .select_related("resumed_from").first(), timeout=180,
                                 what=f"job {job_id}'s next generation to train a step")
-        incident = Incident.objects.filter(job_id=job_id).order_by("detected_at").first()
+        # The fault's incident is the one that relaunched; any other (an alert: a CPU job on a busy
+        # machine may be named a straggler) is listed in the result, not taken for it.
+        incidents = list(Incident.objects.filter(job_id=job_id).order_by("detected_at"))
+        incident = next(i for i in incidents if i.relaunched_at is not None)
         relaunched = incident.relaunched_at.timestamp()
         first = wait_for(lambda: first_sample(tail, lambda seen, r: seen > relaunched), timeout=30,
                            what="the resumed run's first sample line")
@@ -409,6 +412,7 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
                                if incident.fault_at else None),
             "within_target": at["detected"] <= rhythm["target_s"] if rhythm else None,
             "system": "nightwatch", "fault": kind, "incident": incident.kind, "decision": incident.decision,
+            "incidents": [f"{i.kind}:{i.decision}" for i in incidents],
             "checkpoint_step": checkpoint.step, "detected": True,
             "detection_s": round(at["detected"], 3), "recovery_s": round(first[0] - fault_at, 3),
             "quiesced_s": round(at["quiesced"], 3), "relaunched_s": round(at["relaunched"], 3),
@@ -591,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
         cluster = Cluster(base / "cluster", database_name=name, redis_db=REDIS_DB,
                           settings={"DATABASE_URL": url, "NIGHTWATCH_HEARTBEAT_INTERVAL_S": str(opts.heartbeat_s),
                                     "NIGHTWATCH_SWEEP_INTERVAL_S": str(opts.sweep_s), "DEBUG": "0",
+                                    # Each run crashes a different job on the one node on purpose: the
+                                    # lemon rule (crashes of 3 jobs on a node drain it) would drain it
+                                    # at the third run and leave the relaunch nowhere to go.
+                                    "NIGHTWATCH_LEMON_CRASH_JOBS": "1000",
                                     # Each run's checkpoint_policy.dir (a directory made under the
                                     # cluster's) must lie inside the checkpoint root.
                                     "NIGHTWATCH_CHECKPOINT_ROOT": str(base / "cluster")})
