@@ -164,6 +164,8 @@ class Hooks:
         self._grad_guard = GradientGuard(self.guard_settings)
         self._loss_watch = LossWatch(self.guard_settings.detection, speaks_for_job=self.topology.rank == 0)
         self._last_saved_step: int | None = None
+        self._committed_step: int | None = None  # rank 0: the newest checkpoint committed
+        self._finished_on_disk = False  # the loop ended at max_steps with that step's checkpoint committed
         self._last_loss = math.nan
         self._grads_ready = 0.0  # when this rank's last gradient bucket was ready (DDP)
         self._time_gradients(model)
@@ -216,6 +218,8 @@ class Hooks:
             self._save()
         if self.checkpointer:
             self.checkpointer.wait()
+            if self.snapshotter:  # every rank asks rank 0, which alone knows whether the commit held
+                self._finished_on_disk = self.topology.broadcast_from_rank0(self._committed_step == self.step_count)
 
     def batch_indices(self) -> list[int]:
         """Dataset indices of the batch being trained on (this rank), e.g. to log what was seen.
@@ -405,6 +409,10 @@ class Hooks:
         self._closed = True
         if self.snapshotter:
             self.snapshotter.close()
+            if self._finished_on_disk:
+                # The final checkpoint is on disk, so nothing will restore these, and the tmpfs
+                # they fill is host memory. A pause or a crash keeps them: the next generation's.
+                self.snapshotter.discard()
         if self.checkpointer:
             self.checkpointer.close()
         self.telemetry.close()
@@ -645,6 +653,7 @@ class Hooks:
                              f"{self.tokens_per_sample} tokens per sample", detail, level=logging.DEBUG)
 
     def _committed(self, commit: Commit) -> None:
+        self._committed_step = commit.step
         self.telemetry.checkpoint_committed(commit, self.config_hash)
 
     def _save_failed(self, path: str, step: int, error: BaseException) -> None:

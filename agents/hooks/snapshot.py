@@ -148,6 +148,12 @@ class Snapshotter:
         self._worker.join(timeout=5.0)
         self._buffers = None
 
+    def discard(self) -> None:
+        """Remove this rank's snapshots and the copies it holds for its source (after ``close``)."""
+        self.store.keep_only(self.topology.rank, OWN, None)
+        self.store.keep_only(self.source, COPY, None)
+        self.store.remove_empty()
+
     # -- the background thread -----------------------------------------------------------------
 
     def _work(self) -> None:

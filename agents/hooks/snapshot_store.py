@@ -24,6 +24,7 @@ after a newer one committed, so a crash at any moment leaves at least one commit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -155,6 +156,14 @@ class SnapshotStore:
         for entry in _entries(self.place(owner, kind)):
             if keep is None or entry.name != keep.dirname:
                 shutil.rmtree(entry, ignore_errors=True)
+
+    def remove_empty(self) -> None:
+        """Remove the job's directories that hold nothing any more (another rank's may still be in use)."""
+        for directory in sorted(self.directory.glob("rank*/*"), reverse=True) + sorted(self.directory.glob("rank*")):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()
 
     def uncommitted(self, owner: int, kind: str) -> list[SnapshotKey]:
         """Snapshots of ``owner`` and ``kind`` begun here and never committed (torn)."""

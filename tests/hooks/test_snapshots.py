@@ -31,6 +31,8 @@ def test_snapshot_resumes_after_torn_copy_lost_memory_and_killed_holder(tmp_path
                           env={"NIGHTWATCH_SNAPSHOT_DIR": str(directory / "memory"), **options.pop("env", {})},
                           module="tests.hooks.snapshot_run", timeout=120, **options)
         assert result.returncode == 0, result.output[-4000:]
+        # Finished with the final checkpoint on disk: no snapshot is left in node memory.
+        assert not [p for p in (directory / "memory").rglob("*") if p.is_file()], "snapshots left in tmpfs"
         return directory, result
 
     reference, _ = run("uninterrupted")
