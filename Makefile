@@ -48,7 +48,7 @@ test: $(INSTALLED) system-deps services lint
 # `make bench` fits the 45 minutes by running the chaos benchmark once (a 30-minute run, both sides
 # at the same time); `make bench-chaos` runs it three times for the spread (about 95 minutes). The
 # chaos report covers the newest three kept runs with the same settings, from whichever invocation.
-BENCHMARKS := ckpt_blocking hook_overhead ingest recovery live_push pages chaos
+BENCHMARKS := ckpt_blocking hook_overhead ingest recovery snapshot live_push pages chaos
 BENCH_ARGS ?=
 CHAOS_ARGS ?= --runs 1
 
