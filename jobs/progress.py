@@ -99,6 +99,12 @@ REPORT_DELAY_MAX_S = 2.0
 #: is loaded, and ``model``, which every process reports right after that point whether it
 #: resumed or not (``agents.hooks.api.Hooks.__init__``). Both come from rank 0.
 LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
+#: A job whose reports admission control refused tries again within this long at the latest: the
+#: hooks' reporter backs off up to 10 s plus up to 50 % jitter (``agents.http.retry_delay``,
+#: ``Reporter.max_backoff``; the server's ``Retry-After`` is 1 s). So a refused job is spared at
+#: least this long after its last refusal, however short its progress timeout: a fast job's 8 s
+#: would otherwise read a backed-off reporter as a hang, in exactly the overload that caused it.
+REFUSED_RETRY_WITHIN_S = 15.0
 #: The states in which the hang sweep watches the progress deadline.
 PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING)
 
@@ -236,14 +242,15 @@ def hang_fault_time(job: Job) -> datetime:
 
 def _spare_refused(job: Job, now: datetime) -> bool:
     """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
-    fell within its progress timeout; returns whether the job was spared (a report that moved the
-    deadline meanwhile wins the compare-and-set: spared all the same)."""
-    timeout = timedelta(seconds=job_progress_timeout_s(job))
-    refused = refusals.refused_since(timeout.total_seconds(), now=now)
+    fell within its progress timeout (at least ``REFUSED_RETRY_WITHIN_S``); returns whether the job
+    was spared (a report that moved the deadline meanwhile wins the compare-and-set: spared all the
+    same)."""
+    hold = timedelta(seconds=max(job_progress_timeout_s(job), REFUSED_RETRY_WITHIN_S))
+    refused = refusals.refused_since(hold.total_seconds(), now=now)
     last = refused.generations.get((job.pk, job.generation)) if refused is not None else None
-    if last is None or last + timeout <= now:
+    if last is None or last + hold <= now:
         return False
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=last + timeout)
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=last + hold)
     return True
 
 

@@ -11,6 +11,7 @@ import pytest
 import time_machine
 from django.utils import timezone
 
+from agents.hooks.reporter import Reporter
 from core.events import EventKind
 from core.models import ApiToken, hash_token
 from dashboard.metrics import render
@@ -119,6 +120,26 @@ def test_a_job_whose_reports_were_refused_is_not_hung_until_a_timeout_after_its_
         assert progress.expire_one_progress_deadline() is False
         assert not job.incidents.exists()
         clock.shift(timeout + 1)  # its hooks stopped trying a timeout ago: hung
+        assert progress.expire_one_progress_deadline() is True
+    assert job.incidents.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_fast_jobs_refused_reports_are_waited_for_as_long_as_its_reporter_backs_off(cast, fleet, redis_counts):
+    """A 2 s progress timeout is shorter than the wait of a reporter refused again and again
+    (up to 10 s plus jitter): the job is spared for that long after its last refusal, not 2 s."""
+    _, job_token = ApiToken.issue(name="hooks", scope="job", job=cast.job, generation=1)
+    Job.objects.filter(pk=cast.job.pk).update(recovery_policy={"progress_timeout_s": 2})
+    assert Reporter.__init__.__kwdefaults__["max_backoff"] * 1.5 <= progress.REFUSED_RETRY_WITHIN_S
+    with time_machine.travel(T0, tick=False) as clock:
+        job = hung_job(cast)
+        shed(redis_counts, job_token, other=500)
+        refused_at = timezone.now()
+        clock.shift(10)  # the reporter is still backing off
+        assert progress.expire_one_progress_deadline() is True and not job.incidents.exists()
+        spared_until = refused_at + timedelta(seconds=progress.REFUSED_RETRY_WITHIN_S)
+        assert Job.objects.get(pk=job.pk).progress_deadline == spared_until
+        clock.shift(progress.REFUSED_RETRY_WITHIN_S - 10 + 1)  # no try for longer than any backoff: hung
         assert progress.expire_one_progress_deadline() is True
     assert job.incidents.count() == 1
 
