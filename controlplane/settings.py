@@ -159,10 +159,13 @@ if REDIS_URL:
     }
 else:
     # kombu's filesystem transport: a directory both the web process and the worker can reach.
+    # core.broker's version of it, whose messages appear whole (kombu's can be read half-written).
+    from core import broker
+
     BROKER_DIR = VAR_DIR / "broker"
     for sub in ("queue", "processed", "control"):
         (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = f"{broker.SCHEME}://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "queue"),
         "data_folder_out": str(BROKER_DIR / "queue"),
