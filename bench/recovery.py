@@ -32,9 +32,12 @@ The metric is the median over runs of Nightwatch crash recovery / torchrun crash
 3 x the job's p99 step time + 1 s, at least 2 s (the p99 of rank 0's recent step times, checkpoint
 steps included). Each Nightwatch run also records the incident's fault time against the signal
 (``fault_at_s``: how honest the dashboard's "detect" figure is) and that figure (``detect_shown_s``).
+Both sides report the steps each crash cost (``lost_steps``: trained before the fault and again
+after it); ``--snapshot-every N`` gives the Nightwatch job in-memory snapshots every N steps
+(``checkpoint_policy.snapshot_every``), plain torchrun keeps its disk checkpoints.
 
     python -m bench.recovery [--quick] [--runs N] [--hang-window S] [--progress-timeout S]
-                             [--heartbeat-s S] [--sweep-s S] [--keep-logs]
+                             [--snapshot-every N] [--heartbeat-s S] [--sweep-s S] [--keep-logs]
 
 ``--quick`` (3 runs) takes about 5 minutes on 2 cores, the full 5 runs about 7: every run starts
 real torchruns, and a Nightwatch hang recovery alone is a progress timeout plus a stop grace. The
@@ -270,6 +273,7 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
         detected = wait_for(noticed, timeout=10, what="torchrun's failure line")
         result.update(detected=True, detection_s=round(detected - fault_at, 3),
                       recovery_s=round(first[0] - fault_at, 3), resumed_step=first[1]["step"] - 1,
+                      lost_steps=lost_steps(tail, fault_at, first[1]["step"]),
                       workers_spawned_s=round(restarted["workers"] - fault_at, 3) if restarted else None)
         return result
     finally:
@@ -280,6 +284,13 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
         log.close()
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def lost_steps(tail: Tail, fault_at: float, first_step_after: int) -> int | None:
+    """Steps trained before the fault that the resumed run trains again: the newest step any rank
+    logged before the fault, less the step the resumed run started after."""
+    before = [record["step"] for seen, record in tail.samples() if seen <= fault_at]
+    return max(before) - (first_step_after - 1) if before else None
 
 
 def wait_for_or_none(condition: Callable[[], Any], deadline: float) -> Any:
@@ -356,7 +367,8 @@ def bootstrap_token() -> str:
     return ApiToken.issue(name="bench boot", scope="bootstrap", single_use=True)[1]
 
 
-def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None, *, keep: bool = False) -> dict:
+def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None, *, snapshot_every: int = 0,
+                   keep: bool = False) -> dict:
     from checkpoints.models import Checkpoint
     from jobs.choices import JobState
     from jobs.models import Generation, Incident, Job, StepMetric
@@ -366,7 +378,8 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
     work = Path(tempfile.mkdtemp(prefix=f"nw-{kind}-", dir=cluster.tmp))
     body = {"name": f"bench-{kind}", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
             "accelerator": "cpu", "rdzv_port": free_port(), "args": train_args(work),
-            "checkpoint_policy": {"dir": str(work / "ckpt"), "interval_steps": CKPT_EVERY},
+            "checkpoint_policy": {"dir": str(work / "ckpt"), "interval_steps": CKPT_EVERY,
+                                  **({"snapshot_every": snapshot_every} if snapshot_every else {})},
             "recovery_policy": {"progress_timeout_s": progress_timeout} if kind == "hang" and progress_timeout else {}}
     status, job = api(cluster, token, "POST", "/api/v1/jobs", body)
     if status != 201:
@@ -395,6 +408,7 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
         relaunched = incident.relaunched_at.timestamp()
         first = wait_for(lambda: first_sample(tail, lambda seen, r: seen > relaunched), timeout=30,
                            what="the resumed run's first sample line")
+        lost = lost_steps(tail, fault_at, first[1]["step"])
         restarted = spawned(list(rank_pids(job_id, 2, cluster.tmp).values()))
         reported = (StepMetric.objects.filter(job_id=job_id, generation=2).order_by("reported_at")
                     .values_list("reported_at", "step", "data_cursor").first())
@@ -423,10 +437,11 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
             "workers_spawned_s": round(restarted["workers"] - fault_at, 3) if restarted else None,
             "first_step_reported_s": round(reported[0].timestamp() - fault_at, 3) if reported else None,
             "first_step_received_s": round(generation.first_step_at.timestamp() - fault_at, 3),
+            # The disk checkpoint the relaunch named; the run resumes from a newer snapshot when it has one.
             "resumed_step": resumed.step if resumed else None,
-            # the data position: the resumed run's first step continues at the checkpoint's cursor
-            "data_position_ok": bool(resumed and reported and reported[1] == resumed.step + 1
-                                     and reported[2] == resumed.data_cursor + step_size),
+            "resumed_from_step": first[1]["step"] - 1, "lost_steps": lost, "snapshot_every": snapshot_every,
+            # the data position: the resumed run's first step continues where its resume point left off
+            "data_position_ok": bool(reported and reported[2] == reported[1] * step_size),
         }
     finally:
         tail.close()
@@ -500,6 +515,9 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
           f"{TARGET_RATIO}); hang detected by Nightwatch in median {median(col(nw_hang, 'detection_s')):.2f} s "
           f"(target 3 x p99 step + 1 s, at least 2 s: median {median(col(nw_hang, 'target_s')):.2f} s; within it in "
           f"{within} of {len(nw_hang)} runs); {elapsed:.0f} s in all", flush=True)
+    print(f"lost steps per crash (trained before the fault, trained again after it): Nightwatch "
+          f"{col(nw_crash, 'lost_steps')} (snapshot every {opts.snapshot_every or '-'}), torchrun "
+          f"{col(tr_crash, 'lost_steps')} (disk checkpoints every {CKPT_EVERY})", flush=True)
 
     def breakdown(rows: list[dict], keys: tuple[str, ...]) -> dict:
         return {k: round(median(col(rows, k)), 3) for k in keys if col(rows, k)}
@@ -516,9 +534,11 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                            "recovery_s": figure(col(nw_crash, "recovery_s")),
                            "fault_at_s": figure(col(nw_crash, "fault_at_s")),
                            "detect_shown_s": figure(col(nw_crash, "detect_shown_s")),
+                           "lost_steps": col(nw_crash, "lost_steps"), "snapshot_every": opts.snapshot_every,
                            "timeline_median_s": breakdown(nw_crash, nw_keys)},
             "torchrun": {"detection_s": figure(col(tr_crash, "detection_s")),
                          "recovery_s": figure(col(tr_crash, "recovery_s")),
+                         "lost_steps": col(tr_crash, "lost_steps"),
                          "timeline_median_s": breakdown(tr_crash, ("detection_s", "workers_spawned_s", "recovery_s"))},
             "ratio_of_medians": round(median(col(nw_crash, "recovery_s")) / median(col(tr_crash, "recovery_s")), 3),
         },
@@ -571,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     own.add_argument("--hang-window", type=float, help="seconds to watch plain torchrun with a hung rank (30)")
     own.add_argument("--progress-timeout", type=int, default=None,
                      help="the hang job's progress_timeout_s (default: none, the rule derives it)")
+    own.add_argument("--snapshot-every", type=int, default=0,
+                     help="the Nightwatch job's checkpoint_policy.snapshot_every (default 0: disk checkpoints only)")
     own.add_argument("--heartbeat-s", type=int, default=1, help="control plane's agent heartbeat interval")
     own.add_argument("--sweep-s", type=float, default=0.5, help="control plane's sweep (hang check) interval")
     own.add_argument("--keep-logs", action="store_true", help="keep the temporary directory (logs) and say where")
@@ -613,7 +635,8 @@ def main(argv: list[str] | None = None) -> None:
             for kind in ("crash", "hang"):
                 for system in order:
                     if system == "nightwatch":
-                        result = nightwatch_run(cluster, token, kind, opts.progress_timeout, keep=opts.keep_logs)
+                        result = nightwatch_run(cluster, token, kind, opts.progress_timeout,
+                                                snapshot_every=opts.snapshot_every, keep=opts.keep_logs)
                     else:
                         result = plain_run(kind, base, window, keep=opts.keep_logs)
                     results[system][kind].append(result)
