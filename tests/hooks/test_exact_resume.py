@@ -43,16 +43,21 @@ def test_a_rank_killed_mid_step_resumes_bit_identical(tmp_path, uninterrupted, c
     step = resumed.pop()
     assert step % 4 == 0 and 0 < step < crash_at
 
+    assert_same_run(tmp_path, uninterrupted, STEPS)
+
+
+def assert_same_run(actual_dir, expected_dir, steps: int) -> None:
+    """Both ranks of the run in ``actual_dir`` ended bit-identical to the one in ``expected_dir``
+    (``--final-state final``, ``--log-samples samples``) at ``steps``, having trained the same
+    samples at every step: a step retrained after a resume replaces the attempt lost with a fault."""
     for rank in (0, 1):
-        expected = torch.load(uninterrupted / "final" / f"rank{rank}.pt")
-        actual = torch.load(tmp_path / "final" / f"rank{rank}.pt")
-        assert actual["step"] == expected["step"] == STEPS
+        expected = torch.load(expected_dir / "final" / f"rank{rank}.pt")
+        actual = torch.load(actual_dir / "final" / f"rank{rank}.pt")
+        assert actual["step"] == expected["step"] == steps
         assert_identical(actual["model"], expected["model"])
         assert_identical(actual["optim"], expected["optim"])
         assert actual["scheduler"] == expected["scheduler"]
-        # The samples each rank trained on, step by step; a step retrained after the resume replaces
-        # the attempt that was lost with the crash.
-        assert read_samples(tmp_path / "samples", rank) == read_samples(uninterrupted / "samples", rank)
+        assert read_samples(actual_dir / "samples", rank) == read_samples(expected_dir / "samples", rank)
 
 
 def assert_identical(actual, expected, where="state"):
