@@ -47,6 +47,7 @@ from agents.protocol.agent import (
     HeartbeatResponse,
     LaunchPayload,
     LaunchSpecError,
+    RankGone,
     StopPayload,
     XidDetail,
 )
@@ -80,7 +81,7 @@ class Agent:
                                      torchrun=config.torchrun or DEFAULT_TORCHRUN,
                                      log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
                                      default_grace_s=config.stop_grace_s, warm_launcher=config.warm_launcher,
-                                     on_output=self.logs.add)
+                                     on_output=self.logs.add, on_rank_gone=self._on_rank_gone)
         self.outbox = Outbox(config.work_dir / "spool.sqlite3", max_records=config.spool_max_records)
         self.samples_taken = 0
         self.credentials: NodeCredentials | None = None
@@ -332,6 +333,15 @@ class Agent:
             # The control plane is deciding what this node runs next (usually a relaunch within a
             # second): ask for it quickly for a while rather than a whole heartbeat later.
             self._decision_expected_until = time.monotonic() + DECISION_WINDOW_S
+        self._wake.set()
+
+    def _on_rank_gone(self, job: str, generation: int, at: float) -> None:
+        """A rank of a running generation is gone: tell the control plane now, not only in the exit
+        report that follows once torchrun has closed the rest of the group (seconds later), so that
+        it waits for that report instead of taking the silence for a hang. Keyed per generation: a
+        second sighting (two threads at once) is the same notice."""
+        self.outbox.add_event("rank_gone", RankGone(rank_exited_at=at), job=job, generation=generation,
+                              key=f"rank_gone:{job}:{generation}")
         self._wake.set()
 
     # --- shutdown ------------------------------------------------------------------------------

@@ -33,7 +33,10 @@ added to a message defaults to None, meaning "as before", and the sender leaves 
 None (``compact``, the form commands are stored in, drops it): an old agent still takes every
 launch that does not use the new field, and a new agent reads a missing one as "as before". A
 launch that does use one (``snapshot_every``) is refused by an old agent, naming the field: the job
-asked for something that node cannot do.
+asked for something that node cannot do. An event kind added for the agent to send (``rank_gone``)
+is refused by an old server as malformed; the agent's outbox then splits the batch and drops that
+one record (``agents.agent.outbox``), so the rest of the batch (the exit report) still arrives and
+the old server works as before, without the notice.
 
 Times are Unix epoch seconds (UTC), memory is in bytes.
 """
@@ -72,7 +75,7 @@ MAX_SNAPSHOT_EVERY = 10_000
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")
 EVENT_KINDS = ("agent_started", "launched", "launch_refused", "exited", "stopped", "health_check",
-               "drain_ack", "telemetry_dropped", "xid")
+               "drain_ack", "telemetry_dropped", "xid", "rank_gone")
 #: Why a generation ended, as read from exit codes and the log (``None``: clean exit).
 EXIT_SIGNATURES = ("oom", "nccl_timeout", "nccl_watchdog", "cuda_error", "xid", "paused",
                    "stale_generation", "resume_refused", "traceback", "signal", "unknown")
@@ -615,6 +618,18 @@ class ExitReport:
 
 
 @dataclass(frozen=True)
+class RankGone:
+    """Detail of ``rank_gone``: the agent found one of torchrun's workers of a running generation
+    gone, and says so at once, before torchrun has closed the rest of the group and exited (the
+    ``exited`` report that follows, seconds later, has the evidence). The control plane waits for
+    that report instead of taking the silent generation for hung."""
+
+    #: Unix time (the node's clock) the worker was first found gone, one watch tick at most after
+    #: it ended; the ``exited`` report's ``rank_exited_at`` is the same time.
+    rank_exited_at: float = field(min=0, max=MAX_TIME)
+
+
+@dataclass(frozen=True)
 class LaunchedDetail:
     pid: int = field(min=1)
     log_path: str = field(max_len=1024)
@@ -689,6 +704,7 @@ EVENT_DETAILS: dict[str, type] = {
     "drain_ack": DrainAck,
     "telemetry_dropped": TelemetryDropped,
     "xid": XidDetail,
+    "rank_gone": RankGone,
 }
 
 

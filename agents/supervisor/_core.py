@@ -75,13 +75,18 @@ class Supervisor:
     def __init__(self, work_dir: Path, *, on_exit: Callable[[str, int, ExitReport], None],
                  torchrun: Sequence[str] = DEFAULT_TORCHRUN, log_max_bytes: int = 20 * 2**20,
                  log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
-                 on_output: Callable[[str, int, str], None] | None = None):
+                 on_output: Callable[[str, int, str], None] | None = None,
+                 on_rank_gone: Callable[[str, int, float], None] | None = None):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._on_exit = on_exit
         #: Every line of a generation's output, as it is read: (job, generation, line). The agent
         #: ships them (``agents.agent.logship``); it must not block.
         self._on_output = on_output
+        #: A worker of a running generation was first found gone: (job, generation, rank_exited_at).
+        #: Called once per generation (twice if two threads refresh at that moment: harmless, the
+        #: server keys each notice) from the thread that refreshed the family; it must not block.
+        self._on_rank_gone = on_rank_gone
         self._torchrun = list(torchrun)
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
         self._warm: subprocess.Popen[bytes] | None = None
@@ -491,7 +496,18 @@ class Supervisor:
             family = _family(gen.pid, gen.pid)
             if gen.rank_exited_at is None and not gen.requested_stop and _worker_gone(gen.seen, family, gen.pid):
                 gen.rank_exited_at = time.time()
+                self._rank_gone(gen)
             gen.seen |= family
+
+    def _rank_gone(self, gen: _Generation) -> None:
+        """Say at once that a rank of ``gen`` is gone: torchrun reports it seconds later, once it
+        has closed the rest of the group, and a hang sweep must not take that silence for a hang."""
+        if self._on_rank_gone is None or gen.rank_exited_at is None:
+            return
+        try:
+            self._on_rank_gone(gen.job, gen.generation, gen.rank_exited_at)
+        except Exception:  # the notice is a hint; the exit report still follows
+            log.exception("job %s generation %d: the rank-gone callback failed", gen.job, gen.generation)
 
     def _terminate(self, gen: _Generation, grace_s: float) -> ExitReport | None:
         gen.requested_stop = True

@@ -343,3 +343,24 @@ def test_an_injected_launch_is_acked_with_the_reason_and_runs_nothing(
     assert ack.status == "failed" and "invalid launch command: script: must be a relative path" in ack.detail
     assert running.agent.supervisor.running() == [] and control_plane.events_of("launched") == []
     assert not marker.exists()
+
+
+def test_a_rank_gone_is_told_at_once_before_the_exit_report(control_plane: Any, agent_config: Callable[..., Any],
+                                                            start_agent: Callable[..., Any], train_script: Path,
+                                                            tmp_path: Path, free_port: Callable[[], int]) -> None:
+    """Issue 20: the control plane hears that a rank died before torchrun has closed the rest of the
+    group, so that it waits for the exit report instead of calling the silence a hang."""
+    start_agent(agent_config())
+    out = tmp_path / "out"
+    out.mkdir()
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent), args=[str(out), "kill"],
+                            nnodes=1, nproc_per_node=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                            rdzv_id="j-3", require_gpu=False)
+    control_plane.send(command("launch", payload, id="l3", job="j", generation=3))
+    [(exited, report)] = wait_for(lambda: control_plane.events_of("exited"), timeout=90,
+                                  what="the exit report of the killed rank", interval=POLL_S)
+    [(notice, gone)] = control_plane.events_of("rank_gone")
+    assert (notice.job, notice.generation) == ("j", 3)
+    assert gone.rank_exited_at == report.rank_exited_at and notice.time <= exited.time
+    kinds = [event.kind for event, _ in control_plane.events.values()]
+    assert kinds.index("rank_gone") < kinds.index("exited")  # it was sent first, not with the report

@@ -207,6 +207,38 @@ def test_a_generation_ends_when_torchrun_has_printed_its_failure_table(
     assert report.runtime_s < 20 and not pid_alive(detail.pid)
 
 
+SLOW_CLOSING_TORCHRUN = """\
+import subprocess, sys, time
+workers = [subprocess.Popen(["sleep", "1"]), subprocess.Popen(["sleep", "300"])]
+time.sleep(4)  # the first worker died at 1 s; torchrun takes its time to notice and close the group
+workers[1].kill()
+sys.exit(1)
+"""
+
+
+def test_a_worker_gone_is_told_at_once_while_torchrun_still_runs(
+        tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool]) -> None:
+    fake = tmp_path / "torchrun.py"
+    fake.write_text(SLOW_CLOSING_TORCHRUN)
+    (tmp_path / "train.py").write_text("")
+    notices: queue.Queue[tuple[str, int, float, bool]] = queue.Queue()
+    launched: list[LaunchedDetail] = []
+    sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report),
+                     torchrun=[sys.executable, str(fake)],
+                     on_rank_gone=lambda job, gen, at: notices.put((job, gen, at, pid_alive(launched[0].pid))))
+    try:
+        launched.append(sup.launch("job", 4, LaunchPayload(script="train.py", workdir=str(tmp_path), nnodes=1,
+                                                          nproc_per_node=2, node_rank=0,
+                                                          rdzv_endpoint="127.0.0.1:1", rdzv_id="x")))
+        job, generation, at, torchrun_running = notices.get(timeout=10)
+        report = exits.get(timeout=20)
+    finally:
+        sup.shutdown(grace_s=1.0)
+    assert (job, generation) == ("job", 4) and torchrun_running
+    assert at == report.rank_exited_at and at < report.ended_at - 1.0  # seconds before torchrun's exit
+    assert notices.empty()  # once per generation
+
+
 # --- reading the output, without processes -------------------------------------------------------
 
 TORCHRUN_FAILURE = """\
