@@ -16,6 +16,10 @@ Protocol, over the standard input the supervisor gave it (never anything else):
   are a cold start's;
 - end of input instead (the supervisor went away or does not need it): exit 0.
 
+With ``--workers`` it also imports what a rank needs (``agents.supervisor.zygote.PRELOAD``), and
+a request with ``"zygote": "/private/dir/sock"`` first forks the generation's zygote, listening
+there, which forks each rank for torchrun's ``warm_client.py`` (warm workers; see that module).
+
 It is started in its own session, so its process group is the generation's, as for a cold start.
 Variables that torch reads at import time come from the agent's environment, as they would for a
 torchrun the agent started itself; the job's NCCL profile is read by the workers, which torchrun
@@ -50,11 +54,22 @@ def _become(request: dict) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    if request.get("zygote"):
+        from agents.supervisor import zygote
+
+        worker = zygote.start(zygote.listen(request["zygote"]))
+        if worker is not None:  # this is a rank the zygote forked: run it, and exit as it does
+            zygote.run(worker)
+            return
     sys.argv = ["torchrun", *request["args"]]
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 
 
 def main() -> int:
+    if "--workers" in sys.argv[1:]:
+        from agents.supervisor import zygote
+
+        zygote.preload()
     line = sys.stdin.readline()
     if not line.strip():
         return 0

@@ -62,6 +62,11 @@ class AgentConfig:
     #: Keep one torchrun launcher with torch already imported for the next generation (≈ 1 s
     #: faster restarts, one idle interpreter's memory). Only with the default ``torchrun``.
     warm_launcher: bool = True
+    #: Fork each rank from a zygote of the warm launcher that has imported torch, DCP and the
+    #: hooks, instead of starting a cold interpreter (``agents.supervisor.zygote``): a restart's
+    #: ranks skip ≈ 1-2 s of start-up. Needs ``warm_launcher``; a generation it cannot serve
+    #: warm starts cold.
+    warm_workers: bool = False
     stop_grace_s: float = 30.0
     #: Stop the jobs this agent runs when it is stopped cleanly (SIGTERM: node maintenance). With
     #: False they keep running and the next agent on the node adopts them (``Supervisor.adopt``), as

@@ -32,6 +32,7 @@ from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
 from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
+from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
 log = logging.getLogger(__package__)
@@ -75,6 +76,7 @@ class Supervisor:
     def __init__(self, work_dir: Path, *, on_exit: Callable[[str, int, ExitReport], None],
                  torchrun: Sequence[str] = DEFAULT_TORCHRUN, log_max_bytes: int = 20 * 2**20,
                  log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
+                 warm_workers: bool = False,
                  on_output: Callable[[str, int, str], None] | None = None,
                  on_rank_gone: Callable[[str, int, float], None] | None = None):
         self.work_dir = Path(work_dir)
@@ -89,6 +91,8 @@ class Supervisor:
         self._on_rank_gone = on_rank_gone
         self._torchrun = list(torchrun)
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
+        #: Ranks forked from a zygote of the warm launcher (``agents.supervisor.zygote``), not cold.
+        self._warm_workers = warm_workers and self._warm_enabled
         self._warm: subprocess.Popen[bytes] | None = None
         self._warm_timer: threading.Timer | None = None
         self._closed = False
@@ -140,7 +144,9 @@ class Supervisor:
             gen = _Generation(job=job, generation=generation, pid=record["pid"], pid_started=record["pid_started"],
                               proc=None, log_path=Path(record["log_path"]), launched=record["launched"],
                               started_at=record["started_at"],
-                              started_monotonic=time.monotonic() - max(0.0, time.time() - record["started_at"]))
+                              started_monotonic=time.monotonic() - max(0.0, time.time() - record["started_at"]),
+                              zygote_dir=Path(record["zygote_dir"]) if isinstance(record.get("zygote_dir"), str)
+                              else None)
             with self._lock:
                 superseded = self._running.get(job)
                 if alive:
@@ -190,9 +196,13 @@ class Supervisor:
         env = self._environment(job, generation, payload, nccl_env, gen_dir)
         # A fresh file for this launch (the reader starts at its beginning), appended to by torchrun.
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        zygote_dir = private_socket_dir() if self._warm_workers else None
         try:
-            proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd, log_path)
+            proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd, log_path, zygote_dir)
             warm = proc is not None
+            if not warm and zygote_dir is not None:  # started cold: its ranks too
+                remove_socket_dir(zygote_dir)
+                zygote_dir = None
             if proc is None:
                 proc = subprocess.Popen(  # an argument list, never a shell
                     command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
@@ -205,7 +215,7 @@ class Supervisor:
         launched = LaunchedDetail(pid=proc.pid, log_path=str(log_path), command=command, warm=warm)
         gen = _Generation(job=job, generation=generation, pid=proc.pid, pid_started=started.started, proc=proc,
                           log_path=log_path, launched=launched, started_at=time.time(),
-                          started_monotonic=time.monotonic())
+                          started_monotonic=time.monotonic(), zygote_dir=zygote_dir)
         with self._lock:
             self._running[job] = gen
             self._newest[job] = generation
@@ -213,7 +223,7 @@ class Supervisor:
         self._save_record(gen)
         threading.Thread(target=self._watch, args=(gen,), name=f"watch-{job}-{generation}", daemon=True).start()
         log.info("job %s generation %d: torchrun started (%s), pid %d, log %s", job, generation,
-                 "warm" if warm else "cold", proc.pid, gen.log_path)
+                 ("warm, warm workers" if zygote_dir else "warm") if warm else "cold", proc.pid, gen.log_path)
         return launched
 
     def stop(self, job: str, generation: int, grace_s: float | None = None) -> ExitReport | None:
@@ -252,14 +262,16 @@ class Supervisor:
                 # its own: a pipe to the agent would break if the agent died.
                 with open(self.work_dir / "warm-launcher.log", "ab") as output:
                     self._warm = subprocess.Popen(
-                        WARM_LAUNCHER, cwd=self.work_dir, env=env, stdin=subprocess.PIPE, stdout=output,
+                        [*WARM_LAUNCHER, *(["--workers"] if self._warm_workers else [])], cwd=self.work_dir,
+                        env=env, stdin=subprocess.PIPE, stdout=output,
                         stderr=subprocess.STDOUT, start_new_session=True)
             except OSError:
                 log.exception("cannot start a warm launcher; generations start cold")
 
-    def _hand_to_warm(self, args: list[str], env: dict[str, str], cwd: str,
-                      log_path: Path) -> subprocess.Popen[bytes] | None:
-        """The warm launcher, now running ``args``; None when there is none ready (start cold)."""
+    def _hand_to_warm(self, args: list[str], env: dict[str, str], cwd: str, log_path: Path,
+                      zygote_dir: Path | None = None) -> subprocess.Popen[bytes] | None:
+        """The warm launcher, now running ``args``; None when there is none ready (start cold).
+        With ``zygote_dir``, its ranks are forked by a zygote listening there (warm workers)."""
         if not self._warm_enabled:
             return None
         with self._lock:
@@ -273,7 +285,10 @@ class Supervisor:
                 log.warning("the warm launcher had exited (%s); starting this generation cold", warm.returncode)
             return None
         assert warm.stdin is not None  # started with stdin=PIPE
-        request = {"args": args, "env": env, "cwd": cwd, "output": str(log_path)}
+        request: dict[str, Any] = {"args": args, "env": env, "cwd": cwd, "output": str(log_path)}
+        if zygote_dir is not None:
+            socket_path = str(zygote_dir / "sock")
+            request.update(args=through_client(args, socket_path), zygote=socket_path)
         try:
             warm.stdin.write(json.dumps(request).encode() + b"\n")
             warm.stdin.close()
@@ -304,7 +319,8 @@ class Supervisor:
         """Write ``gen``'s record atomically (and durably: it must survive the crash it is for)."""
         path = _record_path(self._records_dir, gen.job, gen.generation)
         record = {"job": gen.job, "generation": gen.generation, "pid": gen.pid, "pid_started": gen.pid_started,
-                  "log_path": str(gen.log_path), "started_at": gen.started_at, "launched": dump(gen.launched)}
+                  "log_path": str(gen.log_path), "started_at": gen.started_at, "launched": dump(gen.launched),
+                  **({"zygote_dir": str(gen.zygote_dir)} if gen.zygote_dir is not None else {})}
         tmp = path.with_suffix(".tmp")
         try:
             with open(tmp, "w") as f:
@@ -368,6 +384,8 @@ class Supervisor:
         # torchrun is done; whatever of its family is left (torchrun tearing down, a rank that
         # ignored SIGTERM, a grandchild that setsid'd away) belongs to a finished generation.
         self._kill_family(gen)
+        if gen.zygote_dir is not None:
+            remove_socket_dir(gen.zygote_dir)
         if gen.proc is not None:
             gen.proc.wait()  # reap only now: see _exited
         gen.output_done.set()  # nothing of the family writes any more: read the log to its end

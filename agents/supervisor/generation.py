@@ -56,6 +56,8 @@ class _Generation:
     #: Wall-clock time the watcher first found one of torchrun's workers gone (a rank ended), one
     #: watch tick at most after it did; None while every rank runs.
     rank_exited_at: float | None = None
+    #: The private directory of the zygote's socket (warm workers); removed when the generation ends.
+    zygote_dir: Path | None = None
 
     def torchrun_present(self) -> bool:
         """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then

@@ -6,8 +6,10 @@ import collections
 import os
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from agents.supervisor.zygote import ZYGOTE_COMM
 
 # --- /proc ----------------------------------------------------------------------------------
 
@@ -18,11 +20,15 @@ class _Proc:
     pgid: int
     state: str
     started: int  # clock ticks after boot: tells a process from a later one with the same pid
+    #: The process's name; it may change (a forked worker renames itself), so it is no part of
+    #: the identity.
+    comm: str = field(default="", compare=False)
 
 
 def _parse_stat(pid: int, raw: str) -> _Proc:
     fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) ", comm may hold spaces
-    return _Proc(pid=pid, state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+    return _Proc(pid=pid, state=fields[0], ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]),
+                 comm=raw[raw.index("(") + 1:raw.rindex(")")])
 
 
 def _stat(pid: int) -> _Proc | None:
@@ -52,16 +58,28 @@ def _alive(procs: Iterable[_Proc]) -> list[_Proc]:
     return [p for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
 
 
+def _workers(procs: Iterable[_Proc], torchrun_pid: int, also: Iterable[_Proc] = ()) -> list[_Proc]:
+    """torchrun's workers among ``procs``: its children, and with warm workers the children of its
+    zygote (``agents.supervisor.zygote``: the child named ``ZYGOTE_COMM``), which are the ranks
+    that its children (the warm clients) stand for. Not the zygote itself, nor a rank's own
+    children (data-loader workers). ``also``: more sightings of the same processes (a zygote seen
+    in the instant between its fork and its renaming is known by a later sighting)."""
+    procs = list(procs)
+    zygotes = {p.pid for p in [*procs, *also] if p.ppid == torchrun_pid and p.comm == ZYGOTE_COMM}
+    return [p for p in procs if p.pid != torchrun_pid and p.pid not in zygotes
+            and (p.ppid == torchrun_pid or p.ppid in zygotes)]
+
+
 def _worker_gone(seen: Iterable[_Proc], family: Iterable[_Proc], torchrun_pid: int) -> bool:
-    """Whether a worker of torchrun (a child of ``torchrun_pid`` seen before) is missing from, or a
-    zombie in, ``family`` (the family as it is now): a rank ended, which torchrun notices only at
-    its next monitor tick, and reports after closing the rest of the group."""
+    """Whether a worker of torchrun (see ``_workers``) seen before is missing from, or a zombie in,
+    ``family`` (the family as it is now): a rank ended, which torchrun notices only at its next
+    monitor tick, and reports after closing the rest of the group."""
+    family = list(family)
     now = {(p.pid, p.started): p for p in family}
-    for proc in seen:
-        if proc.ppid == torchrun_pid and proc.pid != torchrun_pid:
-            current = now.get((proc.pid, proc.started))
-            if current is None or current.state == "Z":
-                return True
+    for proc in _workers(seen, torchrun_pid, also=family):
+        current = now.get((proc.pid, proc.started))
+        if current is None or current.state == "Z":
+            return True
     return False
 
 
