@@ -336,12 +336,12 @@ class Agent:
             self._decision_expected_until = time.monotonic() + DECISION_WINDOW_S
         self._wake.set()
 
-    def _on_rank_gone(self, job: str, generation: int, at: float) -> None:
-        """A rank of a running generation is gone: tell the control plane now, not only in the exit
-        report that follows once torchrun has closed the rest of the group (seconds later), so that
-        it waits for that report instead of taking the silence for a hang. Keyed per generation: a
-        second sighting (two threads at once) is the same notice."""
-        self.outbox.add_event("rank_gone", RankGone(rank_exited_at=at), job=job, generation=generation,
+    def _on_rank_gone(self, job: str, generation: int, at: float, error_line: str | None) -> None:
+        """A rank of a running generation is going down (gone, or its uncaught exception printed):
+        tell the control plane now, not only in the exit report that follows once torchrun has
+        closed the rest of the group (seconds later), so that it waits for that report instead of
+        taking the silence for a hang. Keyed per generation: a second sighting is the same notice."""
+        self.outbox.add_event("rank_gone", RankGone(at=at, error_line=error_line), job=job, generation=generation,
                               key=f"rank_gone:{job}:{generation}")
         self._wake.set()
 

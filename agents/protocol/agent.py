@@ -619,14 +619,17 @@ class ExitReport:
 
 @dataclass(frozen=True)
 class RankGone:
-    """Detail of ``rank_gone``: the agent found one of torchrun's workers of a running generation
-    gone, and says so at once, before torchrun has closed the rest of the group and exited (the
-    ``exited`` report that follows, seconds later, has the evidence). The control plane waits for
-    that report instead of taking the silent generation for hung."""
+    """Detail of ``rank_gone``: a rank of a running generation is going down, told at the first
+    sign, before torchrun has closed the rest of the group and exited (the ``exited`` report that
+    follows, seconds later, has the evidence). The control plane waits for that report instead of
+    taking the silent generation for hung."""
 
-    #: Unix time (the node's clock) the worker was first found gone, one watch tick at most after
-    #: it ended; the ``exited`` report's ``rank_exited_at`` is the same time.
-    rank_exited_at: float = field(min=0, max=MAX_TIME)
+    #: Unix time (the node's clock) of the sign: one of torchrun's workers found gone (one watch
+    #: tick at most after it ended: the ``exited`` report's ``rank_exited_at``), or the last line of
+    #: a rank's uncaught exception read from the output (the rank may take seconds more to exit).
+    at: float = field(min=0, max=MAX_TIME)
+    #: That line (``[rank0]: RuntimeError: ...`` without the prefix); None: a worker found gone.
+    error_line: str | None = field(default=None, max_len=MAX_LOG_LINE)
 
 
 @dataclass(frozen=True)

@@ -78,17 +78,22 @@ class Supervisor:
                  log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
                  warm_workers: bool = False,
                  on_output: Callable[[str, int, str], None] | None = None,
-                 on_rank_gone: Callable[[str, int, float], None] | None = None):
+                 on_rank_gone: Callable[[str, int, float, str | None], None] | None = None):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._on_exit = on_exit
         #: Every line of a generation's output, as it is read: (job, generation, line). The agent
         #: ships them (``agents.agent.logship``); it must not block.
         self._on_output = on_output
-        #: A worker of a running generation was first found gone: (job, generation, rank_exited_at).
-        #: Called once per generation (twice if two threads refresh at that moment: harmless, the
-        #: server keys each notice) from the thread that refreshed the family; it must not block.
+        #: A rank of a running generation is going down: (job, generation, when, error_line). Called
+        #: at the first sign, once per generation (twice if two threads see it at that moment:
+        #: harmless, the agent keys the notice), from the thread that saw it; it must not block.
+        #: The signs: a worker found gone (``rank_exited_at``), or a rank's uncaught exception in the
+        #: output (its last line), which can come seconds before the rank exits (atexit handlers,
+        #: threads) and torchrun closes the group.
         self._on_rank_gone = on_rank_gone
+        #: Generations told of (job, generation); a few bytes each for the agent's life.
+        self._told: set[tuple[str, int]] = set()
         self._torchrun = list(torchrun)
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
         #: Ranks forked from a zygote of the warm launcher (``agents.supervisor.zygote``), not cold.
@@ -481,6 +486,11 @@ class Supervisor:
                 log.exception("job %s generation %d: the output callback failed", gen.job, gen.generation)
         gen.tail.append(line[:MAX_LOG_LINE])
         gen.scan.feed(line)
+        if gen.scan.error_lines and not gen.requested_stop and (gen.job, gen.generation) not in self._told:
+            # "[rank0]: RuntimeError: ...": the last line of a rank's uncaught exception.
+            raised = next((error for rank, error in gen.scan.error_lines if rank is not None), None)
+            if raised is not None:
+                self._rank_gone(gen, time.time(), raised)
         if gen.scan.table_complete:
             gen.over.set()
 
@@ -514,16 +524,17 @@ class Supervisor:
             family = _family(gen.pid, gen.pid)
             if gen.rank_exited_at is None and not gen.requested_stop and _worker_gone(gen.seen, family, gen.pid):
                 gen.rank_exited_at = time.time()
-                self._rank_gone(gen)
+                self._rank_gone(gen, gen.rank_exited_at, None)
             gen.seen |= family
 
-    def _rank_gone(self, gen: _Generation) -> None:
-        """Say at once that a rank of ``gen`` is gone: torchrun reports it seconds later, once it
-        has closed the rest of the group, and a hang sweep must not take that silence for a hang."""
-        if self._on_rank_gone is None or gen.rank_exited_at is None:
+    def _rank_gone(self, gen: _Generation, at: float, error_line: str | None) -> None:
+        """Say at once that a rank of ``gen`` is going down: torchrun reports it seconds later, once
+        it has closed the rest of the group, and a hang sweep must not take that silence for a hang."""
+        if self._on_rank_gone is None or (gen.job, gen.generation) in self._told:
             return
+        self._told.add((gen.job, gen.generation))
         try:
-            self._on_rank_gone(gen.job, gen.generation, gen.rank_exited_at)
+            self._on_rank_gone(gen.job, gen.generation, at, error_line)
         except Exception:  # the notice is a hint; the exit report still follows
             log.exception("job %s generation %d: the rank-gone callback failed", gen.job, gen.generation)
 

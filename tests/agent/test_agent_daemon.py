@@ -345,22 +345,42 @@ def test_an_injected_launch_is_acked_with_the_reason_and_runs_nothing(
     assert not marker.exists()
 
 
+def failing_generation(control_plane: Any, train_script: Path, tmp_path: Path, port: int, mode: str,
+                       generation: int) -> tuple[Any, Any, Any, Any]:
+    """Launch generation ``generation`` of job "j" whose rank 1 fails by ``mode``; the ``rank_gone``
+    notice and the exit report, each as (event, detail), once the report has arrived."""
+    out = tmp_path / f"out-{generation}"
+    out.mkdir()
+    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent), args=[str(out), mode],
+                            nnodes=1, nproc_per_node=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{port}",
+                            rdzv_id=f"j-{generation}", require_gpu=False)
+    control_plane.send(command("launch", payload, id=f"l{generation}", job="j", generation=generation))
+    [(exited, report)] = wait_for(lambda: control_plane.events_of("exited"), timeout=90,
+                                  what=f"the exit report of the rank that failed by {mode}", interval=POLL_S)
+    [(notice, gone)] = control_plane.events_of("rank_gone")
+    assert (notice.job, notice.generation) == ("j", generation) and notice.time <= exited.time
+    return notice, gone, exited, report
+
+
 def test_a_rank_gone_is_told_at_once_before_the_exit_report(control_plane: Any, agent_config: Callable[..., Any],
                                                             start_agent: Callable[..., Any], train_script: Path,
                                                             tmp_path: Path, free_port: Callable[[], int]) -> None:
     """Issue 20: the control plane hears that a rank died before torchrun has closed the rest of the
     group, so that it waits for the exit report instead of calling the silence a hang."""
     start_agent(agent_config())
-    out = tmp_path / "out"
-    out.mkdir()
-    payload = LaunchPayload(script="train.py", workdir=str(train_script.parent), args=[str(out), "kill"],
-                            nnodes=1, nproc_per_node=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                            rdzv_id="j-3", require_gpu=False)
-    control_plane.send(command("launch", payload, id="l3", job="j", generation=3))
-    [(exited, report)] = wait_for(lambda: control_plane.events_of("exited"), timeout=90,
-                                  what="the exit report of the killed rank", interval=POLL_S)
-    [(notice, gone)] = control_plane.events_of("rank_gone")
-    assert (notice.job, notice.generation) == ("j", 3)
-    assert gone.rank_exited_at == report.rank_exited_at and notice.time <= exited.time
+    _, gone, _, report = failing_generation(control_plane, train_script, tmp_path, free_port(), "kill", 3)
+    # The first sign: the dead worker, or rank 0's collective failing on it, whichever came first.
+    assert report.rank_exited_at is not None and gone.at <= report.rank_exited_at
     kinds = [event.kind for event, _ in control_plane.events.values()]
     assert kinds.index("rank_gone") < kinds.index("exited")  # it was sent first, not with the report
+
+
+def test_a_ranks_uncaught_exception_is_told_at_once_with_its_line(control_plane: Any, agent_config: Callable[..., Any],
+                                                                  start_agent: Callable[..., Any], train_script: Path,
+                                                                  tmp_path: Path, free_port: Callable[[], int]) -> None:
+    """A raising rank can take seconds to exit (its atexit handlers, its threads): the notice goes
+    when its exception is printed, not when it is gone."""
+    start_agent(agent_config())
+    _, gone, _, report = failing_generation(control_plane, train_script, tmp_path, free_port(), "raise", 4)
+    assert gone.error_line == report.error_line == "ValueError: boom at step 40"
+    assert report.rank_exited_at is not None and gone.at <= report.rank_exited_at
