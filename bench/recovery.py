@@ -34,10 +34,13 @@ steps included). Each Nightwatch run also records the incident's fault time agai
 (``fault_at_s``: how honest the dashboard's "detect" figure is) and that figure (``detect_shown_s``).
 Both sides report the steps each crash cost (``lost_steps``: trained before the fault and again
 after it); ``--snapshot-every N`` gives the Nightwatch job in-memory snapshots every N steps
-(``checkpoint_policy.snapshot_every``), plain torchrun keeps its disk checkpoints.
+(``checkpoint_policy.snapshot_every``), plain torchrun keeps its disk checkpoints. ``--warm-workers``
+runs the agent with ``warm_workers`` (ranks forked from a zygote that has imported torch);
+``spawn_to_first_step_s`` is, on both sides, from the start of the ranks' processes to the first step.
 
     python -m bench.recovery [--quick] [--runs N] [--hang-window S] [--progress-timeout S]
-                             [--snapshot-every N] [--heartbeat-s S] [--sweep-s S] [--keep-logs]
+                             [--snapshot-every N] [--warm-workers] [--heartbeat-s S] [--sweep-s S]
+                             [--keep-logs]
 
 ``--quick`` (3 runs) takes about 5 minutes on 2 cores, the full 5 runs about 7: every run starts
 real torchruns, and a Nightwatch hang recovery alone is a progress timeout plus a stop grace. The
@@ -274,7 +277,8 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
         result.update(detected=True, detection_s=round(detected - fault_at, 3),
                       recovery_s=round(first[0] - fault_at, 3), resumed_step=first[1]["step"] - 1,
                       lost_steps=lost_steps(tail, fault_at, first[1]["step"]),
-                      workers_spawned_s=round(restarted["workers"] - fault_at, 3) if restarted else None)
+                      workers_spawned_s=round(restarted["workers"] - fault_at, 3) if restarted else None,
+                      spawn_to_first_step_s=round(first[0] - restarted["workers"], 3) if restarted else None)
         return result
     finally:
         tail.close()
@@ -389,9 +393,11 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
     try:
         wait_for(lambda: reached(tail, FAULT_STEP), timeout=120, what=f"job {job_id} to train step {FAULT_STEP}")
         # Steady state, as when a fault comes hours into a run: the node has its warm launcher back
-        # (the agent starts a new one WARM_RESPAWN_DELAY_S after a launch used the previous one).
+        # (the agent starts a new one WARM_RESPAWN_DELAY_S after a launch used the previous one) and
+        # done with its imports (with warm workers they take 6 s on a loaded 2-core machine).
         launched = Generation.objects.get(job_id=job_id, number=1).started_at.timestamp()
-        wait_for(lambda: time.time() - launched >= WARM_RESPAWN_DELAY_S + 2, timeout=30, what="steady state")
+        wait_for(lambda: time.time() - launched >= WARM_RESPAWN_DELAY_S + 2 and warm_launcher_ready(cluster.tmp),
+                 timeout=30, what="steady state")
         checkpoint = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
                                 .order_by("-step").first(), timeout=60, what="a verified checkpoint")
         victim = wait_for(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
@@ -435,6 +441,9 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
             "torchrun_spawned_s": round(restarted["torchrun"] - fault_at, 3)
             if restarted and restarted["torchrun"] and restarted["torchrun"] >= relaunched else None,
             "workers_spawned_s": round(restarted["workers"] - fault_at, 3) if restarted else None,
+            # From torchrun starting the ranks' processes (the warm clients, with warm workers) to
+            # the first step: interpreter, imports, process group, loading.
+            "spawn_to_first_step_s": round(first[0] - restarted["workers"], 3) if restarted else None,
             "first_step_reported_s": round(reported[0].timestamp() - fault_at, 3) if reported else None,
             "first_step_received_s": round(generation.first_step_at.timestamp() - fault_at, 3),
             # The disk checkpoint the relaunch named; the run resumes from a newer snapshot when it has one.
@@ -460,6 +469,22 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
                 kill(pid)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def warm_launcher_ready(under: Path) -> bool:
+    """Whether the agent's warm launcher (working directory under ``under``) has done its imports
+    and waits for a launch: it reads its standard input, a pipe, only then."""
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"agents.launcher" not in (pid_dir / "cmdline").read_bytes():
+                continue
+            if not Path(os.readlink(pid_dir / "cwd")).is_relative_to(under):
+                continue
+            if "pipe_read" in (pid_dir / "wchan").read_text() or "pipe_wait" in (pid_dir / "wchan").read_text():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def hang_rhythm(job) -> dict:
@@ -515,6 +540,9 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
           f"{TARGET_RATIO}); hang detected by Nightwatch in median {median(col(nw_hang, 'detection_s')):.2f} s "
           f"(target 3 x p99 step + 1 s, at least 2 s: median {median(col(nw_hang, 'target_s')):.2f} s; within it in "
           f"{within} of {len(nw_hang)} runs); {elapsed:.0f} s in all", flush=True)
+    print(f"crash, spawn of the ranks' processes -> first step: Nightwatch "
+          f"{describe(col(nw_crash, 'spawn_to_first_step_s'))} s (warm workers: {opts.warm_workers}), torchrun "
+          f"{describe(col(tr_crash, 'spawn_to_first_step_s'))} s", flush=True)
     print(f"lost steps per crash (trained before the fault, trained again after it): Nightwatch "
           f"{col(nw_crash, 'lost_steps')} (snapshot every {opts.snapshot_every or '-'}), torchrun "
           f"{col(tr_crash, 'lost_steps')} (disk checkpoints every {CKPT_EVERY})", flush=True)
@@ -523,7 +551,7 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
         return {k: round(median(col(rows, k)), 3) for k in keys if col(rows, k)}
 
     nw_keys = ("detection_s", "quiesced_s", "relaunched_s", "torchrun_spawned_s", "workers_spawned_s",
-               "first_step_reported_s", "recovery_s", "first_step_received_s")
+               "spawn_to_first_step_s", "first_step_reported_s", "recovery_s", "first_step_received_s")
     from torch.distributed.constants import default_pg_timeout
 
     from jobs import progress
@@ -539,7 +567,8 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
             "torchrun": {"detection_s": figure(col(tr_crash, "detection_s")),
                          "recovery_s": figure(col(tr_crash, "recovery_s")),
                          "lost_steps": col(tr_crash, "lost_steps"),
-                         "timeline_median_s": breakdown(tr_crash, ("detection_s", "workers_spawned_s", "recovery_s"))},
+                         "timeline_median_s": breakdown(tr_crash, ("detection_s", "workers_spawned_s",
+                                                                   "spawn_to_first_step_s", "recovery_s"))},
             "ratio_of_medians": round(median(col(nw_crash, "recovery_s")) / median(col(tr_crash, "recovery_s")), 3),
         },
         "hang": {
@@ -571,7 +600,8 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                   "nightwatch": f"daphne + celery worker -B + 1 agent on this machine; heartbeat {opts.heartbeat_s} s "
                                 f"(agents receive stop/launch commands on heartbeats), sweep every {opts.sweep_s} s, "
                                 "a stop command's SIGTERM grace 10 s (the orchestrator's default), "
-                                "restart backoff 0 s (the default for a job's first restart)",
+                                "restart backoff 0 s (the default for a job's first restart); warm workers "
+                                f"(agent setting warm_workers): {opts.warm_workers}",
                   "default_progress_timeout": f"max({progress.PROGRESS_TIMEOUT_FLOOR_S} s, "
                                               f"{progress.PROGRESS_TIMEOUT_STEPS} x p99 step time + "
                                               f"{progress.PROGRESS_TIMEOUT_SLACK_S} s), from the newest step's time",
@@ -593,6 +623,8 @@ def main(argv: list[str] | None = None) -> None:
                      help="the hang job's progress_timeout_s (default: none, the rule derives it)")
     own.add_argument("--snapshot-every", type=int, default=0,
                      help="the Nightwatch job's checkpoint_policy.snapshot_every (default 0: disk checkpoints only)")
+    own.add_argument("--warm-workers", action="store_true",
+                     help="the agent forks ranks from a zygote (agent setting warm_workers; default: its default)")
     own.add_argument("--heartbeat-s", type=int, default=1, help="control plane's agent heartbeat interval")
     own.add_argument("--sweep-s", type=float, default=0.5, help="control plane's sweep (hang check) interval")
     own.add_argument("--keep-logs", action="store_true", help="keep the temporary directory (logs) and say where")
@@ -627,7 +659,8 @@ def main(argv: list[str] | None = None) -> None:
         cluster.start_web()
         cluster.start_worker(checkpoint_worker=True)
         token = operator_token()
-        cluster.start_agent("bench-node", bootstrap_token=bootstrap_token())
+        cluster.start_agent("bench-node", bootstrap_token=bootstrap_token(),
+                            extra=["--warm-workers", "true"] if opts.warm_workers else None)
         wait_for(lambda: Node.objects.filter(hostname="bench-node", health="healthy").exists(), timeout=60,
                    what="the agent to register")
         for run in range(args.runs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import logging.handlers
@@ -32,7 +33,7 @@ from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
 from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
-from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client
+from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client, worker_pids
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
 log = logging.getLogger(__package__)
@@ -389,7 +390,10 @@ class Supervisor:
         # torchrun is done; whatever of its family is left (torchrun tearing down, a rank that
         # ignored SIGTERM, a grandchild that setsid'd away) belongs to a finished generation.
         self._kill_family(gen)
-        if gen.zygote_dir is not None:
+        ranks = sorted(gen.scan.ranks.values(), key=lambda r: r.rank)
+        if gen.zygote_dir is not None:  # torchrun's table names the warm clients: report the ranks
+            forked = worker_pids(gen.zygote_dir)
+            ranks = [dataclasses.replace(r, pid=forked.get(r.pid, r.pid)) if r.pid is not None else r for r in ranks]
             remove_socket_dir(gen.zygote_dir)
         if gen.proc is not None:
             gen.proc.wait()  # reap only now: see _exited
@@ -401,7 +405,7 @@ class Supervisor:
                      else time.monotonic() - gen.started_monotonic)
         ended_at = gen.ended_at if gen.ended_at is not None else min(gen.failing_since or time.time(), time.time())
         gen.report = ExitReport(
-            exit_code=exit_code, ranks=sorted(gen.scan.ranks.values(), key=lambda r: r.rank),
+            exit_code=exit_code, ranks=ranks,
             root_cause_rank=gen.scan.root_cause_rank, signature=signature, error_line=error_line,
             log_tail=list(gen.tail), log_path=str(gen.log_path),
             requested_stop=gen.requested_stop, runtime_s=runtime_s, ended_at=ended_at,

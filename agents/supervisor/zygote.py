@@ -31,8 +31,13 @@ Design, and why per generation:
   worker is stopped too, within ``JOB_CONTROL_POLL_S``.
 - The forked worker becomes ``python -u script.py args`` (or ``-m module``): new session, the
   client's fds on 0/1/2, its environment, directory and ``sys.argv``, default signal handlers,
-  torch's thread count from ``OMP_NUM_THREADS`` (libgomp read it at import, in the zygote), and
-  the script run as ``__main__`` with the interpreter's ordinary exit (threads joined, atexit).
+  torch's thread count from ``OMP_NUM_THREADS`` (libgomp read it at import, in the zygote), numpy's
+  global generator reseeded (``random`` reseeds itself after a fork), and the script run as
+  ``__main__`` with the interpreter's ordinary exit (threads joined, atexit).
+- What still differs from a cold start: ``/proc/PID/environ`` and ``cmdline`` of a forked rank are the
+  zygote's (its ``os.environ`` is the rank's; tools that read ``/proc`` find the warm client, which
+  has the rank's), the ranks of a node share one ``PYTHONHASHSEED``-style string hash seed, and an
+  uncaught exception's traceback starts with the launcher's frames.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ MAX_REQUEST_BYTES = 16 * 2**20
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel", "agents.hooks")
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 _HEADER = struct.Struct("!I")
+RANKS_DIR = "ranks"
 
 
 class RequestError(ValueError):
@@ -113,6 +119,23 @@ def private_socket_dir(base: str | None = None) -> Path:
     path = Path(tempfile.mkdtemp(prefix="nw-zygote-", dir=base))
     os.chmod(path, 0o700)
     return path
+
+
+def worker_pids(socket_dir: Path) -> dict[int, int]:
+    """client pid -> pid of the worker it stands for, as the zygote listening in ``socket_dir``
+    recorded them: torchrun's failure table names the clients, the exit report the ranks."""
+    found = {}
+    try:
+        entries = list((Path(socket_dir) / RANKS_DIR).iterdir())
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            if entry.name.isdigit():
+                found[int(entry.name)] = int(entry.read_text())
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def remove_socket_dir(path: Path) -> None:
@@ -211,6 +234,9 @@ class Zygote:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        #: Which worker each client stands for (see ``worker_pids``), beside the socket.
+        self.ranks_dir = Path(sock.getsockname()).parent / RANKS_DIR
+        self.ranks_dir.mkdir(mode=0o700, exist_ok=True)
 
     def serve(self) -> WorkerSpec:
         """Serve until a fork; in the forked worker, return its spec (everything else closed)."""
@@ -280,6 +306,9 @@ class Zygote:
         finally:
             os.close(pidfd)
         self.workers[pid] = _Worker(pid=pid, conn=conn, client_pid=client_pid)
+        tmp = self.ranks_dir / f".{client_pid}"
+        tmp.write_text(str(pid))
+        os.replace(tmp, self.ranks_dir / str(client_pid))
         self.sel.register(conn, selectors.EVENT_READ, pid)
         return None
 
@@ -362,6 +391,8 @@ def become(spec: WorkerSpec) -> None:
     threads = spec.env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+    if "numpy" in sys.modules:  # seeded once, in the zygote: every rank would draw the same numbers
+        sys.modules["numpy"].random.seed()
 
 
 def run(spec: WorkerSpec) -> None:

@@ -309,6 +309,8 @@ def test_a_failed_warm_rank_is_still_the_root_cause(
     # fork server's MultiprocessContext named rank 0, which died of the broken collective).
     assert report.root_cause_rank == 1 and report.signature == signature
     assert {"signal": report.ranks[1].signal, "exit_code": report.ranks[1].exit_code} == rank1
+    # torchrun's table names the warm client; the report names the rank's own process.
+    assert report.ranks[1].pid == info1["pid"]
     assert report.rank_exited_at is not None
     children = [*rank_info(out, 0)["children"], *info1["children"]]
     wait_for(lambda: all(gone(pid) for pid in [zygote_pid, *children, rank_info(out, 0)["pid"]]), timeout=10,
