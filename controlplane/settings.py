@@ -200,8 +200,14 @@ else:
 # Periodic one-shots. The sweeper finds hung generations and finishes recoveries a dead worker
 # left half-done; its period bounds how late a hang is noticed after its progress deadline.
 SWEEP_INTERVAL_S = env_float("NIGHTWATCH_SWEEP_INTERVAL_S", 2.0)
+# The hang check alone, more often: a 0.1 s-step job is due a verdict 5 s after its last step
+# (jobs.progress), and each deadline falls one of these early so that the verdict is in time. Cheap:
+# one indexed query on the progress deadline (and the silence/overload holds) when nothing is due.
+PROGRESS_SWEEP_INTERVAL_S = env_float("NIGHTWATCH_PROGRESS_SWEEP_INTERVAL_S", 0.25)
 CELERY_BEAT_SCHEDULE: dict = {
     "jobs-sweep": {"task": "jobs.tasks.sweep", "schedule": SWEEP_INTERVAL_S, "options": {"expires": 30}},
+    "jobs-progress": {"task": "jobs.tasks.expire_progress", "schedule": PROGRESS_SWEEP_INTERVAL_S,
+                      "options": {"expires": 5}},
     **JOBS_BEAT_SCHEDULE,
     **NODES_BEAT_SCHEDULE,
     **CHECKPOINTS_BEAT_SCHEDULE,

@@ -43,6 +43,14 @@ def sweep() -> None:
 
 
 @shared_task(ignore_result=True)
+def expire_progress() -> None:
+    """Beat, every ``PROGRESS_SWEEP_INTERVAL_S``: hung generations, sooner than the full sweep."""
+    for _ in range(50):  # bounded, as in sweep()
+        if not progress.expire_one_progress_deadline():
+            break
+
+
+@shared_task(ignore_result=True)
 def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> None:
     orchestrator.handle_exit(job_id, generation, hostname, detail)
 

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 import pytest
 import time_machine
+from django.conf import settings
 from django.utils import timezone
 
 from agents.protocol import hooks as hooks_protocol
@@ -129,7 +130,8 @@ def test_a_replayed_event_does_not_pull_a_running_generations_deadline_back(cast
         step = {"job": str(cast.job.pk), "generation": number, "rank": 0, "step": 1, "loss": 2.0, "grad_norm": 1.0,
                 "world_size": 2, "data_cursor": 8, "samples": 4, "phases": {}, "time": time.time()}
         post(api, cast, number, reports=[step])
-        assert deadline(cast.job) == T0 + timedelta(seconds=15)
+        # From the step's own time, one progress sweep early (jobs.progress.verdict_lead).
+        assert deadline(cast.job) == T0 + timedelta(seconds=15 - settings.PROGRESS_SWEEP_INTERVAL_S)
         clock.shift(1)
         Job.objects.filter(pk=cast.job.pk).update(progress_deadline=T0 + timedelta(seconds=60))
         post(api, cast, number, [restored])
