@@ -113,6 +113,7 @@ class IncidentResolvedEvidence(TypedDict, total=False):
     incident: int
     decision: str
     lost_steps: int | None  # steps trained past the restore point, redone after the restart
+    restored_step: int | None  # the restore point: the step the resumed generation's hooks restored
 
 
 class NodeRegisterEvidence(TypedDict, total=False):

@@ -444,30 +444,45 @@ def _advance_later(job_id: int) -> None:
 
 def record_first_step(job: Job, generation: int) -> None:
     """The resumed generation trained a step: the open incidents are over. Each records its lost
-    work: the steps its generation trained past the checkpoint this generation resumed from."""
+    work: the steps its generation trained past the step this generation restored
+    (``restored_step``)."""
     now = timezone.now()
-    resumed = Generation.objects.filter(job=job, number=generation).select_related("resumed_from").first()
-    restored_step = resumed.resumed_from.step if resumed and resumed.resumed_from else 0
+    restored_step = restored_step_of(job, generation)
     ended = Incident.objects.filter(job=job, state=IncidentState.OPEN, relaunched_at__isnull=False,
                                     generation__number__lt=generation).select_related("generation")
     for incident in ended:
         reached = (StepMetric.objects.filter(job=job, generation=incident.generation.number)
                    .aggregate(m=Max("step"))["m"] if incident.generation else None) or restored_step
         resolve_incident(incident, now=now, actor=SYSTEM, reason=f"generation {generation} trained a step",
-                         first_step_at=now, lost_steps=max(0, reached - restored_step))
+                         first_step_at=now, lost_steps=max(0, reached - restored_step),
+                         restored_step=restored_step)
+
+
+def restored_step_of(job: Job, generation: int) -> int:
+    """The step ``generation`` restored: what its hooks said they resumed from (the ``resumed``
+    event's step), which is newer than the disk checkpoint the relaunch named
+    (``Generation.resumed_from``) when they restored an in-memory snapshot; that checkpoint's step
+    when they said nothing (older hooks, a lost event); 0 for a start from scratch."""
+    said = (TrainingEvent.objects.filter(job=job, generation=generation, kind="resumed")
+            .aggregate(m=Max("step"))["m"])
+    if said is not None:
+        return said
+    resumed = Generation.objects.filter(job=job, number=generation).select_related("resumed_from").first()
+    return resumed.resumed_from.step if resumed and resumed.resumed_from else 0
 
 
 def resolve_incident(incident: Incident, *, now, actor: str, reason: str, **outcome) -> bool:
     """Close an open incident (with ``outcome``: further fields of the row) and log it in the audit
     log, where the timeline and the dashboard see it end. Only the call that closes it logs: a
     concurrent one finds it resolved already and returns False."""
+    restored_step = outcome.pop("restored_step", None)
     closed = Incident.objects.filter(pk=incident.pk, state=IncidentState.OPEN).update(
         state=IncidentState.RESOLVED, resolved_at=now, **outcome)
     if closed:
         record_event(EventKind.INCIDENT_RESOLVED, actor=actor, job=incident.job_id, reason=reason,
                      generation=incident.generation.number if incident.generation else None,
                      evidence={"incident": incident.pk, "decision": incident.decision,
-                               "lost_steps": outcome.get("lost_steps")})
+                               "lost_steps": outcome.get("lost_steps"), "restored_step": restored_step})
     return bool(closed)
 
 

@@ -234,7 +234,7 @@ def test_the_resumed_first_step_records_lost_work_and_goodput_adds_up(cast, job,
 
     resolved = Event.objects.get(kind="incident.resolved")
     assert (resolved.job_id, resolved.generation, resolved.evidence) == (
-        job.pk, 1, {"incident": incident.pk, "decision": incident.decision, "lost_steps": 30})
+        job.pk, 1, {"incident": incident.pk, "decision": incident.decision, "lost_steps": 30, "restored_step": 0})
     orchestrator.record_first_step(job, 2)  # a later batch of the same generation: resolved once, logged once
     assert Event.objects.filter(kind="incident.resolved").count() == 1
 
@@ -255,3 +255,29 @@ def test_an_alert_only_incident_is_resolved_at_once_and_logged(cast, job):
     assert (incident.decision, incident.state) == ("alert", IncidentState.RESOLVED)
     resolved = Event.objects.get(kind="incident.resolved")
     assert (resolved.actor, resolved.evidence["incident"]) == ("node:gpu-01", incident.pk)
+
+
+@pytest.mark.django_db
+def test_lost_work_counts_from_the_snapshot_the_hooks_restored_not_the_checkpoint_named(cast, job):
+    """Issue 20's snapshots: the relaunch names the newest verified disk checkpoint (step 20), the
+    hooks restore a newer in-memory snapshot (step 28) and say so in their ``resumed`` event."""
+    from checkpoints.models import Checkpoint
+    from jobs.models import StepMetric, TrainingEvent
+
+    t0 = timezone.now()
+    StepMetric.objects.bulk_create([
+        StepMetric(job=job, generation=1, rank=0, step=s, loss=1.0, world_size=2, data_cursor=8 * s,
+                   phases={"compute": 0.1}, reported_at=t0, received_at=t0) for s in range(1, 31)])
+    crash(job)
+    orchestrator.advance_recovery(job.pk)
+    orchestrator.advance_recovery(job.pk)
+    disk = Checkpoint.objects.create(job=job, step=20, location=f"/ckpt/{job.pk}/20")
+    Generation.objects.filter(job=job, number=2).update(resumed_from=disk)
+    assert orchestrator.restored_step_of(job, 2) == 20  # before the hooks have said anything
+    TrainingEvent.objects.create(job=job, generation=2, rank=0, step=28, kind="resumed", key="resumed-28",
+                                 detail={"step": 28, "checkpoint": disk.location, "snapshot": "step-28"},
+                                 reported_at=t0)
+    orchestrator.record_first_step(job, 2)
+    incident = Incident.objects.get(job=job)
+    assert incident.lost_steps == 30 - 28
+    assert Event.objects.get(kind="incident.resolved").evidence["restored_step"] == 28
