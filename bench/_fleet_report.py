@@ -122,6 +122,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cell(r) for r in sizes) + " |")
 
     row("ranks (jobs' nodes)", lambda r: f"{r['ranks']} ({', '.join(map(str, r['jobs']))})")
+    row("idle spare nodes on top (heartbeating, telemetry)", lambda r: str(r.get("spares", 0)))
     row("set-up: agents registered / refused, nodes healthy, jobs training",
         lambda r: "all" if "setup" not in r else
         f"{r['setup']['agents_registered']} / {r['setup']['registrations_refused']}, {r['setup']['nodes_healthy']}, "
@@ -181,6 +182,8 @@ def markdown(result: dict) -> str:
                   for name, t in r["tables"].items()]
         lines.append("")
 
+    lines += costs(details.get("cost"))
+    lines += targets(sizes, details)
     growth = series(sizes)
     lines += ["## Growth", "", "| cost | fitted exponent in nodes (1 = linear) |", "| --- | --- |"]
     lines += [f"| {name} | {_v(exponent(points))} |" for name, points in growth.items()]
@@ -193,6 +196,66 @@ def markdown(result: dict) -> str:
               "- Decision latency apart from detection: only the incident's `detected_at` (or the node-health "
               "event) is read.", ""]
     return "\n".join(lines)
+
+
+def costs(cost: dict | None) -> list[str]:
+    """The calibration's CPU per request kind (``bench.fleet.cost``)."""
+    if not cost:
+        return []
+    kinds = (("heartbeat", "cpu_ms_per_heartbeat"), ("step-report request (one step)", "cpu_ms_per_report"),
+             (f"telemetry request ({cost['telemetry_samples_per_request']} samples)", "cpu_ms_per_telemetry_request"))
+    lines = ["## What one request costs", "",
+             f"CPU of the web processes and PostgreSQL's backends per request, from {cost['requests']} requests of "
+             f"each kind sent 4 at a time on top of a one-job fleet of 8 nodes, its own rate subtracted; median of "
+             f"{cost['runs']} bursts (spread).", "", "| request | CPU ms | spread |", "| --- | --- | --- |"]
+    lines += [f"| {label} | {cost[key]:g} | {cost[key + '_spread'][0]:g}–{cost[key + '_spread'][1]:g} |"
+              for label, key in kinds]
+    lines += [f"| one telemetry sample | {cost['cpu_ms_per_telemetry_sample']:g} | |", ""]
+    return lines
+
+
+def targets(sizes: list[dict], details: dict) -> list[str]:
+    """The issue's targets at the largest size, each against what this run measured."""
+    r = max(sizes, key=lambda r: r["nodes"])
+    detection = details.get("detection", {})
+    errors = sum(e["errors"] for e in r["http"].values())
+    refused = sum(e["503"] for e in r["http"].values())
+    pages = {p: r["dashboard_s"].get(p) for p in ("overview", "nodes", "biggest_job")}
+    push = (r.get("live_push") or {}).get("p95_ms")
+    exponent_cpu = details.get("exponents", {}).get("CPU cores used")
+    raw = (r.get("data") or {}).get("raw_gb_per_day")
+    storm = r["storm"]
+
+    def verdict(ok: bool | None) -> str:
+        return "—" if ok is None else "met" if ok else "**missed**"
+
+    rows = [("0 failed requests (5xx other than 503, timeouts, 4xx)",
+             f"{errors} failed; {refused} refused with 503 + Retry-After and resent from the spools", errors == 0)]
+    for kind in ("rank_exit", "xid", "node_death", "hang"):
+        d = detection.get(kind, {})
+        target = d.get("target_p95_s")
+        seen = d.get("p95_s")
+        measured = "not measured" if seen is None else f"{seen:g} s ({d.get('n')} faults, {d.get('missed', 0)} missed)"
+        rows.append((f"{kind} detected, p95 ≤ {_v(target, ' s')}", measured,
+                     None if seen is None or target is None else seen <= target and not d.get("missed")))
+    rows += [("raw data ≤ 5 GB a day", f"{_v(raw)} GB", None if raw is None else raw <= 5),
+             ("CPU grows at most linearly in nodes", f"exponent {_v(exponent_cpu)}",
+              None if exponent_cpu is None else exponent_cpu <= 1.0),
+             ("accepted ≥ 90 % of capacity at the largest size", f"{_v(details.get('plateau'))} of "
+              f"{_v(details.get('capacity_rps'))} requests/s", details.get("plateau", 0) >= 0.9),
+             ("0 nodes falsely unreachable (steady window and storm)",
+              f"{r['false_unreachable']} and {storm['false_unreachable']}",
+              r["false_unreachable"] == 0 and storm["false_unreachable"] == 0),
+             ("dashboard ≤ 1 s a page", ", ".join(f"{p} {_v(v, ' s')}" for p, v in pages.items()),
+              all(v is not None and v <= 1.0 for v in pages.values())),
+             ("live push p95 ≤ 250 ms", f"{_v(push, ' ms')}", None if push is None else push <= 250),
+             ("reconnect storm absorbed: spools back, 0 server errors, no incident",
+              f"{_v(storm['flush_s'], ' s')}, {storm['server_errors']} errors, {len(storm['incidents'])} incidents",
+              storm["flush_s"] is not None and storm["server_errors"] == 0 and not storm["incidents"])]
+    title = f"## Against the targets ({r['nodes']} nodes, {r['ranks']} ranks, a {r['window_s']:g} s steady window)"
+    lines = [title, "", "| target | measured | |", "| --- | --- | --- |"]
+    lines += [f"| {target} | {measured} | {verdict(ok)} |" for target, measured, ok in rows]
+    return lines + [""]
 
 
 def saturation(sizes: list[dict]) -> str:

@@ -26,7 +26,7 @@ import shutil
 import signal
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -88,6 +88,9 @@ STEP_S = 1.0
 #: A node whose agent and ranks hold more undelivered records than this is behind: in steady state
 #: each rank holds at most a second or two of steps and the outbox one telemetry sample per GPU.
 BEHIND = 64
+#: Samples per telemetry request in a calibration: 8 GPUs x 3 samples, what an agent at the defaults
+#: sends (a sample every 10 s, batched for 30 s).
+CALIBRATION_SAMPLES = GPUS * 3
 
 
 class Rank:
@@ -217,6 +220,17 @@ class Generation:
             world_size=self.world_size, manifest=manifest, config_hash=CONFIG_HASH))
         self.ranks[0].wake.set()
 
+    async def report_next(self) -> int:
+        """Rank 0 trains its next step at once and reports it in a request of its own (calibration)."""
+        self.step += 1
+        phases = ranks_wire.phases(0, None)
+        records = ranks_wire.step_records(job=self.job, generation=self.generation, rank=0,
+                                          world_size=self.world_size, step=self.step, phases=phases)
+        _, batch = ranks_wire.next_batch(self.job, records)
+        status, _ = await self.agent.client.request("reports", "POST", REPORTS_PATH.format(job=self.job_path),
+                                                    self.token, batch)
+        return status
+
     def end(self) -> None:
         self.ended = True
         for task in self.tasks:
@@ -317,6 +331,10 @@ class Agent:
             self.beat_wake.clear()
 
     async def heartbeat(self) -> None:
+        await self.heartbeat_status()
+
+    async def heartbeat_status(self) -> int:
+        """One heartbeat, its commands run; the HTTP status (0: unanswered)."""
         self.seq += 1
         running = [RunningGeneration(job=g.job, generation=g.generation, pids=[4242 + g.node_rank],
                                      started_at=g.started_at) for g in self.generations.values() if not g.ended]
@@ -326,11 +344,19 @@ class Agent:
             status, body = await self.client.request("heartbeat", "POST", HEARTBEAT_PATH.format(node_id=self.node_id),
                                                      self.token, dump(message))
         except Unreachable:
-            return
-        if status != 200:
-            return
-        for raw in body.get("commands", []):
-            self.execute(parse(Command, raw))
+            return 0
+        if status == 200:
+            for raw in body.get("commands", []):
+                self.execute(parse(Command, raw))
+        return status
+
+    async def telemetry_batch(self) -> int:
+        """One telemetry request as the fleet's agents send them: ``CALIBRATION_SAMPLES`` samples."""
+        now = time.time()
+        samples = [self.sample(i % GPUS, now - i // GPUS) for i in range(CALIBRATION_SAMPLES)]
+        status, _ = await self.client.request("telemetry", "POST", TELEMETRY_PATH.format(node_id=self.node_id),
+                                              self.token, {"samples": samples})
+        return status
 
     def execute(self, command: Command) -> None:
         """``CommandRunner`` + the daemon's handlers: each idempotency key runs once, is acked every time."""
@@ -501,6 +527,7 @@ class Sim:
         self.checkpoint_every = int(plan.get("checkpoint_every", 0))
         self.templates: dict[str, str] = plan.get("templates", {})
         self.faults: list[dict[str, Any]] = []
+        self.calibration: dict[str, Any] | None = None
         self.agents: dict[str, Agent] = {}
         #: The event loop holds tasks weakly: one nobody references may be collected mid-await.
         self.tasks: list[asyncio.Task] = []
@@ -534,7 +561,8 @@ class Sim:
                           "backlog": sum(backlogs),
                           "behind": sum(1 for b in backlogs if b > BEHIND),
                           "delivered": self.delivered, "made": self.made,
-                          "faults": self.faults, "book": self.book.as_json()}), flush=True)
+                          "faults": self.faults, "calibration": self.calibration,
+                          "book": self.book.as_json()}), flush=True)
 
     async def read_faults(self, stop: asyncio.Event) -> None:
         reader = asyncio.StreamReader()
@@ -548,6 +576,9 @@ class Sim:
 
     def inject(self, fault: dict[str, Any]) -> bool:
         kind, agent = fault["kind"], self.agents.get(fault.get("hostname", ""))
+        if kind == "calibrate":
+            self.tasks.append(asyncio.create_task(self.calibrate(fault)))
+            return False
         if kind == "node_death" and agent is not None:
             agent.die()
             return True
@@ -568,6 +599,43 @@ class Sim:
                     hit = True
             return hit
         return False
+
+
+    async def calibrate(self, order: dict[str, Any]) -> None:
+        """``order["count"]`` requests of one kind (``heartbeat``, ``telemetry`` or ``report``), on top of
+        the fleet's own traffic, ``order["concurrency"]`` at a time, each as its agent or rank 0 sends it;
+        the status line's ``calibration`` says when they ended and how many were answered 2xx. What the
+        control plane spent on them is measured from outside (``bench.fleet.cost``)."""
+        agents = [a for a in self.agents.values() if a.token and not a.dead]
+        trained = [g for a in agents for g in a.generations.values() if g.node_rank == 0 and not g.ended]
+        kind, count = order["what"], int(order["count"])
+        senders = {"heartbeat": [a.heartbeat_status for a in agents], "telemetry": [a.telemetry_batch for a in agents],
+                   "report": [g.report_next for g in trained]}[kind]
+        started, statuses, queue, refused = time.time(), Counter[int](), asyncio.Queue(), {}
+        for i in range(count):
+            queue.put_nowait(senders[i % len(senders)])
+
+        async def worker() -> None:
+            while not queue.empty():
+                send = queue.get_nowait()
+                for attempt in range(1, 6):  # a refusal (503) is waited out as the agents and hooks do
+                    try:
+                        statuses[await send()] += 1
+                        break
+                    except Unreachable as error:
+                        if error.status != 503 or attempt == 5:
+                            statuses[error.status or 0] += 1
+                            break
+                        refused[kind] = refused.get(kind, 0) + 1
+                        await asyncio.sleep(retry_delay(attempt, retry_after=error.retry_after))
+
+        await asyncio.gather(*(worker() for _ in range(int(order.get("concurrency", 4)))))
+        answered = sum(n for status, n in statuses.items() if 200 <= status < 300)
+        self.calibration = {"id": order["id"], "what": kind, "count": count, "answered": answered,
+                            "statuses": {str(k): v for k, v in statuses.items()}, "refused": refused.get(kind, 0),
+                            "samples": CALIBRATION_SAMPLES if kind == "telemetry" else 0,
+                            "started": started, "ended": time.time()}
+        self.status()
 
 
 def main() -> None:

@@ -4,9 +4,12 @@ For each fleet size (64, 256, 1,024 nodes x 8 GPUs) the benchmark starts the con
 production runs it (``bench._fleet_services``: 2 daphne processes with pooled database connections,
 the Celery worker with beat, the checkpoint worker, PostgreSQL, Redis), then simulated node agents
 and training ranks in a few processes (``bench._fleet_sim``) that speak the real wire protocol over
-real HTTP with real tokens. Jobs are submitted through the API with an operator token: one of half
-the fleet, 64-node jobs while they fit in three eighths, 8-node jobs for the rest, a sixteenth of
-the fleet left free for restarts. Once every job trains, a steady window runs with seeded faults —
+real HTTP with real tokens. Jobs are submitted through the API with an operator token and fill the
+fleet: one of half of it, 64-node jobs while they fit in three eighths, 8-node jobs for the rest
+(8,192 ranks at 1,024 nodes), with a sixteenth more nodes as idle spares on top for restarts. Before
+the sizes, a calibration fleet of one job measures what one heartbeat, one step-report request and
+one telemetry sample cost the control plane (``cost``). Once every job trains, a steady window
+(10 minutes at the largest size) runs with seeded faults —
 node death, rank exit, hang, Xid on one GPU, a slow rank, a Celery worker restart — and then a
 reconnect storm (the web processes stopped for ``--outage`` seconds, then every spool replayed).
 
@@ -22,7 +25,8 @@ WebSocket clients (``--browsers``) on the biggest job's page, connected to the w
 serves WebSockets only, as a deployment's proxy routes ``/ws/``; each step's arrival against the
 moment its row was stored.
 
-    python -m bench.fleet [--quick] [--nodes 64,256,1024] [--duration S] [--seed N]
+    python -m bench.fleet [--quick] [--nodes 64,256,1024] [--duration S] [--largest-duration S] [--seed N]
+                          [--cost-only | --cost-runs 0]
 
 Needs PostgreSQL and Redis: databases ``nightwatch_fleet_bench_<nodes>`` (recreated from a migrated
 ``nightwatch_fleet_bench_template``; names must contain "bench") and Redis database
@@ -55,6 +59,7 @@ from bench import _fleet_report as report
 from bench._common import RESULTS, emit
 from bench._fleet_http import merge, percentile
 from bench._fleet_services import ControlPlane, database_url, fresh_database
+from bench._fleet_sim import CALIBRATION_SAMPLES
 from tests.e2e.cluster import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,15 +79,22 @@ DETECTION_TARGET_S = {"node_death": HEARTBEAT_TIMEOUT_S + SLACK_S, "rank_exit": 
 # --- the job mix --------------------------------------------------------------------------------
 
 def job_mix(nodes: int) -> list[int]:
-    """Nodes per job: one of half the fleet, 64-node jobs in the next 3/8, 8-node jobs for the rest,
-    1/16 of the fleet left free so restarts have somewhere to go."""
+    """Nodes per job, filling the training fleet: one of half the fleet, 64-node jobs in the next 3/8
+    (while a few 8-node jobs are left), 8-node jobs for the rest. 1,024 nodes: 512 + 6 x 64 + 16 x 8,
+    8,192 ranks."""
     sizes = [nodes // 2]
-    left = nodes - nodes // 2 - nodes // 16
+    left = nodes - nodes // 2
     while left - 64 >= nodes // 8 and sum(s for s in sizes if s == 64) + 64 <= nodes * 3 // 8:
         sizes.append(64)
         left -= 64
     sizes += [8] * (left // 8)
     return sizes
+
+
+def spares(nodes: int) -> int:
+    """Idle nodes on top of the training fleet (1/16 of it), so a drained or dead node's job has
+    somewhere to restart, as a cluster keeps hot spares."""
+    return nodes // 16
 
 
 def submit_jobs(port: int, token: str, sizes: list[int]) -> list[int]:
@@ -256,11 +268,10 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
     fresh_database(database, TEMPLATE_DB)
     plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
     sims: Simulators | None = None
+    fleet = nodes + spares(nodes)
     try:
         plane.start()
-        made = subprocess.run([sys.executable, "-m", "bench.fleet", "--setup", str(nodes)], cwd=ROOT, env=plane.env,
-                              check=True, capture_output=True, text=True)
-        cast = json.loads(made.stdout.strip().splitlines()[-1])
+        cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
         processes = opts.processes or (1 if nodes <= 16 else 2 if nodes <= 256 else 3)
@@ -271,9 +282,9 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         # may never be whole: set-up waits have deadlines, and what a fleet reached by then is reported.
         healthy = "SELECT count(*) FROM nodes_node WHERE health = 'healthy'"
         running = "SELECT count(*) FROM jobs_job WHERE state = 'running' AND last_step >= 3"
-        setup_figures = {"registered": settle(lambda: sims.total("registered") + sims.total("refused") == nodes,
-                                              120 + nodes / 4, "every agent registered or refused"),
-                         "healthy": settle(lambda: conn.execute(healthy).fetchone()[0] == nodes, 60 + nodes / 8,
+        setup_figures = {"registered": settle(lambda: sims.total("registered") + sims.total("refused") == fleet,
+                                              120 + fleet / 4, "every agent registered or refused"),
+                         "healthy": settle(lambda: conn.execute(healthy).fetchone()[0] == fleet, 60 + fleet / 8,
                                            "every node healthy")}
         jobs = submit_jobs(plane.ports[0], cast["operator"], sizes)
         log(f"{nodes} nodes: {len(jobs)} jobs ({sizes}) submitted")
@@ -307,7 +318,7 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 latency = measure.detection(conn, fault)
                 fault["detected_s"] = None if latency is None else round(latency, 2)
         sims.close()
-        result["nodes"], result["ranks"], result["jobs"] = nodes, sum(sizes) * GPUS, sizes
+        result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes)
         conn.close()
         return result
     except BaseException:
@@ -317,6 +328,95 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         if sims is not None:
             sims.close()
         plane.close()
+
+
+def register_cast(plane: ControlPlane, nodes: int) -> dict[str, Any]:
+    """The operator's token and session and a bootstrap token per node, made in the plane's database."""
+    made = subprocess.run([sys.executable, "-m", "bench.fleet", "--setup", str(nodes)], cwd=ROOT, env=plane.env,
+                          check=True, capture_output=True, text=True)
+    return json.loads(made.stdout.strip().splitlines()[-1])
+
+
+# --- what one request costs -----------------------------------------------------------------------
+
+COST_KINDS = ("heartbeat", "telemetry", "report")
+COST_NODES = 8  # one 8-node job: the smallest fleet whose every request kind is real
+
+
+def cost(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Control-plane CPU per heartbeat, per step-report request and per telemetry sample: the web process
+    (daphne, Django) and PostgreSQL's backends, read from /proc as in the steady window.
+
+    A control plane of its own serves a small fleet of one training job; on top of its traffic the
+    simulator sends ``opts.cost_requests`` requests of one kind, 4 at a time (``Sim.calibrate``). The
+    CPU spent meanwhile, less the fleet's own rate measured just before, over the requests answered, is
+    the cost of one. Each kind is measured ``opts.cost_runs`` times, interleaved: median and spread."""
+    import psycopg
+
+    database = "nightwatch_fleet_bench_cost"
+    fresh_database(database, TEMPLATE_DB)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
+    sims: Simulators | None = None
+    try:
+        plane.start()
+        cast = register_cast(plane, COST_NODES)
+        templates = checkpoint_templates(work.parent / "templates", {COST_NODES * GPUS})
+        sims = Simulators(work, plane.ports, cast["nodes"], 1, templates=templates, seed=opts.seed)
+        conn = psycopg.connect(database_url(database), autocommit=True)
+        wait_for(lambda: sims.total("registered") == COST_NODES, timeout=120, what="the cost fleet registered")
+        submit_jobs(plane.ports[0], cast["operator"], [COST_NODES])
+        wait_for(lambda: conn.execute("SELECT count(*) FROM jobs_job WHERE state = 'running' AND last_step >= 3")
+                 .fetchone()[0] == 1, timeout=180, what="the cost fleet's job training")
+        runs: dict[str, list[float]] = {kind: [] for kind in COST_KINDS}
+        for order, kind in enumerate(COST_KINDS * opts.cost_runs):
+            runs[kind].append(_one_cost(plane, sims, conn, database, order=order, kind=kind,
+                                        count=opts.cost_requests))
+        conn.close()
+    except BaseException:
+        print(plane.dump_logs(), file=sys.stderr)
+        raise
+    finally:
+        if sims is not None:
+            sims.close()
+        plane.close()
+    figures: dict[str, Any] = {"requests": opts.cost_requests, "runs": opts.cost_runs}
+    for kind, name in (("heartbeat", "cpu_ms_per_heartbeat"), ("report", "cpu_ms_per_report"),
+                       ("telemetry", "cpu_ms_per_telemetry_request")):
+        figures[name] = round(statistics.median(runs[kind]), 2)
+        figures[f"{name}_spread"] = [round(min(runs[kind]), 2), round(max(runs[kind]), 2)]
+    figures["cpu_ms_per_telemetry_sample"] = round(figures["cpu_ms_per_telemetry_request"] / CALIBRATION_SAMPLES, 3)
+    figures["telemetry_samples_per_request"] = CALIBRATION_SAMPLES
+    return figures
+
+
+def _one_cost(plane: ControlPlane, sims: Simulators, conn, database: str, *, order: int, kind: str,
+              count: int) -> float:
+    """CPU ms per request of one calibration burst, the fleet's own rate just before subtracted. The web
+    processes and the database's backends only: the Celery worker runs beat's periodic sweeps, whose
+    minute-by-minute work (rollups, partitions) would be read as the burst's."""
+    def cpu() -> float:
+        watched = [pid for name, pids in plane.pids().items() if name.startswith("web") for pid in pids]
+        return sum(measure.cpu_seconds(watched + measure.backend_pids(conn, database)).values())
+
+    quiet_started, quiet_cpu = time.monotonic(), cpu()
+    time.sleep(COST_QUIET_S)
+    background = (cpu() - quiet_cpu) / (time.monotonic() - quiet_started)
+    started, before = time.monotonic(), cpu()
+    sims.send({"kind": "calibrate", "id": order, "what": kind, "count": count, "concurrency": 4})
+    wait_for(lambda: (sims.status[0].get("calibration") or {}).get("id") == order, timeout=300,
+             what=f"{count} {kind} requests of the calibration")
+    time.sleep(COST_SETTLE_S)  # the Celery work and database writes the burst caused
+    spent = cpu() - before - background * (time.monotonic() - started)
+    answered = sims.status[0]["calibration"]["answered"]
+    if answered < count:
+        raise RuntimeError(f"calibration: {count - answered} of {count} {kind} requests were not answered 2xx "
+                           f"(statuses: {sims.status[0]['calibration']['statuses']})")
+    return max(spent, 0.0) / answered * 1000
+
+
+#: The fleet's own rate is read over this long before each burst; a burst's follow-up work over this long after.
+COST_QUIET_S = 5.0
+COST_SETTLE_S = 2.0
 
 
 def settle(done, timeout: float, what: str) -> float | None:
@@ -418,9 +518,10 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     killed = {f["hostname"] for f in plan if f["kind"] == "node_death"}
     offered = sum(sum(codes.values()) for codes in book["status"].values())
     accepted = sum(n for codes in book["status"].values() for code, n in codes.items() if 200 <= code < 300)
+    fleet = nodes + spares(nodes)
     return {"window_s": round(window, 1), "window": (started, started + window), "faults": faults,
             "killed": sorted(killed),
-            "cpu_s_per_node_minute": round(cpu / nodes / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
+            "cpu_s_per_node_minute": round(cpu / fleet / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
             "simulator_cores": round(sim_cpu / window, 2),
             "step_reports_made_per_s": round(made / window, 1),
             "step_reports_stored_per_s": round(delivered / window, 1),
@@ -546,10 +647,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="64 nodes, a 60 s window, a 20 s outage: under 5 minutes")
     parser.add_argument("--nodes", help="comma-separated fleet sizes (default 64,256,1024; --quick: 64)")
     parser.add_argument("--duration", type=float, help="steady window per size, seconds (default 180; --quick 60)")
+    parser.add_argument("--largest-duration", type=float, help="steady window of the largest size, seconds "
+                        "(default 600: the issue's 10 minutes at 1,024 nodes; --quick: --duration)")
     parser.add_argument("--outage", type=float, help="reconnect storm: seconds the web stops (30; --quick 20)")
     parser.add_argument("--storm-limit", type=float, help="how long to wait for the spools to empty (120; --quick 60)")
     parser.add_argument("--processes", type=int, help="simulator processes (default: 1-3 by fleet size)")
     parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
+                        "per-request CPU cost (default 1000)")
+    parser.add_argument("--cost-runs", type=int, help="calibration bursts per request kind (3; 0: skip)")
+    parser.add_argument("--cost-only", action="store_true", help="measure only the per-request cost (no fleet sizes)")
     parser.add_argument("--browsers", type=int, default=20, help="WebSocket clients on the biggest job's page "
                         "during the steady window, for the live push's latency (0: none)")
     parser.add_argument("--add", action="store_true", help="add these sizes to bench/results/fleet.json's (a size "
@@ -567,18 +674,29 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = [int(n) for n in (opts.nodes or ("64" if opts.quick else "64,256,1024")).split(",")]
     opts.duration = opts.duration or (60.0 if opts.quick else 180.0)
+    opts.largest_duration = opts.largest_duration or (opts.duration if opts.quick else 600.0)
     opts.outage = opts.outage or (20.0 if opts.quick else 30.0)
     opts.storm_limit = opts.storm_limit or (60.0 if opts.quick else 120.0)
+    opts.cost_runs = 3 if opts.cost_runs is None else opts.cost_runs
     tmp = Path(tempfile.mkdtemp(prefix="nw-fleet-"))
     results: list[dict[str, Any]] = []
+    costs: dict[str, Any] | None = None
     if opts.add and (RESULTS / "fleet.json").exists():
-        earlier = json.loads((RESULTS / "fleet.json").read_text())["details"]["sizes"]
-        results = [r for r in earlier if r["nodes"] not in sizes]
+        earlier = json.loads((RESULTS / "fleet.json").read_text())["details"]
+        results = [r for r in earlier["sizes"] if r["nodes"] not in sizes]
+        costs = earlier.get("cost")
     try:
+        if opts.cost_runs:
+            log("per-request cost: a calibration fleet of one job")
+            costs = cost(opts, tmp / "cost")
+            log(f"per-request cost: {json.dumps(costs)}")
+        if opts.cost_only:
+            return
         for nodes in sizes:
-            results.append(run_size(nodes, opts, tmp / f"n{nodes}"))
+            window = opts.largest_duration if nodes == max(sizes) else opts.duration
+            results.append(run_size(nodes, argparse.Namespace(**{**vars(opts), "duration": window}), tmp / f"n{nodes}"))
             log(f"{nodes} nodes: {json.dumps({k: v for k, v in results[-1].items() if k != 'tables'})}")
-            finish(results)  # after every size: a later size that fails leaves the smaller ones reported
+            finish(results, costs)  # after every size: a later size that fails leaves the smaller ones reported
     finally:
         if opts.keep:
             log(f"the run's files are in {tmp}")
@@ -586,12 +704,13 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def finish(results: list[dict[str, Any]]) -> None:
+def finish(results: list[dict[str, Any]], costs: dict[str, Any] | None = None) -> None:
     summary = summarise(results)
     largest = max(results, key=lambda r: r["nodes"])
     result = emit("fleet", metric="cpu_s_per_node_minute", value=largest["cpu_s_per_node_minute"], target=None,
                   better="lower", unit="CPU s per node per minute", runs=1, spread=None,
-                  details={"nodes": largest["nodes"], "ranks": largest["ranks"], **summary,
+                  details={"nodes": largest["nodes"], "spares": largest.get("spares", 0), "ranks": largest["ranks"],
+                           **summary, "cost": costs,
                            "targets": {"detection_p95_s": DETECTION_TARGET_S, "plateau": 0.9, "dashboard_s": 1.0,
                                        "cpu_exponent": 1.0, "false_unreachable": 0, "server_errors": 0},
                            "sizes": results})

@@ -40,6 +40,15 @@ def test_sixteen_simulated_nodes_train_report_and_one_death_is_noticed(cluster, 
         wait_for(lambda: (Job.objects.get(pk=job["id"]).last_step or 0) >= 3, timeout=60, what="step 3")
         assert StepMetric.objects.filter(job_id=job["id"], step__gte=3).exists()
 
+        # The benchmark's per-request cost bursts: each kind sent on top of the fleet, every one answered.
+        for order, kind in enumerate(("heartbeat", "telemetry", "report")):
+            sims.send({"kind": "calibrate", "id": order, "what": kind, "count": 12, "concurrency": 4})
+            burst = wait_for(lambda o=order: (sims.status[0].get("calibration") or {}) if
+                             (sims.status[0].get("calibration") or {}).get("id") == o else None,
+                             timeout=30, what=f"the {kind} burst")
+            assert (burst["what"], burst["answered"]) == (kind, 12), burst
+        assert StepMetric.objects.filter(job_id=job["id"], step__gte=15).exists()  # the report burst's steps
+
         victim = Job.objects.get(pk=job["id"]).generations.get(number=1).nodes.order_by("hostname").last()
         sims.send({"id": 1, "kind": "node_death", "hostname": victim.hostname}, victim.hostname)
         died = wait_for(lambda: next((f["at"] for f in sims.landed() if f["id"] == 1), None), timeout=10,
