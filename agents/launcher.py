@@ -59,8 +59,7 @@ def _become(request: dict) -> None:
 
         worker = zygote.start(zygote.listen(request["zygote"]))
         if worker is not None:  # this is a rank the zygote forked: run it, and exit as it does
-            zygote.run(worker)
-            return
+            zygote.run_and_exit(worker)
     sys.argv = ["torchrun", *request["args"]]
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 

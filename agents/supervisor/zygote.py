@@ -42,8 +42,10 @@ Design, and why per generation:
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import ctypes
+import gc
 import importlib.machinery
 import json
 import os
@@ -53,11 +55,12 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import tokenize
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 #: The zygote's process name (``/proc/PID/comm``): how the supervisor tells it from torchrun's
 #: workers among torchrun's children (its own children are the workers).
@@ -244,6 +247,10 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self._wake_w)
+        # What the imports built stays shared with the ranks: the collector must not walk (and
+        # so copy) it in every one of them.
+        gc.collect()
+        gc.freeze()
         self.sock.setblocking(False)
         self.sel.register(self.sock, selectors.EVENT_READ, "accept")
         self.sel.register(self._wake_r, selectors.EVENT_READ, "child")
@@ -393,6 +400,49 @@ def become(spec: WorkerSpec) -> None:
         sys.modules["torch"].set_num_threads(int(threads))
     if "numpy" in sys.modules:  # seeded once, in the zygote: every rank would draw the same numbers
         sys.modules["numpy"].random.seed()
+
+
+def run_and_exit(spec: WorkerSpec) -> NoReturn:
+    """Run the rank (``run``) and end as the interpreter would: ``SystemExit``'s code, an uncaught
+    exception's traceback and exit 1, SIGINT re-raised for an uncaught KeyboardInterrupt; threads
+    joined and atexit handlers run. Not the interpreter's module teardown: in a forked rank it
+    touches (refcounts) the zygote's whole heap, copying every page of it, which took seconds
+    under load at the end of a run, where the hang detector saw a rank that did not exit."""
+    code = 0
+    try:
+        run(spec)
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        _finish(None, interrupted=True)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish(code)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int | None, *, interrupted: bool = False) -> NoReturn:
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1 if code is None else code)
 
 
 def run(spec: WorkerSpec) -> None:

@@ -32,8 +32,7 @@ import signal, sys
 from agents.supervisor import zygote
 spec = zygote.start(zygote.listen(sys.argv[1]))
 if spec is not None:
-    zygote.run(spec)
-    sys.exit(0)
+    zygote.run_and_exit(spec)
 print("ready", flush=True)
 signal.pause()
 """
@@ -62,6 +61,10 @@ if mode == "term":
         (out / "got-term").write_text("1")
         sys.exit(3)
     signal.signal(signal.SIGTERM, on_term)
+if mode == "end":  # falls off the end, with a thread still to join and an atexit handler
+    import atexit, threading
+    atexit.register(lambda: (out / "atexit").write_text("1"))
+    threading.Thread(target=lambda: (time.sleep(0.2), (out / "thread").write_text("1"))).start()
 if mode in ("term", "wait"):
     (out / "waiting").write_text("1")
     while True:
@@ -159,13 +162,15 @@ def test_a_module_target_runs_as_python_dash_m(zygote_at: Callable[[], str],
     assert got["argv"][1:] == ["exit", "0"] and got["argv"][0].endswith("script.py") and got["name"] == "__main__"
 
 
-@pytest.mark.parametrize(("mode", "code"), [("kill", -signal.SIGKILL), ("raise", 1)])
+@pytest.mark.parametrize(("mode", "code"), [("kill", -signal.SIGKILL), ("raise", 1), ("end", 0)])
 def test_the_client_ends_as_the_worker_did(zygote_at: Callable[[], str], rank: Callable[..., subprocess.Popen[bytes]],
                                            tmp_path: Path, mode: str, code: int) -> None:
     client = rank(zygote_at(), mode)
     assert client.wait(timeout=30) == code  # -9: the same signal, re-raised on the client itself
     if mode == "raise":
         assert "ValueError: boom" in (tmp_path / "stderr").read_text()
+    if mode == "end":  # the interpreter's exit: threads joined, then atexit handlers
+        assert (tmp_path / "thread").exists() and (tmp_path / "atexit").exists()
 
 
 def test_sigterm_to_the_client_reaches_the_worker(zygote_at: Callable[[], str],
