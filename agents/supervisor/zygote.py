@@ -57,6 +57,7 @@ import struct
 import sys
 import threading
 import tokenize
+import traceback
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,8 +213,19 @@ def start(sock: socket.socket) -> WorkerSpec | None:
     if os.getppid() != parent:  # torchrun died before the line above took effect
         os._exit(0)
     _set_name(ZYGOTE_COMM)
-    spec = Zygote(sock).serve()
-    become(spec)
+    # Nothing may return from here but a rank: the caller would go on to become a second torchrun.
+    try:
+        spec = Zygote(sock).serve()
+    except BaseException:
+        traceback.print_exc()
+        print("nightwatch zygote: stopped; this generation's ranks start cold", file=sys.stderr, flush=True)
+        os._exit(70)
+    try:
+        become(spec)
+    except BaseException:  # no such directory, say: the rank fails as a cold one would
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     return spec
 
 
