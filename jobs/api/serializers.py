@@ -149,7 +149,7 @@ class RecoveryPolicySerializer(StrictSerializer):
                                                   allow_null=True, default=_RECOVERY.progress_timeout_s,
                                                   help_text="No step within this long = hang. Null: derive from "
                                                             "the job's rhythm: 3 × the p99 of recent step times "
-                                                            "(checkpoint saves included) + 1 s, at least 8 s.")
+                                                            "(checkpoint saves included) + 1 s, at least 5 s.")
     startup_timeout_s = serializers.IntegerField(
         min_value=10, max_value=24 * 3600, allow_null=True, default=_RECOVERY.startup_timeout_s,
         error_messages={"min_value": STARTUP_TIMEOUT_RANGE, "max_value": STARTUP_TIMEOUT_RANGE,
