@@ -415,35 +415,23 @@ def become(spec: WorkerSpec) -> None:
 
 
 def run_and_exit(spec: WorkerSpec) -> NoReturn:
-    """Run the rank (``run``) and end as the interpreter would: ``SystemExit``'s code, an uncaught
-    exception's traceback and exit 1, SIGINT re-raised for an uncaught KeyboardInterrupt; threads
-    joined and atexit handlers run. Not the interpreter's module teardown: in a forked rank it
-    touches (refcounts) the zygote's whole heap, copying every page of it, which took seconds
-    under load at the end of a run, where the hang detector saw a rank that did not exit."""
-    code = 0
+    """Run the rank (``run``). A rank that succeeds (falls off the end, ``sys.exit(0)``) ends as
+    the interpreter would, threads joined and atexit run, but without the module teardown: in a
+    forked rank it refcounts, and so copies, the zygote's whole heap, which took seconds under load
+    at the end of a run, where the hang detector saw a rank that did not exit. A rank that fails
+    (an exception, a non-zero ``SystemExit``) propagates it, and the interpreter reports it and
+    exits with its teardown, as a cold rank does: torchrun names the first rank it finds dead as the
+    root cause, and a surviving rank that died of the broken collective as fast as the killed one
+    was taken for it (rank 0 "traceback" instead of rank 1 SIGKILL)."""
     try:
         run(spec)
     except SystemExit as exc:
-        code = _exit_status(exc.code)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        _finish(None, interrupted=True)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    _finish(code)
+        if exc.code not in (None, 0):
+            raise
+    _finish(0)
 
 
-def _exit_status(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int) and not isinstance(code, bool):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _finish(code: int | None, *, interrupted: bool = False) -> NoReturn:
+def _finish(code: int) -> NoReturn:
     threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -451,10 +439,7 @@ def _finish(code: int | None, *, interrupted: bool = False) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):
             pass
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(1 if code is None else code)
+    os._exit(code)
 
 
 def run(spec: WorkerSpec) -> None:
