@@ -55,6 +55,7 @@ def _become(request: dict) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     if request.get("zygote"):
+        # Only a warm-workers launch needs the zygote; every other launch starts without importing it.
         from agents.supervisor import zygote
 
         worker = zygote.start(zygote.listen(request["zygote"]))
@@ -66,6 +67,7 @@ def _become(request: dict) -> None:
 
 def main() -> int:
     if "--workers" in sys.argv[1:]:
+        # Only a warm-workers launcher needs the zygote; every other launcher starts without importing it.
         from agents.supervisor import zygote
 
         zygote.preload()

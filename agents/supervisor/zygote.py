@@ -46,15 +46,18 @@ import atexit
 import builtins
 import ctypes
 import gc
+import importlib
 import importlib.machinery
 import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import tokenize
 import traceback
@@ -118,7 +121,6 @@ def parse_request(body: bytes, fds: list[int]) -> WorkerSpec:
 def private_socket_dir(base: str | None = None) -> Path:
     """A new directory only this user can enter (0700), for one generation's socket. Short, under
     the temporary directory: a Unix socket's path may not exceed 107 bytes."""
-    import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="nw-zygote-", dir=base))
     os.chmod(path, 0o700)
@@ -145,8 +147,6 @@ def worker_pids(socket_dir: Path) -> dict[int, int]:
 def remove_socket_dir(path: Path) -> None:
     """Remove a directory ``private_socket_dir`` made, and nothing else (the path may come from a
     record on disk)."""
-    import shutil
-    import tempfile
 
     path = Path(path)
     if path.name.startswith("nw-zygote-") and path.parent == Path(tempfile.gettempdir()) and path.is_dir() \
@@ -182,8 +182,6 @@ def listen(path: str) -> socket.socket:
 
 
 def preload() -> None:
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
 

@@ -134,3 +134,13 @@ def test_a_draining_node_that_runs_nothing_any_more_is_drained(cast, post):
     post("heartbeat", heartbeat(cast.node1, running=[]))
     assert Node.objects.get(pk=cast.node1.pk).schedulability == Schedulability.DRAINED
     assert Event.objects.get(kind="node.drained", node=cast.node1).actor == "node:gpu-01"
+
+
+def test_the_sweep_runs_often_enough_for_a_death_to_be_found_within_two_seconds_of_its_deadline():
+    """Issue 18: node death found within the heartbeat timeout + 2 s; the sweep's period is what comes on top."""
+    from nodes.beat import BEAT_SCHEDULE
+
+    sweep = BEAT_SCHEDULE["nodes-expire-heartbeats"]
+    assert sweep["task"] == "nodes.tasks.expire_heartbeats"
+    assert sweep["schedule"] <= 1.0
+    assert sweep["options"]["expires"] > sweep["schedule"]
