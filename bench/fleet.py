@@ -36,6 +36,7 @@ Needs PostgreSQL and Redis: databases ``nightwatch_fleet_bench_<nodes>`` (recrea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -265,17 +266,13 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
     import psycopg
 
     database = f"nightwatch_fleet_bench_{nodes}"
-    fresh_database(database, TEMPLATE_DB)
-    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
-    sims: Simulators | None = None
     fleet = nodes + spares(nodes)
-    try:
-        plane.start()
+    with served(work, database) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
         processes = opts.processes or (1 if nodes <= 16 else 2 if nodes <= 256 else 3)
-        sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed)
+        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed)
         conn = psycopg.connect(database_url(database), autocommit=True)
         log(f"{nodes} nodes: registering")
         # A fleet past the control plane's capacity registers through admission control's 503s, slowly, and
@@ -321,12 +318,24 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes)
         conn.close()
         return result
+
+
+@contextlib.contextmanager
+def served(work: Path, database: str):
+    """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
+    out; the plane's logs are printed when anything fails."""
+    fresh_database(database, TEMPLATE_DB)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
+    fleet = SimpleNamespace(sims=None)
+    try:
+        plane.start()
+        yield plane, fleet
     except BaseException:
         print(plane.dump_logs(), file=sys.stderr)
         raise
     finally:
-        if sims is not None:
-            sims.close()
+        if fleet.sims is not None:
+            fleet.sims.close()
         plane.close()
 
 
@@ -354,14 +363,10 @@ def cost(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     import psycopg
 
     database = "nightwatch_fleet_bench_cost"
-    fresh_database(database, TEMPLATE_DB)
-    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
-    sims: Simulators | None = None
-    try:
-        plane.start()
+    with served(work, database) as (plane, slot):
         cast = register_cast(plane, COST_NODES)
         templates = checkpoint_templates(work.parent / "templates", {COST_NODES * GPUS})
-        sims = Simulators(work, plane.ports, cast["nodes"], 1, templates=templates, seed=opts.seed)
+        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], 1, templates=templates, seed=opts.seed)
         conn = psycopg.connect(database_url(database), autocommit=True)
         wait_for(lambda: sims.total("registered") == COST_NODES, timeout=120, what="the cost fleet registered")
         submit_jobs(plane.ports[0], cast["operator"], [COST_NODES])
@@ -372,13 +377,6 @@ def cost(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             runs[kind].append(_one_cost(plane, sims, conn, database, order=order, kind=kind,
                                         count=opts.cost_requests))
         conn.close()
-    except BaseException:
-        print(plane.dump_logs(), file=sys.stderr)
-        raise
-    finally:
-        if sims is not None:
-            sims.close()
-        plane.close()
     figures: dict[str, Any] = {"requests": opts.cost_requests, "runs": opts.cost_runs}
     for kind, name in (("heartbeat", "cpu_ms_per_heartbeat"), ("report", "cpu_ms_per_report"),
                        ("telemetry", "cpu_ms_per_telemetry_request")):

@@ -146,8 +146,9 @@ def usable_token(digest: str) -> ApiToken | None:
     if row is None:
         return None
     objects, start = [], 0
-    for model, fields in parts:
-        values = [_converted(field, value, connection) for field, value in zip(fields, row[start:start + len(fields)])]
+    for model, fields, converters in parts:
+        values = [_converted(value, column_converters, connection)
+                  for (column_converters, value) in zip(converters, row[start:start + len(fields)])]
         start += len(fields)
         objects.append(model.from_db(connection.alias, [f.attname for f in fields], values)
                        if values[0] is not None else None)
@@ -159,7 +160,8 @@ def usable_token(digest: str) -> ApiToken | None:
 
 @functools.cache
 def _token_select():
-    """The statement of ``usable_token`` and, per model in its row, the fields it reads (primary key first)."""
+    """The statement of ``usable_token`` and, per model in its row, the fields it reads (primary key first)
+    with each field's converters (the backend's and the field's own, as the ORM's compiler finds them)."""
     token = ApiToken._meta
     parts = [(ApiToken, _fields(ApiToken))]
     joins = []
@@ -178,7 +180,8 @@ def _token_select():
     order = f"ORDER BY t.{_q(token.pk.column)} LIMIT 1"
     # Only names from the models are formatted in; every value is a parameter.
     sql = f"SELECT {', '.join(columns)} FROM {_q(token.db_table)} t {' '.join(joins)} WHERE {where} {order}"  # noqa: S608
-    return sql, parts
+    connection = connections[ApiToken.objects.db]
+    return sql, [(model, fields, [_converters(field, connection) for field in fields]) for model, fields in parts]
 
 
 def _fields(model) -> list:
@@ -190,10 +193,15 @@ def _q(name: str) -> str:
     return connections[ApiToken.objects.db].ops.quote_name(name)
 
 
-def _converted(field, value, connection):
-    """A raw column value as the ORM would hand it to the model (the backend's and the field's converters)."""
+def _converters(field, connection) -> list:
     column = field.get_col(field.model._meta.db_table)
-    for convert in connection.ops.get_db_converters(column) + field.get_db_converters(connection):
+    found = connection.ops.get_db_converters(column) + field.get_db_converters(connection)
+    return [(convert, column) for convert in found]
+
+
+def _converted(value, converters: list, connection):
+    """A raw column value as the ORM would hand it to the model."""
+    for convert, column in converters:
         value = convert(value, column, connection)
     return value
 
