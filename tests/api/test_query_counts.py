@@ -18,8 +18,10 @@ from tests.nodes.conftest import batch_of
 
 # Measured when written: a report batch 20 queries (2 reports or 40), a telemetry batch 7 (1 sample
 # or 128), a list 6 or 7 (3 rows or 30). The slack lets a path gain a query or two; one query per
-# item would add dozens at the large size.
-REPORTS_MAX_QUERIES = 24
+# item would add dozens at the large size. The report batches here are a generation's first: since
+# issue 20 that batch also reads the step the hooks resumed from (``record_first_step``, once per
+# generation), 25 queries in all (2026-12-02), whatever the batch's size.
+REPORTS_MAX_QUERIES = 28
 TELEMETRY_MAX_QUERIES = 9
 LIST_MAX_QUERIES = 9
 
