@@ -7,6 +7,7 @@ from their consumer's loop (``LivenessFile``) when ``NIGHTWATCH_WORKER_LIVENESS_
 compose healthcheck and the systemd units check it (``core.liveness``, docs/deployment.md).
 """
 
+import logging
 import os
 import uuid
 
@@ -15,6 +16,7 @@ from celery import Celery, Task, bootsteps, signals
 from core import liveness  # standard library only: safe before Django is set up
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+log = logging.getLogger(__name__)
 
 
 class OutboxTask(Task):
@@ -80,6 +82,24 @@ class LivenessFile(bootsteps.StartStopStep):
 
 
 app.steps["consumer"].add(LivenessFile)
+
+
+@signals.beat_init.connect
+def run_at_beat_start(sender=None, **_) -> None:
+    """Send the tasks of ``settings.BEAT_AT_START`` once as beat starts.
+
+    An interval entry first runs an interval after beat starts (Celery dates a new entry's last run
+    at its start), so on a fresh deployment the hourly node-window partitions would be made an hour
+    late, and every window of that hour would land in the default partition (bench.fleet,
+    2026-12-02: 1.5 GB a day of GPU samples and as much of node windows went there).
+    """
+    from django.conf import settings  # the app is configured by now; settings are not imported at load
+
+    for name in settings.BEAT_AT_START:
+        try:
+            app.send_task(name)
+        except Exception:  # a broker that does not answer: the schedule's own run comes later anyway
+            log.warning("beat start: %s not sent", name, exc_info=True)
 
 
 @signals.worker_init.connect

@@ -19,7 +19,9 @@ from django.core.exceptions import ImproperlyConfigured
 from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
 from core.env import env_bool, env_float, env_int, env_list, env_secret, env_str
+from jobs.beat import AT_START as JOBS_BEAT_AT_START
 from jobs.beat import BEAT_SCHEDULE as JOBS_BEAT_SCHEDULE
+from nodes.beat import AT_START as NODES_BEAT_AT_START
 from nodes.beat import BEAT_SCHEDULE as NODES_BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -216,6 +218,10 @@ CELERY_BEAT_SCHEDULE: dict = {
     "core-outbox": {"task": "core.tasks.send_outbox", "schedule": env_float("NIGHTWATCH_OUTBOX_INTERVAL_S", 5.0),
                     "options": {"expires": 30}},
 }
+# Beat's first run of an interval task comes an interval after beat starts. These run at its start
+# as well (controlplane.celery.run_at_beat_start): they make room ahead (time partitions), and an
+# hour without them sends a fresh deployment's telemetry into the default partitions.
+BEAT_AT_START: tuple[str, ...] = (*JOBS_BEAT_AT_START, *NODES_BEAT_AT_START)
 
 # --- Auth, API ------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -376,6 +382,8 @@ NIGHTWATCH = {
     # 1,024 nodes had heartbeats wait 5 s and more, which holds every verdict (nodes/services/overload.py).
     "MAX_IN_FLIGHT": env_int("NIGHTWATCH_MAX_IN_FLIGHT", 16),
     "PRIORITY_RESERVE": env_int("NIGHTWATCH_PRIORITY_RESERVE", 4),
+    # Of those, the slots heartbeats and registrations leave free for the agents' events (exits, Xids).
+    "URGENT_RESERVE": env_int("NIGHTWATCH_URGENT_RESERVE", 2),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
     # GPU telemetry (docs/architecture.md, "Telemetry storage"): raw samples for this many hours
     # (dropped an hourly partition at a time on PostgreSQL), 1-minute rollups for this many days.

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+#: Run once as beat starts, not first an hour later: the node-window partitions of the coming hours.
+AT_START: tuple[str, ...] = ("jobs.tasks.maintain_node_windows",)
+
 BEAT_SCHEDULE: dict = {
     "jobs-checkpoint-interval": {
         "task": "jobs.tasks.push_checkpoint_intervals",

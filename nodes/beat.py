@@ -17,6 +17,11 @@ HEARTBEAT_SWEEP_S = env_float("NIGHTWATCH_HEARTBEAT_SWEEP_INTERVAL_S", 1.0)
 #: How often Slurm's job and node states are read (each read is one squeue / sinfo call).
 SLURM_POLL_S = float(env_str("NIGHTWATCH_SLURM_POLL_INTERVAL_S", "2"))
 
+#: Run once as beat starts, not first an interval later: the telemetry partitions of the coming hours
+#: (a fresh deployment, or a database restored from an older dump, has at most the hour it was
+#: migrated in, and samples would land in the default partition for up to 10 minutes).
+AT_START: tuple[str, ...] = ("nodes.tasks.prepare_telemetry_partitions",)
+
 BEAT_SCHEDULE: dict = {
     "nodes-expire-heartbeats": {
         "task": "nodes.tasks.expire_heartbeats",

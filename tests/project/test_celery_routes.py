@@ -84,3 +84,28 @@ def test_the_compose_file_runs_a_worker_on_each_queue():
     default_workers = [name for name, command in commands.items() if "-Q " not in command]
     assert checkpoint_workers and default_workers, commands
     assert not set(checkpoint_workers) & set(default_workers)
+
+
+def test_beat_sends_the_tasks_that_make_room_ahead_as_it_starts(tasks, settings):
+    """Beat's first run of an interval task comes an interval after it starts: the partition makers
+    run at its start too, or a fresh deployment's first hour of node windows lands in the default
+    partition. The real signal and publish path: the messages are in the broker's default queue."""
+    import redis
+    from celery import signals
+
+    scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert set(settings.BEAT_AT_START) == {"nodes.tasks.prepare_telemetry_partitions",
+                                           "jobs.tasks.maintain_node_windows"}
+    assert set(settings.BEAT_AT_START) <= tasks & scheduled
+    if not settings.REDIS_URL:
+        pytest.fail("this test reads the broker's queues: run it with REDIS_URL (as `make test` does)")
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    queue = app.conf.task_default_queue
+    before = set(client.lrange(queue, 0, -1))
+    signals.beat_init.send(sender=None)
+    sent = [raw for raw in client.lrange(queue, 0, -1) if raw not in before]
+    try:
+        assert sorted(json.loads(raw)["headers"]["task"] for raw in sent) == sorted(settings.BEAT_AT_START)
+    finally:
+        for raw in sent:
+            client.lrem(queue, 1, raw)
