@@ -19,22 +19,26 @@ from django.conf import settings  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 from core.admission import Admission  # noqa: E402
 
-#: URL names whose requests may use the whole admission bound: a heartbeat that does not get through
-#: turns a live node unreachable, and the agent's events carry exits and Xids, the verdicts that
-#: start a recovery. Probes are never refused.
-PRIORITY_URLS = ("agent-heartbeat", "agent-register", "agent-events")
+#: URL names whose requests may use the whole admission bound: the agent's events carry exits and
+#: Xids, the verdicts that start a recovery.
+URGENT_URLS = ("agent-events",)
+#: URL names that leave only the urgent slots free: a heartbeat that does not get through (and is
+#: not known to have been refused) turns a live node unreachable. Probes are never refused.
+PRIORITY_URLS = ("agent-heartbeat", "agent-register")
 EXEMPT_URLS = ("healthz", "readyz")
 #: URL names whose refused callers are recorded (core.refusals): any request of an agent proves its
-#: node alive; of the training hooks, only a step report proves progress (a hung rank's reporter
-#: still polls control).
-WITNESS_URLS = ("agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports")
+#: node alive; of the training hooks, only a step report or a checkpoint commit proves progress (a
+#: hung rank's reporter still polls control). Commits count because the reporter delivers its spool
+#: in order: while a commit at its head is refused, the step reports behind it are never sent, and
+#: bench.fleet (2026-12-02, 1,024 nodes) saw 21 of 23 jobs declared hung at a checkpoint step that way.
+WITNESS_URLS = ("agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports", "job-checkpoints")
 
 
 def admission(app) -> Admission:
     knobs = settings.NIGHTWATCH
     return Admission(app, limit=knobs["MAX_IN_FLIGHT"], reserve=knobs["PRIORITY_RESERVE"],
-                     retry_after_s=knobs["RETRY_AFTER_S"], priority=PRIORITY_URLS, exempt=EXEMPT_URLS,
-                     witnesses=WITNESS_URLS)
+                     urgent_reserve=knobs["URGENT_RESERVE"], retry_after_s=knobs["RETRY_AFTER_S"],
+                     urgent=URGENT_URLS, priority=PRIORITY_URLS, exempt=EXEMPT_URLS, witnesses=WITNESS_URLS)
 
 
 application = ProtocolTypeRouter(

@@ -7,11 +7,16 @@ accepted out of 1,024 offered; PostgreSQL out of connections). With it, the proc
 most ``limit`` requests; the next one is answered at once with ``503`` and ``Retry-After``, which the
 agents and the training hooks honour with jittered backoff while their spools keep everything.
 
-Not every request is worth the same. A heartbeat that does not get through today makes the sweeper
-call a live node unreachable tomorrow, and an agent's events carry the exits and Xids that start a
-recovery, so ``priority`` requests (heartbeats, registration, agent events) may use the whole
-bound, while bulk data (step reports, telemetry, the hooks' events) and everything else leave
-``reserve`` slots free for them. Probes (``exempt``: liveness, readiness) are always admitted: an
+Not every request is worth the same. An agent's events carry the exits and Xids that start a
+recovery: ``urgent`` requests may use the whole bound. A heartbeat that does not get through today
+makes the sweeper call a live node unreachable tomorrow: ``priority`` requests (heartbeats,
+registration) leave ``urgent_reserve`` slots free for the urgent ones. Bulk data (step reports,
+telemetry, the hooks' events) and everything else leave ``reserve`` slots free for both. The urgent
+slots matter at fleet scale: 1,088 agents each heartbeating on their own connection keep a
+shedding server's bound full of heartbeats, and with one class for both an exit report was refused
+as often as a heartbeat and reached the control plane 20 s after the rank died (bench.fleet,
+2026-12-02). A refused heartbeat costs nothing (its node is spared, ``core.refusals``); a refused
+exit delays the recovery. Probes (``exempt``: liveness, readiness) are always admitted: an
 orchestrator must not restart a process for being busy.
 
 ASGI middleware, in front of Django: it counts on the event loop, before a request queues for
@@ -55,6 +60,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
+URGENT = "urgent"
 PRIORITY = "priority"
 EXEMPT = "exempt"
 OTHER = "other"
@@ -68,8 +74,8 @@ class Counters:
 
     in_flight: int = 0
     peak: int = 0
-    admitted: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, EXEMPT: 0, OTHER: 0})
-    refused: dict[str, int] = field(default_factory=lambda: {PRIORITY: 0, OTHER: 0})
+    admitted: dict[str, int] = field(default_factory=lambda: {URGENT: 0, PRIORITY: 0, EXEMPT: 0, OTHER: 0})
+    refused: dict[str, int] = field(default_factory=lambda: {URGENT: 0, PRIORITY: 0, OTHER: 0})
 
 
 class SharedTally:
@@ -120,18 +126,20 @@ def bearer_token(scope: Scope) -> str | None:
 class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
 
-    def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int,
-                 priority: Collection[str] = (), exempt: Collection[str] = (), witnesses: Collection[str] = (),
-                 late_s: float | None = None):
-        if limit < 0 or reserve < 0 or (limit and reserve >= limit):
-            raise ValueError(f"admission: need 0 <= reserve < limit (or limit 0: off), got limit={limit} "
-                             f"reserve={reserve}")
+    def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, urgent_reserve: int = 0,
+                 urgent: Collection[str] = (), priority: Collection[str] = (), exempt: Collection[str] = (),
+                 witnesses: Collection[str] = (), late_s: float | None = None):
+        if limit < 0 or not 0 <= urgent_reserve <= reserve or (limit and reserve >= limit):
+            raise ValueError(f"admission: need 0 <= urgent_reserve <= reserve < limit (or limit 0: off), got "
+                             f"limit={limit} reserve={reserve} urgent_reserve={urgent_reserve}")
         if retry_after_s < 1:
             raise ValueError(f"admission: Retry-After is whole seconds, at least 1, got {retry_after_s}")
         self.app = app
         self.limit = limit
         self.reserve = reserve
+        self.urgent_reserve = urgent_reserve
         self.retry_after_s = retry_after_s
+        self.urgent = frozenset(urgent)
         self.priority = frozenset(priority)
         self.exempt = frozenset(exempt)
         self.witnesses = frozenset(witnesses)
@@ -151,12 +159,14 @@ class Admission:
             return OTHER, None
         if name in self.exempt:
             return EXEMPT, name
+        if name in self.urgent:
+            return URGENT, name
         return PRIORITY if name in self.priority else OTHER, name
 
     def admits(self, kind: str) -> bool:
         if not self.limit or kind == EXEMPT:
             return True
-        bound = self.limit if kind == PRIORITY else self.limit - self.reserve
+        bound = self.limit - {URGENT: 0, PRIORITY: self.urgent_reserve}.get(kind, self.reserve)
         return self.counters.in_flight < bound
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

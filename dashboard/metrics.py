@@ -324,9 +324,9 @@ class NightwatchCollector:
         if counts is None:
             return
         refused = CounterMetricFamily("nightwatch_admission_refused", "Requests admission control answered with "
-                                      "503, every web process together, by class (priority: heartbeats and "
-                                      "registration).", labels=["class"])
-        for kind in ("priority", "other"):
+                                      "503, every web process together, by class (urgent: the agents' events; "
+                                      "priority: heartbeats and registration).", labels=["class"])
+        for kind in ("urgent", "priority", "other"):
             refused.add_metric([kind], counts.get(f"refused:{kind}", 0))
         late = CounterMetricFamily("nightwatch_admission_late_heartbeats", "Heartbeats and registrations answered "
                                    "OVERLOAD_HEARTBEAT_LAG_S or more after they arrived.")

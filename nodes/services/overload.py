@@ -108,7 +108,7 @@ def measure(now: datetime) -> Load:
         refused = heartbeats_refused = late = None
     else:
         heartbeats_refused = counts.get("refused:priority", 0)
-        refused = heartbeats_refused + counts.get("refused:other", 0)
+        refused = heartbeats_refused + counts.get("refused:urgent", 0) + counts.get("refused:other", 0)
         late = counts.get("late:priority", 0)
     return Load(window_s=window, heartbeats_refused=heartbeats_refused, refused=refused, late_heartbeats=late,
                 queue_depth=_queue_depth())

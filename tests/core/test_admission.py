@@ -11,12 +11,14 @@ import json
 
 import pytest
 
-from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, WITNESS_URLS, application
+from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, URGENT_URLS, WITNESS_URLS, application
 from core.admission import Admission
 
 HEARTBEAT = "/api/v1/nodes/7/heartbeat"
 REPORTS = "/api/v1/jobs/3/reports"
 CONTROL = "/api/v1/jobs/3/control"
+CHECKPOINTS = "/api/v1/jobs/3/checkpoints"
+EVENTS = "/api/v1/nodes/7/events"
 PROBE = "/healthz"
 
 
@@ -48,10 +50,10 @@ async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None)
     return {"status": start["status"], "headers": dict(start["headers"]), "body": sent[1]["body"]}
 
 
-def admission(limit=3, reserve=1):
+def admission(limit=3, reserve=1, urgent_reserve=0):
     held = Held()
-    return held, Admission(held, limit=limit, reserve=reserve, retry_after_s=2, priority=PRIORITY_URLS,
-                           exempt=EXEMPT_URLS, witnesses=WITNESS_URLS)
+    return held, Admission(held, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=2,
+                           urgent=URGENT_URLS, priority=PRIORITY_URLS, exempt=EXEMPT_URLS, witnesses=WITNESS_URLS)
 
 
 async def until(predicate):
@@ -84,8 +86,26 @@ def test_bulk_is_refused_at_the_bound_less_the_reserve_and_heartbeats_use_the_re
         answers = await asyncio.gather(*bulk, beat, probe)
         assert [a["status"] for a in answers] == [200, 200, 200, 200]
         assert app.counters.in_flight == 0 and app.counters.peak == 4
-        assert app.counters.refused == {"priority": 1, "other": 1}
+        assert app.counters.refused == {"urgent": 0, "priority": 1, "other": 1}
         assert (await call(app, REPORTS))["status"] == 200  # capacity is back
+
+    asyncio.run(scenario())
+
+
+def test_heartbeats_leave_the_urgent_slots_to_the_agents_events():
+    """A fleet of heartbeats keeps a shedding server's bound full; an exit report still gets in."""
+    async def scenario():
+        held, app = admission(limit=4, reserve=2, urgent_reserve=1)
+        beats = [asyncio.create_task(call(app, HEARTBEAT)) for _ in range(3)]
+        await until(lambda: held.started == 3)
+        assert (await call(app, HEARTBEAT))["status"] == 503  # limit - urgent_reserve heartbeats in flight
+        assert (await call(app, REPORTS))["status"] == 503
+        exit_report = asyncio.create_task(call(app, EVENTS))  # the urgent slot
+        await until(lambda: held.started == 4)
+        assert (await call(app, EVENTS))["status"] == 503  # and then the bound holds for urgent ones too
+        held.release.set()
+        assert [a["status"] for a in await asyncio.gather(*beats, exit_report)] == [200] * 4
+        assert app.counters.refused == {"urgent": 1, "priority": 1, "other": 1}
 
     asyncio.run(scenario())
 
@@ -107,10 +127,11 @@ def test_an_unknown_path_counts_as_bulk_and_a_zero_limit_admits_everything():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("limit, reserve, retry", [(4, 4, 1), (4, 5, 1), (-1, 0, 1), (4, 1, 0)])
-def test_a_bound_that_cannot_work_is_refused_at_start(limit, reserve, retry):
+@pytest.mark.parametrize("limit, reserve, urgent, retry", [(4, 4, 0, 1), (4, 5, 0, 1), (-1, 0, 0, 1), (4, 1, 0, 0),
+                                                            (4, 1, 2, 1), (4, 1, -1, 1)])
+def test_a_bound_that_cannot_work_is_refused_at_start(limit, reserve, urgent, retry):
     with pytest.raises(ValueError):
-        Admission(Held(), limit=limit, reserve=reserve, retry_after_s=retry)
+        Admission(Held(), limit=limit, reserve=reserve, urgent_reserve=urgent, retry_after_s=retry)
 
 
 def test_the_project_routes_http_through_admission_with_the_settings_bound(settings):
@@ -119,6 +140,8 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
     assert http.limit == settings.NIGHTWATCH["MAX_IN_FLIGHT"] > http.reserve == settings.NIGHTWATCH[
         "PRIORITY_RESERVE"]
     assert http.classify(HEARTBEAT) == "priority" and http.classify("/api/v1/agents/register") == "priority"
-    assert http.classify("/api/v1/nodes/7/events") == "priority"  # exits and Xids: the verdicts that start recovery
-    assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports"}
+    assert http.urgent_reserve == settings.NIGHTWATCH["URGENT_RESERVE"] <= http.reserve
+    assert http.classify(EVENTS) == "urgent"  # exits and Xids: the verdicts that start recovery
+    assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports",
+                              "job-checkpoints"}
     assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"

@@ -11,7 +11,7 @@ import pytest
 from core import admission as admission_module
 from core import shared_counts
 from core.models import hash_token
-from tests.core.test_admission import CONTROL, HEARTBEAT, REPORTS, admission, call, until
+from tests.core.test_admission import CHECKPOINTS, CONTROL, HEARTBEAT, REPORTS, admission, call, until
 
 
 @pytest.fixture
@@ -64,7 +64,8 @@ def test_refusals_by_class_and_late_heartbeats_reach_the_shared_counts(counts):
 def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
     """The sweepers spare a node or job whose requests were refused (core.refusals): they learn whom
     from the SHA-256 of the bearer token, never the token; requests without one name nobody, and
-    neither does a control poll (a hung rank's reporter still polls: only a step report is progress)."""
+    neither does a control poll (a hung rank's reporter still polls: only a step report or a checkpoint
+    commit is progress; a refused commit holds back the reports spooled after it)."""
     async def scenario():
         held, app = admission(limit=1, reserve=0)
         first = asyncio.create_task(call(app, REPORTS))
@@ -73,6 +74,7 @@ def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
                         [(b"authorization", b"Basic dXNlcjpwYXNz")], [(b"authorization", b"Bearer \xff")], []):
             assert (await call(app, HEARTBEAT, headers))["status"] == 503
         assert (await call(app, REPORTS, [(b"authorization", b"Bearer nw_reporting")]))["status"] == 503
+        assert (await call(app, CHECKPOINTS, [(b"authorization", b"Bearer nw_committing")]))["status"] == 503
         assert (await call(app, CONTROL, [(b"authorization", b"Bearer nw_polling")]))["status"] == 503
         await handed_over(app)
         held.release.set()
@@ -80,10 +82,11 @@ def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
 
     asyncio.run(scenario())
     refused = shared_counts.refused_callers(5, now=time.time())
-    assert set(refused) == {hash_token("nw_agent-one"), hash_token("nw_hooks"), hash_token("nw_reporting")}
+    assert set(refused) == {hash_token("nw_agent-one"), hash_token("nw_hooks"), hash_token("nw_reporting"),
+                            hash_token("nw_committing")}
     assert all(time.time() - 5 < at <= time.time() for at in refused.values())
     assert shared_counts.refused_callers(5, now=time.time() + 60) == {}
-    assert shared_counts.totals() == {"refused:priority": 5, "refused:other": 2}
+    assert shared_counts.totals() == {"refused:priority": 5, "refused:other": 3}
 
 
 def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):
