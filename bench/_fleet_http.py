@@ -2,8 +2,9 @@
 
 ``agents.http`` is what real agents and hooks use, but it blocks a thread per request: a thousand
 simulated nodes with eight ranks each cannot have a thread per request in a few processes. This
-client speaks the same JSON over keep-alive connections (a bounded pool per server, as many
-nodes behind one load balancer would), and answers the same way: 2xx/4xx are answers, 5xx and
+client speaks the same JSON over keep-alive connections (a bounded pool per server for bulk
+data, as many nodes behind one load balancer would; each agent's heartbeats on a connection of
+their own, as its heartbeat thread sends them), and answers the same way: 2xx/4xx are answers, 5xx and
 connection failures are ``Unreachable`` carrying the 503's ``Retry-After``, so callers back off
 with ``agents.http.retry_delay`` exactly as the agent and the reporter do.
 """
@@ -82,11 +83,17 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def exchange(self, raw: bytes, timeout: float) -> tuple[int, dict[str, str], bytes]:
+        """One request and its answer within ``timeout``, connecting first if need be: the connect is
+        inside the timeout, as it is in ``urllib`` (a server whose accept queue is full would
+        otherwise hold a caller for the kernel's SYN retries, a minute or more)."""
+        return await asyncio.wait_for(self._exchange(raw), timeout)
+
+    async def _exchange(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         self.writer.write(raw)
-        return await asyncio.wait_for(self._response(self.reader), timeout)
+        return await self._response(self.reader)
 
     @staticmethod
     async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
