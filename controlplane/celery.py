@@ -91,7 +91,7 @@ def run_at_beat_start(sender=None, **_) -> None:
     An interval entry first runs an interval after beat starts (Celery dates a new entry's last run
     at its start), so on a fresh deployment the hourly node-window partitions would be made an hour
     late, and every window of that hour would land in the default partition (bench.fleet,
-    2026-12-02: 1.5 GB a day of GPU samples and as much of node windows went there).
+    2026-12-02: 1.5 GB a day of GPU samples and 1.5 of node windows were written there).
     """
     from django.conf import settings  # the app is configured by now; settings are not imported at load
 

@@ -28,8 +28,8 @@ other work), are also added to counts every web process shares (``core.shared_co
 heartbeat sweeper reads them to tell a silent node from a control plane that could not keep up
 (``nodes.services.overload``), and ``/metrics`` exports them. So is *who* was refused: the
 SHA-256 of the bearer token of each refused request that would have proved its caller alive
-(``witnesses``: an agent's requests, the hooks' step reports; never the token), so that the
-sweepers can tell a node or a job whose requests we turned away (alive, and our fault) from one
+(``witnesses``: an agent's requests, the hooks' step reports and checkpoint commits; never the
+token), so that the sweepers can tell a node or a job whose requests we turned away (alive, and our fault) from one
 that fell silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
 made-up token names nobody. All of it is batched in memory and handed to Redis from a thread at
 most once per ``FLUSH_S``, so a 503 never waits on Redis and never fails because of it.
