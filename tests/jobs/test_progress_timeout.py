@@ -6,7 +6,7 @@ crash's exit report (``rank_gone``), for a bounded wait."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import pytest
 import time_machine
@@ -23,7 +23,10 @@ from jobs.choices import JobState
 from jobs.models import Generation, Incident, Job
 from nodes.services import ingest as node_ingest
 
-T0 = datetime.fromisoformat("2026-12-02T12:00:00+00:00")
+#: A day ahead of the real clock, in whole seconds: the ``job`` fixture's generation starts at the real
+#: time, and a fault is never dated before its generation started (``exit_fault_time``). A fixed T0
+#: made the rank's-death test fail on the day itself once the real clock passed it.
+T0 = (timezone.now() + timedelta(days=1)).replace(microsecond=0)
 FAST = {"input": 0.01, "compute": 0.07, "optimizer": 0.02}  # a 0.1 s step
 
 
