@@ -64,6 +64,8 @@ URGENT = "urgent"
 PRIORITY = "priority"
 EXEMPT = "exempt"
 OTHER = "other"
+#: The classes a request can be refused in, as ``refused:<class>`` in the shared counts.
+REFUSABLE = (URGENT, PRIORITY, OTHER)
 #: Shared counts are handed to Redis at most this often per process.
 FLUSH_S = 1.0
 
@@ -75,7 +77,7 @@ class Counters:
     in_flight: int = 0
     peak: int = 0
     admitted: dict[str, int] = field(default_factory=lambda: {URGENT: 0, PRIORITY: 0, EXEMPT: 0, OTHER: 0})
-    refused: dict[str, int] = field(default_factory=lambda: {URGENT: 0, PRIORITY: 0, OTHER: 0})
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSABLE, 0))
 
 
 class SharedTally:
@@ -138,6 +140,7 @@ class Admission:
         self.limit = limit
         self.reserve = reserve
         self.urgent_reserve = urgent_reserve
+        self._bounds = {URGENT: limit, PRIORITY: limit - urgent_reserve, OTHER: limit - reserve}
         self.retry_after_s = retry_after_s
         self.urgent = frozenset(urgent)
         self.priority = frozenset(priority)
@@ -166,8 +169,7 @@ class Admission:
     def admits(self, kind: str) -> bool:
         if not self.limit or kind == EXEMPT:
             return True
-        bound = self.limit - {URGENT: 0, PRIORITY: self.urgent_reserve}.get(kind, self.reserve)
-        return self.counters.in_flight < bound
+        return self.counters.in_flight < self._bounds[kind]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

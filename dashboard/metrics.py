@@ -35,7 +35,7 @@ from rest_framework.request import Request
 
 from checkpoints.choices import CheckpointState
 from checkpoints.models import Checkpoint
-from core import degraded, outbox, roles, shared_counts
+from core import admission, degraded, outbox, roles, shared_counts
 from core.auth import TokenAuthentication, capabilities, client_address
 from core.events import EventKind
 from core.models import Event
@@ -326,7 +326,7 @@ class NightwatchCollector:
         refused = CounterMetricFamily("nightwatch_admission_refused", "Requests admission control answered with "
                                       "503, every web process together, by class (urgent: the agents' events; "
                                       "priority: heartbeats and registration).", labels=["class"])
-        for kind in ("urgent", "priority", "other"):
+        for kind in admission.REFUSABLE:
             refused.add_metric([kind], counts.get(f"refused:{kind}", 0))
         late = CounterMetricFamily("nightwatch_admission_late_heartbeats", "Heartbeats and registrations answered "
                                    "OVERLOAD_HEARTBEAT_LAG_S or more after they arrived.")

@@ -51,7 +51,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core import shared_counts
+from core import admission, shared_counts
 from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
@@ -108,7 +108,7 @@ def measure(now: datetime) -> Load:
         refused = heartbeats_refused = late = None
     else:
         heartbeats_refused = counts.get("refused:priority", 0)
-        refused = heartbeats_refused + counts.get("refused:urgent", 0) + counts.get("refused:other", 0)
+        refused = sum(counts.get(f"refused:{kind}", 0) for kind in admission.REFUSABLE)
         late = counts.get("late:priority", 0)
     return Load(window_s=window, heartbeats_refused=heartbeats_refused, refused=refused, late_heartbeats=late,
                 queue_depth=_queue_depth())
