@@ -112,7 +112,7 @@ def _report_failed_saves(job: Job, generation: int, fresh_events: list[hooks_pro
     """A failed checkpoint save (the hooks trained on) becomes a ``checkpoint`` incident, after commit."""
     for e in fresh_events:
         if e.kind == "checkpoint_failed":
-            failure = {**{k: v for k, v in e.detail.items() if k in ("path", "reason", "errno", "error")},
+            failure = {**{k: v for k, v in e.detail.items() if k in ("path", "reason", "errno", "error", "peer_lost")},
                        "step": e.step, "rank": e.rank, "time": e.time}
             transaction.on_commit(lambda f=failure: handle_save_failed.delay(job.pk, generation, f))
 

@@ -50,6 +50,10 @@ CLASSIFICATION_LEN = Incident._meta.get_field("classification").max_length
 MAX_FURTHER = 100
 #: A job in these states has a generation whose faults we act on.
 WATCHED = JobState.ACTIVE - {JobState.QUIESCING}
+#: A job in these states hears of a change of its nodes' health: quiescing ones too, as a lost node
+#: may be the cause of the fault they stop for (``_hang_was_a_partition``), and is further evidence
+#: on their incident otherwise.
+HEALTH_WATCHED = JobState.ACTIVE
 
 
 # --- faults -----------------------------------------------------------------------------------
@@ -68,6 +72,11 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
             return None
         if job.state not in WATCHED:
             open_incident = _open_incident(job)
+            if open_incident is not None and (
+                    _hang_was_a_partition(job, open_incident, signal, nodes, detail, fault_at, actor=actor)
+                    or _hang_was_a_crash(job, open_incident, signal, nodes, detail, fault_at, evidence,
+                                         actor=actor)):
+                return open_incident
             if open_incident is not None:
                 further = open_incident.evidence.setdefault("further", [])
                 if len(further) < MAX_FURTHER:  # a flapping signal must not grow one row without bound
@@ -106,6 +115,84 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
     return incident
 
 
+def _hang_was_a_partition(job: Job, incident: Incident, signal: str, nodes: tuple[str, ...], detail: dict | None,
+                          fault_at, *, actor: str) -> bool:
+    """Re-classify ``incident``, a hang its job is quiescing for, as the partition it was: one of the
+    generation's nodes turned unreachable before it confirmed its ranks stopped. Returns whether it did.
+
+    A node cut off stalls the collectives of every rank, so the hang sweep (a 2 s floor) usually
+    speaks before the heartbeat sweep (a heartbeat timeout after the last heartbeat, 3 s in the
+    e2e cluster, 15 s by default): the stall is the symptom, the lost node the cause. A restart
+    for the hang could run beside the cut-off rank, so the decision becomes the partition's
+    (escalate, page): the quiesce goes on as before, and the job pauses for a human unless every
+    node confirms. The hang's own evidence is kept (``hang``), its fault time too when earlier.
+    Not once the incident has quiesced or the node has confirmed: nothing of it can run then."""
+    generation = incident.generation
+    if (signal != policy.NODE_UNREACHABLE or incident.evidence.get("signal") != policy.HANG
+            or incident.quiesced_at is not None or generation is None or generation.number != job.generation
+            or set(nodes) <= set(generation.stopped_nodes)):
+        return False
+    decision = policy.decide(_evidence(job, signal, nodes=nodes))
+    _reclassify_hang(job, incident, decision, signal, nodes, detail, fault_at, {}, actor=actor)
+    Job.objects.filter(pk=job.pk).update(relaunch_after=None)
+    return True
+
+
+def _reclassify_hang(job: Job, incident: Incident, decision: policy.Decision, signal: str, nodes: tuple[str, ...],
+                     detail: dict | None, fault_at, evidence: dict, *, actor: str) -> str:
+    """Give ``incident`` (a hang) the cause's classification, decision and evidence, keeping the
+    hang's own (``hang``, ``reclassified_from``) and the earlier fault time; returns the reason."""
+    reason = f"{decision.reason}; first taken for a hang (no step progress since step {job.last_step})"
+    hang = {k: incident.evidence.get(k) for k in ("signal", "detail", "reason", "step")}
+    incident.kind, incident.decision = decision.classification, decision.action
+    incident.classification = clip(one_line(reason), CLASSIFICATION_LEN)
+    incident.evidence = clean_json({**incident.evidence, "signal": signal, "nodes": list(nodes),
+                                    "detail": detail or {}, **_jsonable(evidence), "reason": reason,
+                                    "page": decision.page, "propose_rollback": decision.propose_rollback,
+                                    "reclassified_from": policy.HANG, "hang": hang})
+    if fault_at is not None and (incident.fault_at is None or fault_at < incident.fault_at):
+        incident.fault_at = fault_at
+    incident.save(update_fields=["kind", "decision", "classification", "evidence", "fault_at"])
+    record_event(EventKind.INCIDENT_OPEN, actor=actor, job=job, generation=job.generation,
+                 reason=f"re-classified: {reason}", evidence={"incident": incident.pk, "decision": decision.action})
+    return reason
+
+
+def _hang_was_a_crash(job: Job, incident: Incident, signal: str, nodes: tuple[str, ...], detail: dict | None,
+                      fault_at, evidence: dict, *, actor: str) -> bool:
+    """Re-classify ``incident``, a hang its job is quiescing (or recovering) for, as the crash it was:
+    an exit nobody asked for, from a rank that ended at or before the hang's verdict. Returns
+    whether it did.
+
+    A rank that dies stalls the others in their next collective, and the hang sweep (a 2 s floor)
+    can speak before the exit report arrives: torchrun reports only once it has closed the rest of
+    the group, and a Slurm job's end is read from the controller's next poll (``tests/slurm`` failed
+    in CI on that race). The exit is the cause, the stall its symptom: the incident takes the
+    crash's classification and decision (a Xid or an unhealthy node drains; a repeated failure
+    pauses), as though the exit had come first; the hang does not count against the restart budget
+    twice. The hang's evidence is kept (``hang``). An exit after the verdict (a rank our stop or the
+    stall itself ended) is further evidence, as before, and so is one without a time."""
+    generation = incident.generation
+    if (signal != policy.EXIT or incident.evidence.get("signal") != policy.HANG or fault_at is None
+            or fault_at > incident.detected_at or generation is None or generation.number != job.generation
+            or job.state not in (JobState.QUIESCING, JobState.RECOVERING)):
+        return False
+    decision = policy.decide(_evidence(job, signal, nodes=nodes, excluding=incident, **evidence))
+    reason = _reclassify_hang(job, incident, decision, signal, nodes, detail, fault_at, evidence, actor=actor)
+    blamed = set(decision.drain) | (set(nodes) if decision.classification == "hardware" else set())
+    if blamed:
+        incident.nodes.add(*Node.objects.filter(hostname__in=blamed))
+        _drain(decision.drain, incident, actor=actor)
+        _blame_lemons(incident, actor=actor)
+    elif decision.classification != "hardware":
+        _blame_crashes(incident, nodes, actor=actor)
+    if not decision.restarts:
+        Job.objects.filter(pk=job.pk).update(relaunch_after=None)
+        if job.state == JobState.RECOVERING:  # quiesced already: a quiescing job pauses once all confirm
+            _move(job, JobState.PAUSED, actor, reason, pause_reason=reason)
+    return True
+
+
 #: What the hooks flag, and the training event (or step report) that carries the flag's own time.
 _FLAG_EVENTS = {policy.SPIKE: "spike", policy.INCONSISTENCY: "inconsistency", policy.DIVERGENCE: "divergence"}
 
@@ -124,16 +211,20 @@ def flagged_fault_time(job: Job, signal: str, generation: int, now):
     return min(at, now) if at is not None else now
 
 
-def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], **given) -> policy.Evidence:
+def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], excluding: Incident | None = None,
+              **given) -> policy.Evidence:
+    """What ``policy.decide`` weighs; ``excluding``: an incident being re-classified, which is not a
+    restart of its own window nor a failure of its own history."""
     rp = RecoveryPolicy.of(job)
     window_start = timezone.now() - timedelta(minutes=rp.window_minutes)
     if job.breaker_reset_at and job.breaker_reset_at > window_start:
         window_start = job.breaker_reset_at
-    restarts = Incident.objects.filter(job=job, detected_at__gte=window_start, decision__in=RESTARTING).count()
+    earlier = Incident.objects.filter(job=job).exclude(pk=getattr(excluding, "pk", None))
+    restarts = earlier.filter(detected_at__gte=window_start, decision__in=RESTARTING).count()
     history = tuple(
         policy.PastFailure(i.evidence.get("signature"), i.evidence.get("error_line"), i.evidence.get("step"),
                            i.evidence.get("config_hash", ""))
-        for i in Incident.objects.filter(job=job, evidence__signal=policy.EXIT).order_by("detected_at")
+        for i in earlier.filter(evidence__signal=policy.EXIT).order_by("detected_at")
     )
     lost_window = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["PARTITION_WINDOW_S"])
     lost = Event.objects.filter(kind=EventKind.NODE_HEALTH, new_state=Health.UNREACHABLE, created_at__gte=lost_window)
@@ -588,7 +679,7 @@ def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
     if new_health == Health.UNREACHABLE:
         fault_at = Node.objects.filter(hostname=hostname).values_list("last_heartbeat_at", flat=True).first()
     affected = Generation.objects.filter(nodes__hostname=hostname, ended_at__isnull=True,
-                                         job__state__in=WATCHED).select_related("job")
+                                         job__state__in=HEALTH_WATCHED).select_related("job")
     for generation in affected:
         if generation.number == generation.job.generation:
             report_fault(generation.job_id, signal, generation=generation.number, nodes=(hostname,),
@@ -640,7 +731,17 @@ def handle_save_failed(job_id: int, generation: int, failure: dict) -> Incident 
     classification and evidence, and pages (``jobs.policy``). A failure for the same cause before
     any checkpoint committed again is the same condition: it is added to that incident's evidence
     (``further``), not paged again. ``failure``: the event's detail plus ``step`` and ``time``.
+
+    A save that failed because another rank went away in its collectives (``peer_lost``, from the
+    hooks' ``lost_peer``) says nothing about the storage: that rank's exit, or the hang that
+    follows, is the incident, and a page for the save would be a false one (the e2e test of a
+    worker killed mid-recovery found two incidents for one SIGKILL). The event stays on the
+    job's timeline.
     """
+    if failure.get("peer_lost") is True:
+        log.info("job %s generation %s: the save at step %s failed because a rank went away (%s): no checkpoint "
+                 "incident", job_id, generation, failure.get("step"), failure.get("reason"))
+        return None
     reason = str(failure.get("reason") or "unknown cause")[:200]
     step = failure.get("step")
     failed_at = failure.get("time")

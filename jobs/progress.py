@@ -5,7 +5,9 @@
     every new step ─▶ advance_progress: the newest step's time + progress timeout
     contact back after a fleet silence ─▶ restart_after_silence: now + at least the heartbeat grace
     its reports refused by admission control ─▶ expire_one_progress_deadline: last refusal + timeout
+    a launch not yet acknowledged ─▶ expire_one_progress_deadline: the last ack + start-up allowance
     an agent found a rank gone ─▶ expire_one_progress_deadline: the notice + RANK_GONE_WAIT_S
+    the hooks said the loop is done ─▶ expire_one_progress_deadline: the word + RUN_ENDING_WAIT_S
     deadline passed ─▶ expire_one_progress_deadline: a hang, for the orchestrator and the policy
 
 The progress timeout (``progress_timeout_s``) is the one rule for all of them, taken from the job's
@@ -41,7 +43,17 @@ exit only once it has closed the rest of the group, seconds later (3.9-5.3 s mea
 raising rank), and the crash's own report has its exception and the pause a deterministic one
 gets. So the agent tells of the rank at once (its ``rank_gone`` notice, ``agents.protocol.agent``),
 and a job past its deadline with such a notice waits up to ``RANK_GONE_WAIT_S`` after it for the
-exit report (``_await_exit_report``); that is what let the floor come down from 8 s.
+exit report (``_await_exit_report``). A run that ends goes quiet too: after its last step the hooks
+save the final checkpoint and flush, and the ranks exit seconds later; they say ``run_ending`` first
+(``agents.hooks.api.Hooks``), and the sweep waits for the end (``_await_run_end``). Those two let the
+floor come down from 8 s to 2 s.
+
+A generation has not started until every node has its launch: under overload a node's heartbeats,
+which fetch its commands, may be refused for minutes (bench.fleet at 1,024 nodes: 12 of 23 jobs
+declared hung while starting, their launches still pending, then paused when their stops could not
+be delivered either). So the start-up allowance runs from the last acknowledgement of the
+generation's launches (``_await_launches``); a launch that is never fetched expires with the
+command's time to live, and the hang rules apply again.
 
 A slow first step (imports, compilation, a cold cache) is covered by the start-up allowance and,
 once the generation has restored, by ``FIRST_STEP_ALLOWANCE_S``: ``end_startup`` never brings the
@@ -69,11 +81,13 @@ from checkpoints.models import Checkpoint
 from core import refusals
 from jobs import policy, state
 from jobs.choices import GenerationState, JobState
-from jobs.models import Generation, Job, StepMetric
+from jobs.launching import startup_timeout_s
+from jobs.models import Generation, Job, StepMetric, TrainingEvent
 from jobs.orchestrator import exit_fault_time, record_first_step, report_fault
 from jobs.policies import RecoveryPolicy
 from jobs.steps import recent_step_seconds
-from nodes.models import AgentEventRecord
+from nodes.choices import CommandKind, CommandState
+from nodes.models import AgentEventRecord, NodeCommand
 from nodes.services import overload, silence
 
 #: A generation whose ranks report no step for this long (when the policy sets no timeout and
@@ -82,15 +96,13 @@ DEFAULT_PROGRESS_TIMEOUT_S = 120.0
 #: With step history, the timeout is this many p99 step times plus the slack, never below the floor.
 PROGRESS_TIMEOUT_STEPS = 3
 PROGRESS_TIMEOUT_SLACK_S = 1.0
-#: Not issue 20's 2 s. It was 8 s while a dying rank was reported only once torchrun had closed the
-#: rest of its group (3.9-5.3 s after the last step, tests/e2e/test_recovery.py's raising rank):
-#: with 2 s every such crash was declared a hang first, losing its exception and the pause a
-#: deterministic one gets. The agent's ``rank_gone`` notice now holds the verdict for that report;
-#: but with 2 s the same e2e file still failed 5 of 8 on a busy 2-core machine, at the end of a
-#: run: after its last step the hooks wait for the final checkpoint's background save and flush
-#: their reports, and the ranks exit (the first one gone is the next sign) 2-4 s later. Nothing
-#: tells the control plane that a run is ending; until something does, the floor covers it.
-PROGRESS_TIMEOUT_FLOOR_S = 5.0
+#: Issue 20's 2 s. Two quiet spells used to need more: a dying rank reported only once torchrun
+#: had closed the rest of its group (3.9-5.3 s after the last step), which the agent's ``rank_gone``
+#: notice now covers (``_await_exit_report``); and the end of a run, when the hooks wait for the
+#: final checkpoint's save and flush their reports and the ranks exit 2-4 s after the last step
+#: (5 of 8 tests/e2e/test_recovery.py runs declared hung at 2 s), which their ``run_ending`` word
+#: now covers (``_await_run_end``).
+PROGRESS_TIMEOUT_FLOOR_S = 2.0
 #: The lowest explicit ``progress_timeout_s`` the API accepts: an operator may trade that risk for speed.
 PROGRESS_TIMEOUT_MIN_OVERRIDE_S = 2
 #: The percentile of recent step times the rhythm is read at: the slow tail, not the typical step.
@@ -128,6 +140,10 @@ REFUSED_RETRY_WITHIN_S = 15.0
 #: closed the rest of the group: seconds, or up to its 30 s SIGTERM wait for a rank that ignores it,
 #: which the agent cuts to 2 s). Bounded: an exit report that never comes must not hide a stuck job.
 RANK_GONE_WAIT_S = 30.0
+#: A job whose hooks said its loop is done (``run_ending``) may go this long after the word without
+#: a step (or its policy's timeout, if longer): the final save, its commit and the exit. A run stuck
+#: there longer is hung.
+RUN_ENDING_WAIT_S = 300.0
 #: The states in which the hang sweep watches the progress deadline.
 PROGRESS_WATCHED = (JobState.INITIALIZING, JobState.RUNNING)
 
@@ -332,6 +348,45 @@ def _await_exit_report(job: Job, now: datetime) -> bool:
     return True
 
 
+def _await_launches(job: Job, now: datetime) -> bool:
+    """Whether ``job``, still starting and past its deadline, is one whose generation has not had
+    every launch acknowledged for a start-up allowance (``jobs.launching.startup_timeout_s``); if so
+    its deadline moves to the allowance after now (a launch still open, unexpired) or after the
+    last acknowledgement."""
+    if job.state != JobState.INITIALIZING:
+        return False
+    launches = NodeCommand.objects.filter(job=job, generation=job.generation, kind=CommandKind.LAUNCH)
+    allowance = timedelta(seconds=startup_timeout_s(job))
+    if launches.filter(state__in=CommandState.OPEN, expires_at__gt=now).exists():
+        waited_until = now + allowance
+    else:
+        last_ack = launches.aggregate(at=Max("acked_at"))["at"]
+        if last_ack is None or last_ack + allowance <= now:
+            return False
+        waited_until = last_ack + allowance
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    return True
+
+
+def _await_run_end(job: Job, now: datetime) -> bool:
+    """Whether ``job``, past its deadline, is one whose hooks said the training loop is done
+    (``run_ending``, at its last step) within ``RUN_ENDING_WAIT_S``; if so its deadline moves to the
+    end of that wait. Steps past the one the word was said at (a script with a second loop) mean it
+    ended nothing: the hang rules apply as before."""
+    said = (TrainingEvent.objects.filter(job=job, generation=job.generation, kind="run_ending")
+            .order_by("received_at").values_list("received_at", "step").first())
+    if said is None:
+        return False
+    received_at, step = said
+    if job.last_step is not None and job.last_step > step:
+        return False
+    waited_until = received_at + timedelta(seconds=max(RUN_ENDING_WAIT_S, job_progress_timeout_s(job)))
+    if now >= waited_until:
+        return False
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    return True
+
+
 def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
     """Contact is back after a fleet silence: progress deadlines that ran out (or would within
     ``grace``) while nobody could reach us start over, at ``now`` + the progress timeout and never
@@ -358,7 +413,8 @@ def expire_one_progress_deadline() -> bool:
            .order_by("progress_deadline").first())
     if job is None:
         return False
-    if _spare_refused(job, now) or _await_exit_report(job, now):
+    if (_spare_refused(job, now) or _await_launches(job, now) or _await_exit_report(job, now)
+            or _await_run_end(job, now)):
         return True
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
                             fault_at=hang_fault_time(job),

@@ -65,7 +65,8 @@ def handle_nodes_health(new_health: str, reasons: dict) -> None:
     """A batch of nodes changed health together (``reasons``: hostname -> reasons): each is handled
     as by ``handle_node_health``, after one query for those that run a live generation at all."""
     busy = set(Generation.objects.filter(nodes__hostname__in=list(reasons), ended_at__isnull=True,
-                                         job__state__in=orchestrator.WATCHED).values_list("nodes__hostname", flat=True))
+                                         job__state__in=orchestrator.HEALTH_WATCHED)
+               .values_list("nodes__hostname", flat=True))
     for hostname in sorted(busy):
         orchestrator.handle_node_health(hostname, new_health, reasons[hostname])
 

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from agents.hooks import resume, snapshot, state
-from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure
+from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure, lost_peer
 from agents.hooks.data import GlobalCursorSampler, epoch_aware, is_stateful, pipeline_parts
 from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
 from agents.hooks.settings import Environment
@@ -171,6 +171,7 @@ class Hooks:
         self._time_gradients(model)
         self._inconsistent = False
         self._closed = False
+        self._end_announced = False
         self.telemetry = Telemetry(self.env, self.topology, self.guard_settings)
         run_id = self.topology.broadcast_from_rank0(os.urandom(3).hex())  # names this run's checkpoints
         self.checkpointer = (
@@ -214,6 +215,7 @@ class Hooks:
                 yield batch
             if self._calls != expected_calls:
                 raise RuntimeError("call nw.step(loss) exactly once for every batch from nw.batches()")
+        self._announce_end(max_steps)
         if self.checkpointer and self._last_saved_step != self.step_count:
             self._save()
         if self.checkpointer:
@@ -420,8 +422,22 @@ class Hooks:
     def __enter__(self) -> Hooks:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self._announce_end(None)
         self.close()
+
+    def _announce_end(self, max_steps: int | None) -> None:
+        """Tell the control plane at once that the loop is done (``run_ending``), before the final
+        save, its commit and the reports' flush, which take seconds; the ranks exit after them. Its
+        hang sweep waits for the end then (``jobs.progress``): without this word, a fast job's 2 s
+        progress timeout ran out in that quiet and a finished run was declared hung. Once; never
+        after an exception (a crash is not an end)."""
+        if self._end_announced:
+            return
+        self._end_announced = True
+        self.telemetry.event(self.step_count, "run_ending", f"training loop done at step {self.step_count}",
+                             {"step": self.step_count, "max_steps": max_steps}, level=logging.DEBUG)
 
     # -- inside a step -------------------------------------------------------------------------
 
@@ -658,12 +674,15 @@ class Hooks:
 
     def _save_failed(self, path: str, step: int, error: BaseException) -> None:
         """A save failed (any exception, DCP's ``CheckpointException`` included): say why, and
-        train on; the previous checkpoint stands (``Checkpointer`` removed the partial files)."""
+        train on; the previous checkpoint stands (``Checkpointer`` removed the partial files).
+        ``peer_lost``: another rank went away in the middle of the save's collectives, so the
+        storage is not to blame (``lost_peer``)."""
         reason, code = describe_failure(error)
         self.telemetry.event(step, "checkpoint_failed",
                              f"checkpoint at step {step} failed: {reason}; training goes on from the previous "
                              f"checkpoint ({path})",
-                             {"path": path, "reason": reason, "errno": code, "error": str(error)[:500]},
+                             {"path": path, "reason": reason, "errno": code, "error": str(error)[:500],
+                              "peer_lost": lost_peer(error)},
                              level=logging.ERROR)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import time
 import warnings
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
@@ -233,36 +235,56 @@ _ERRNO_WORDS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quo
                 errno.EROFS: "read-only file system", errno.EIO: "input/output error"}
 
 
-def describe_failure(error: BaseException) -> tuple[str, int | None]:
-    """(the cause in words, its errno) of a failed save, e.g. ("no space left on device", 28).
-
-    DCP wraps each rank's exception in a ``CheckpointException`` (``failures``: rank -> (exception,
-    traceback)); the first ``OSError`` with an errno found in it, or in the chain of causes, names
-    the cause. Otherwise the innermost exception's type and message do.
-    """
+def _causes(error: BaseException) -> list[tuple[BaseException, bool]]:
+    """``error`` and what it wraps, outermost first, each with whether DCP wrapped it: its
+    ``CheckpointException`` holds each rank's exception (``failures``: rank -> (exception,
+    traceback)); any exception chains its cause and context."""
     seen: set[int] = set()
-    pending: list[BaseException] = [error]
-    innermost = error
+    pending: list[tuple[BaseException, bool]] = [(error, False)]
+    found: list[tuple[BaseException, bool]] = []
     while pending:
-        current = pending.pop(0)
+        current, from_dcp = pending.pop(0)
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno:
-            words = _ERRNO_WORDS.get(current.errno) or os.strerror(current.errno).lower()
-            return words, current.errno
+        found.append((current, from_dcp))
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             for _, wrapped in sorted(failures.items(), key=lambda item: str(item[0])):
                 inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
                 if isinstance(inner, BaseException):
-                    pending.append(inner)
-                    innermost = inner
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                pending.append(linked)
+                    pending.append((inner, True))
+        pending.extend((linked, False) for linked in (current.__cause__, current.__context__) if linked is not None)
+    return found
+
+
+def describe_failure(error: BaseException) -> tuple[str, int | None]:
+    """(the cause in words, its errno) of a failed save, e.g. ("no space left on device", 28).
+
+    The first ``OSError`` with an errno among what ``error`` wraps (``_causes``) names the cause.
+    Otherwise the innermost exception DCP wrapped (or ``error`` itself) does, by type and message.
+    """
+    causes = _causes(error)
+    for current, _ in causes:
+        if isinstance(current, OSError) and current.errno:
+            return _ERRNO_WORDS.get(current.errno) or os.strerror(current.errno).lower(), current.errno
+    innermost = next((c for c, from_dcp in reversed(causes) if from_dcp), error)
     text = str(innermost).strip().splitlines()
     return f"{type(innermost).__name__}: {text[0][:300] if text else ''}".rstrip(": "), None
+
+
+#: What a collective says when the rank at its other end is gone: gloo's TCP transport (a peer's
+#: socket closed or reset, "typically caused by a remote worker crashing") and NCCL's ("remote
+#: process exited or there was a network error"). NCCL's and the store's own errors are typed.
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote (worker|process)", re.IGNORECASE)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether a save failed because another rank went away in the middle of its collectives
+    (torch's ``DistError`` family, or gloo's transport saying so). That is not the storage's fault:
+    the rank's exit, or the hang that follows, is the incident; the save's failure is its echo."""
+    return any(isinstance(c, torch.distributed.DistError) or
+               (isinstance(c, RuntimeError) and _PEER_LOST.search(str(c))) for c, _ in _causes(error))
 
 
 def load_checkpoint(path: str | Path, target: dict[str, Any], topology: Topology) -> None:

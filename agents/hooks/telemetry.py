@@ -37,8 +37,9 @@ SPOOL_MAX_RECORDS = 100_000
 #: The exchange's leading floats: loss, grad norm, rank 0's control flags and the rank's mean loss
 #: over the window (for the drift check).
 CONTROL_FIELDS = 7
-#: Event kinds that may pause the job: sent at once rather than at the next flush.
-URGENT = frozenset({"nan", "spike", "divergence", "inconsistency"})
+#: Sent at once, not at the reporter's next tick: they may pause the job, or (``run_ending``) hold
+#: the hang sweep while a finished run saves and exits.
+URGENT = frozenset({"nan", "spike", "divergence", "inconsistency", "run_ending"})
 
 
 @dataclass(frozen=True)

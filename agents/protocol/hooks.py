@@ -54,10 +54,11 @@ EVENT_KINDS = (
     "inconsistency",        # detail: losses, grad_norms, loss_spread, grad_norm_spread, suspect_rank
     "checkpoint_saved",     # detail: path, blocking_s, total_s
     "snapshot_committed",   # detail: step, generation, size_bytes (both in-memory copies; throttled)
-    "checkpoint_failed",    # detail: path, reason (the cause in words), errno, error
+    "checkpoint_failed",    # detail: path, reason (the cause in words), errno, error, peer_lost (a rank went away)
     "pause_ack",            # detail: checkpoint
     "data_skipped",         # detail: from, to (global sample cursor; a rollback's skip range)
     "model",                # detail: parameters, flops_per_token (when overridden), tokens_per_sample
+    "run_ending",           # detail: step, max_steps (the loop is done: the final save and flush follow)
 )
 
 _JOB_MAX_LEN = 128

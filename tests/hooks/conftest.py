@@ -126,6 +126,7 @@ class ControlPlaneStub:
     shed: int = 0  # report batches still to refuse with 503 + Retry-After, as an overloaded server does
     retry_after_s: int = 1
     report_posts: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, status) per POST
+    arrivals: list[tuple[str, int]] = field(default_factory=list)  # ("event:<kind>" or "commit", step), in order
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -215,7 +216,9 @@ class ControlPlaneStub:
             for window in body["windows"]:
                 self.windows.setdefault((window["generation"], window["node"], window["last_step"]), window)
             known = {e["key"] for e in self.events}
-            self.events.extend(e for e in body["events"] if e["key"] not in known)
+            fresh = [e for e in body["events"] if e["key"] not in known]
+            self.events.extend(fresh)
+            self.arrivals.extend((f"event:{e['kind']}", e["step"]) for e in fresh)
         return 202, {"accepted": accepted, "duplicates": duplicates, "control": self.current_control()}
 
     def accept_commit(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -230,6 +233,7 @@ class ControlPlaneStub:
             if any(c["path"] == commit.path for c in self.commits):
                 return 200, {"recorded": False}
             self.commits.append(body)
+            self.arrivals.append(("commit", body["step"]))
         return 201, {"recorded": True}
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:

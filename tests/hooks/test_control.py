@@ -1,5 +1,5 @@
-"""Control from the control plane on real torchrun: pause (checkpoint, then exit 85) and a stale
-generation (exit 86 at once, nothing written)."""
+"""Control from the control plane on real torchrun: pause (checkpoint, then exit 85), a stale
+generation (exit 86 at once, nothing written), and the word that a run is ending."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def test_pause_commits_a_checkpoint_on_every_rank_then_exits_with_the_paused_cod
     assert commit["step"] % 5 == 0  # ranks agree on the step at an exchange point
     assert verify(commit["path"], config_hash=commit["config_hash"]).ok
     assert len(run.lines("stopping training at step")) == 2  # both ranks, the same step
+    assert control_plane.events_of("run_ending") == []  # a pause is not the end of the run
     assert len({line.split("step ")[1].split(":")[0] for line in run.lines("stopping training at step")}) == 1
 
 
@@ -52,3 +53,15 @@ def test_a_stale_generation_stops_at_once_without_writing_anything(tmp_path, con
     assert run.lines("this generation is stale")
     assert control_plane.reports == {} and control_plane.commits == []
     assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
+def test_the_end_of_the_loop_is_said_before_the_final_save(tmp_path, control_plane):
+    """``run_ending`` reaches the control plane ahead of the final checkpoint's commit: its hang sweep
+    waits for the end while the run saves, flushes and exits (jobs.progress, a 2 s floor)."""
+    control_plane.generation = 1
+    run = torchrun(["--steps", "12", "--ckpt-every", "0", "--check-every", "5", "--ckpt-dir", str(tmp_path / "ckpt")],
+                   env=env_for(control_plane, tmp_path, 1))
+    assert run.returncode == 0, run.output[-3000:]
+    (said,) = control_plane.events_of("run_ending")
+    assert (said["rank"], said["step"], said["detail"]) == (0, 12, {"step": 12, "max_steps": 12})
+    assert control_plane.arrivals.index(("event:run_ending", 12)) < control_plane.arrivals.index(("commit", 12))

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agents.hooks import checkpointer as checkpointer_module
-from agents.hooks.checkpointer import Checkpointer, describe_failure
+from agents.hooks.checkpointer import Checkpointer, describe_failure, lost_peer
 from agents.hooks.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -42,6 +42,18 @@ def test_the_cause_is_named_in_words_through_dcps_wrapping():
     wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
     assert describe_failure(wrapped) == ("read-only file system", errno.EROFS)
     assert describe_failure(dcp_failure(ValueError("bad shard\nmore"))) == ("ValueError: bad shard", None)
+
+
+def test_a_save_broken_by_a_rank_that_went_away_is_told_from_a_storage_failure():
+    """gloo's words (a plain RuntimeError) and torch's typed errors, wrapped by DCP or chained."""
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:38558. This is typically caused by a remote worker crashing.")
+    assert lost_peer(dcp_failure(gloo)) and lost_peer(torch.distributed.DistBackendError("NCCL error"))
+    chained = OSError(errno.EIO, "write failed")
+    chained.__context__ = torch.distributed.DistNetworkError("Connection reset by peer")
+    assert lost_peer(chained)
+    assert not lost_peer(dcp_failure(OSError(errno.ENOSPC, "No space left on device")))
+    assert not lost_peer(dcp_failure(RuntimeError("CUDA out of memory")))
 
 
 @pytest.mark.parametrize("use_async", [True, False])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from jobs import orchestrator, services
+from jobs import orchestrator, services, tasks
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of
 from jobs.models import Event, Generation, Incident, Job
@@ -281,3 +281,86 @@ def test_lost_work_counts_from_the_snapshot_the_hooks_restored_not_the_checkpoin
     incident = Incident.objects.get(job=job)
     assert incident.lost_steps == 30 - 28
     assert Event.objects.get(kind="incident.resolved").evidence["restored_step"] == 28
+
+
+def hang(job):
+    from jobs import policy
+
+    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING, last_step=16)
+    return orchestrator.report_fault(job.pk, policy.HANG, generation=job.generation, step=16,
+                                     detail={"last_step": 16})
+
+
+@pytest.mark.django_db
+def test_a_hang_whose_node_then_turns_unreachable_is_a_partition_that_pauses_for_a_human(cast, job):
+    """A cut-off node stalls the collectives, so the hang sweep speaks first; once the heartbeat sweep
+    finds the node lost before it confirmed its stop, the same incident is the partition (no restart
+    beside a rank that may still run), and the job pauses at the quiesce deadline."""
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
+    first = hang(job)
+    assert (first.kind, first.decision) == ("hang", "restart")
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-01")
+    tasks.handle_nodes_health("unreachable", {"gpu-02": ["no heartbeat"]})  # the heartbeat sweeper's batch
+    incident = Incident.objects.get(job=job)
+    assert incident.pk == first.pk
+    assert (incident.kind, incident.decision) == ("partition", "escalate")
+    assert incident.evidence["signal"] == "node_unreachable" and incident.evidence["nodes"] == ["gpu-02"]
+    assert incident.evidence["reclassified_from"] == "hang" and incident.evidence["hang"]["detail"]["last_step"] == 16
+    assert incident.evidence["page"] and "first taken for a hang" in incident.classification
+    assert not orchestrator.advance_recovery(job.pk)  # gpu-02 has not confirmed: no restart
+    Job.objects.filter(pk=job.pk).update(quiesce_deadline=timezone.now() - timezone.timedelta(seconds=1))
+    assert orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED and "gpu-02" in job.pause_reason and "escalating" in job.pause_reason
+    assert Event.objects.filter(job=job, kind="incident.open", reason__startswith="re-classified").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_hang_whose_exit_report_then_shows_a_rank_died_first_is_that_crash(cast, job):
+    """A dead rank stalls the others, and the hang sweep may speak before the exit report arrives
+    (a Slurm job's end is read at the controller's next poll). The exit, dated before the verdict,
+    is the cause: the same incident becomes the crash, decided as though it had come first (the
+    hang is not a second restart of the budget: one restart allowed, and it restarts)."""
+    import time
+
+    Job.objects.filter(pk=job.pk).update(recovery_policy={**job.recovery_policy, "max_restarts": 1})
+    first = hang(job)
+    assert (first.kind, first.decision) == ("hang", "restart")
+    crash(job, rank_exited_at=time.time() - 0.5, error_line="killed")
+    incident = Incident.objects.get(job=job)
+    assert incident.pk == first.pk
+    assert (incident.kind, incident.decision) == ("crash", "restart"), incident.classification
+    assert incident.evidence["signal"] == "exit" and incident.evidence["signature"] == "signal"
+    assert incident.evidence["reclassified_from"] == "hang" and incident.evidence["hang"]["detail"]["last_step"] == 16
+    assert incident.fault_at <= first.fault_at and "first taken for a hang" in incident.classification
+    assert Event.objects.filter(job=job, kind="incident.open", reason__startswith="re-classified").count() == 1
+    assert orchestrator.advance_recovery(job.pk)  # every node confirmed (the exit): recovering
+    assert orchestrator.advance_recovery(job.pk)
+    job.refresh_from_db()
+    assert (job.state, job.generation) == (JobState.INITIALIZING, 2)
+
+
+@pytest.mark.django_db
+def test_a_rank_that_exits_after_the_hang_was_declared_leaves_the_hang_a_hang(cast, job):
+    """A rank ended after the verdict (by our stop, or by the stall's own timeout) is the hang's
+    consequence: further evidence, not a new cause."""
+    import time
+
+    hang(job)
+    crash(job, rank_exited_at=time.time() + 0.5)
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("hang", "restart")
+    assert incident.evidence["further"][0]["signal"] == "exit"
+
+
+@pytest.mark.django_db
+def test_a_node_lost_after_it_confirmed_its_stop_leaves_the_hang_a_hang(cast, job):
+    """Nothing of the generation runs on a node that confirmed: its loss cannot make a split brain,
+    and the restart goes on (the loss is further evidence on the incident)."""
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
+    hang(job)
+    orchestrator.confirm_stopped(job.pk, 1, "gpu-02")
+    orchestrator.handle_node_health("gpu-02", "unreachable", ["no heartbeat"])
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("hang", "restart")
+    assert incident.evidence["further"][0]["signal"] == "node_unreachable"

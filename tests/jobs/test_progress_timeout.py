@@ -2,7 +2,8 @@
 times + 1 s, at least 2 s, or the policy's override), so a fast job is found hung in seconds while
 a checkpoint save or a slow first step is never taken for a hang; a hang dates from the last step,
 and the verdict comes within the timeout of it. A rank an agent found gone holds the verdict for the
-crash's exit report (``rank_gone``), for a bounded wait."""
+crash's exit report (``rank_gone``), and the hooks' word that the loop is done (``run_ending``)
+holds it while the run saves and exits, each for a bounded wait."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_the_timeout_is_three_p99_steps_plus_a_second():
 
 
 def test_a_fast_job_gets_the_floor_and_a_slow_one_its_rhythm():
-    assert progress.rhythm_timeout_s([0.1] * 50, SAVED) == progress.PROGRESS_TIMEOUT_FLOOR_S == 5.0
+    assert progress.rhythm_timeout_s([0.1] * 50, SAVED) == progress.PROGRESS_TIMEOUT_FLOOR_S == 2.0
     assert progress.rhythm_timeout_s([1.5] * 50, SAVED) == pytest.approx(3 * 1.55 + 1.0)  # 5.65 s: past the floor
     assert progress.rhythm_timeout_s([3.0] * 50, SAVED) == pytest.approx(3 * (3.0 + 0.05) + 1.0)  # with its save
 
@@ -286,3 +287,80 @@ def test_a_notice_of_an_earlier_generation_holds_nothing(cast, job):
         clock.shift(0.1)
         assert progress.expire_one_progress_deadline()
         assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+# --- the hooks said the loop is done: the final save and the exit follow ---------------------------
+
+def hooks_say_the_run_ends(job, step):
+    """Rank 0's ``run_ending`` at ``step`` (``agents.hooks.api.Hooks._announce_end``), ingested."""
+    body = {"job": str(job.pk), "generation": 1,
+            "events": [{"job": str(job.pk), "generation": 1, "rank": 0, "step": step, "kind": "run_ending",
+                        "key": f"0:0:{step}:run_ending:0", "message": "training loop done",
+                        "detail": {"step": step, "max_steps": step}, "time": timezone.now().timestamp()}]}
+    ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, body), actor="test")
+
+
+@pytest.mark.django_db
+def test_a_run_that_said_it_ends_is_not_hung_while_it_saves_and_exits(job):
+    """The quiet after the last step of tests/e2e/test_recovery.py's runs (final save, flush, exit:
+    2-4 s) is past the 2 s floor; the word holds the sweep, and a run stuck there is still found."""
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 30)
+        hooks_say_the_run_ends(job, 30)
+        clock.shift(4.0)
+        assert progress.expire_one_progress_deadline()  # handled: the deadline moved to the end of the wait
+        assert not Incident.objects.filter(job=job).exists()
+        assert Job.objects.get(pk=job.pk).progress_deadline == T0 + timedelta(
+            seconds=3.0 + progress.RUN_ENDING_WAIT_S)
+        assert not progress.expire_one_progress_deadline()
+        clock.shift(progress.RUN_ENDING_WAIT_S - 4.0 + 0.1)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+@pytest.mark.django_db
+def test_steps_past_the_word_mean_it_ended_nothing(job):
+    """A script with a second loop after the first: its steps go on, and its hangs are found."""
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 10)
+        hooks_say_the_run_ends(job, 10)
+        train(job, clock, 10, first=11)
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+@pytest.mark.django_db
+def test_a_generation_whose_launch_has_not_reached_every_node_is_not_hung_while_starting(cast, job, settings):
+    """Under overload a node's heartbeats (which fetch its launch) may be refused for minutes: the
+    start-up allowance runs from the last node's acknowledgement, not from the launch."""
+    from nodes import services as node_services
+
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "STARTUP_TIMEOUT_S": 60}
+    with time_machine.travel(T0, tick=False) as clock:
+        Job.objects.filter(pk=job.pk).update(state=JobState.INITIALIZING,
+                                             progress_deadline=timezone.now() + timedelta(seconds=60))
+        launches = [node_services.enqueue_command(node, "launch", job=job, generation=1, payload={
+            "script": "train.py", "nnodes": 2, "nproc_per_node": 1, "node_rank": rank,
+            "rdzv_endpoint": "10.0.0.1:29400", "rdzv_id": "nw-1-g1"}) for rank, node in enumerate((cast.node1,
+                                                                                                cast.node2))]
+        clock.shift(45)
+        node_services.ack_command(cast.node1, launches[0].pk, wire.CommandAck(
+            command_id=str(launches[0].pk), idempotency_key=launches[0].idempotency_key, status="done",
+            time=timezone.now().timestamp()), actor="node:gpu-01")
+        clock.shift(16)  # past the allowance from the launch; gpu-02's heartbeats never got through
+        assert progress.expire_one_progress_deadline()  # handled: held
+        assert not Incident.objects.exists()
+        assert Job.objects.get(pk=job.pk).progress_deadline == timezone.now() + timedelta(seconds=60)
+
+        clock.shift(30)  # gpu-02 fetches it at last: the allowance runs from its acknowledgement
+        node_services.ack_command(cast.node2, launches[1].pk, wire.CommandAck(
+            command_id=str(launches[1].pk), idempotency_key=launches[1].idempotency_key, status="done",
+            time=timezone.now().timestamp()), actor="node:gpu-02")
+        acked_at = timezone.now()
+        clock.shift(31)  # the held deadline passes, less than an allowance after the last ack
+        assert progress.expire_one_progress_deadline() and not Incident.objects.exists()
+        assert Job.objects.get(pk=job.pk).progress_deadline == acked_at + timedelta(seconds=60)
+        clock.shift(30)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"  # no first step after all

@@ -22,12 +22,12 @@ def running(cast):
     return cast.job
 
 
-def failed_save(job, step, reason="no space left on device", errno=28):
+def failed_save(job, step, reason="no space left on device", errno=28, **detail):
     event = hooks_protocol.Event(
         job=str(job.pk), generation=1, rank=0, step=step, kind="checkpoint_failed", key=f"0:0:{step}:cf:0",
         message=f"checkpoint at step {step} failed: {reason}", time=time.time() - 3,
         detail={"path": f"/ckpt/step-{step:08d}-g1-aa", "reason": reason, "errno": errno,
-                "error": "CheckpointException ranks:dict_keys([0, 1]) ... OSError: [Errno 28]"})
+                "error": "CheckpointException ranks:dict_keys([0, 1]) ... OSError: [Errno 28]", **detail})
     return hooks_protocol.ReportBatch(job=str(job.pk), generation=1, events=[event])
 
 
@@ -73,3 +73,19 @@ def test_a_failure_of_a_stale_generation_is_not_acted_on(running, eager_celery, 
 
     assert handle_save_failed(running.pk, 1, {"reason": "no space left on device", "step": 3}) is None
     assert not Incident.objects.filter(job=running).exists()
+
+
+@pytest.mark.django_db
+def test_a_save_that_failed_because_a_rank_went_away_is_no_checkpoint_incident(
+        running, eager_celery, django_capture_on_commit_callbacks):
+    """A rank killed in the middle of a save breaks the others' collectives: their save fails with
+    gloo's "Connection closed by peer". The storage is fine; the exit is the incident, and a page
+    for the save would be a false one. The event stays on the timeline."""
+    from jobs.models import TrainingEvent
+
+    reason = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38558"
+    record(running, failed_save(running, 20, reason, None, peer_lost=True), django_capture_on_commit_callbacks)
+    assert not Incident.objects.filter(job=running).exists()
+    assert TrainingEvent.objects.get(job=running, kind="checkpoint_failed").detail["peer_lost"] is True
+    record(running, failed_save(running, 30, reason, None, peer_lost=False), django_capture_on_commit_callbacks)
+    assert Incident.objects.get(job=running).kind == IncidentKind.CHECKPOINT  # said otherwise: the storage's

@@ -63,3 +63,29 @@ def test_slurm_launch_records_the_allocation_once_and_submits_after_the_commit(
     assert (allocation.state, allocation.hostnames, allocation.excluded) == (
         "submitting", ["slurm-1"], ["slurm-drained", "slurm-lemon", "slurm-sick"])
     assert allocation.payload["rdzv_id"] == "nw-1-g1" and len(callbacks) == 1
+
+
+@pytest.mark.parametrize(("slurm_state", "kind"), [("FAILED", "exited"), ("CANCELLED", "stopped")])
+def test_a_job_that_failed_before_the_stop_nightwatch_asked_for_took_is_an_exit_not_a_stop(
+        fleet, tmp_path, slurm_state, kind):
+    """A rank that died stalls the others; the hang sweep may ask for the stop (``scancel``) before
+    the controller's next poll shows the failure. Slurm's state says which ended the job: FAILED is
+    the exit, with its evidence and torchrun's own time of it; only CANCELLED is the stop."""
+    from django.utils import timezone
+
+    from jobs.models import Job
+    from nodes.models import AgentEventRecord, SlurmAllocation
+    from nodes.transports.slurm.ended import report_ended
+
+    output = tmp_path / "out.log"
+    output.write_text("E1203 17:53:15.988000 6773 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                      "(exitcode: -9) local_rank: 1 (pid: 6779) of binary: /usr/bin/python3\n")
+    job = Job.objects.create(name="j", entrypoint="examples/train.py", created_by="test", generation=1)
+    row = SlurmAllocation.objects.create(job=job, generation=1, state="queued", hostnames=["slurm-1"],
+                                         slurm_job_id=41, output_path=str(output),
+                                         cancel_requested_at=timezone.now())
+    assert report_ended(row, state=slurm_state, exit_status=None, exit_signal=9, requested_stop=True) == 1
+    record = AgentEventRecord.objects.get(job_id=job.pk)
+    assert record.kind == kind and record.detail["requested_stop"] is (kind == "stopped")
+    assert isinstance(record.detail["torchrun_failed_at"], float)
+    assert (record.detail["signature"] is None) is (kind == "stopped")

@@ -41,9 +41,18 @@ def report_ended(row: SlurmAllocation, *, state: str, exit_status: int | None, e
     """Record that ``row``'s batch job ended and tell the orchestrator, once; returns 1 if it did.
 
     Only a stop Nightwatch asked for counts as requested: a job cancelled behind its back (an
-    admin's ``scancel``) is a fault like any other exit, and the policy decides."""
-    requested_stop = requested_stop or SlurmAllocation.objects.filter(
-        pk=row.pk, cancel_requested_at__isnull=False).exists()
+    admin's ``scancel``) is a fault like any other exit, and the policy decides. So is a job that
+    Slurm says ended otherwise than ``CANCELLED`` although Nightwatch had asked for its stop: it
+    ended on its own before the ``scancel`` took (a rank that died stalls the others, and the hang
+    sweep may ask for the stop before the controller's next poll shows the failure).
+
+    The fault's time is torchrun's own log time of closing the worker group
+    (``torchrun_failed_at``, from the output as the agent reads it), when the output shows it."""
+    if state not in ("CANCELLED", "VANISHED"):
+        requested_stop = False
+    else:
+        requested_stop = requested_stop or SlurmAllocation.objects.filter(
+            pk=row.pk, cancel_requested_at__isnull=False).exists()
     tail, scan = _read_output(row.output_path)
     if signature is None and not requested_stop:
         code = exit_status if exit_status is not None else (-exit_signal if exit_signal else None)
@@ -56,7 +65,7 @@ def report_ended(row: SlurmAllocation, *, state: str, exit_status: int | None, e
                    "signal": r.signal} for r in sorted(scan.ranks.values(), key=lambda r: r.rank)],
         "root_cause_rank": scan.root_cause_rank, "signature": None if requested_stop else signature,
         "error_line": None if requested_stop else error_line, "log_tail": tail, "log_path": row.output_path,
-        "requested_stop": requested_stop, "xids": [],
+        "requested_stop": requested_stop, "xids": [], "torchrun_failed_at": scan.closing_logged_at,
         "slurm": {"job_id": row.slurm_job_id, "state": state, "reason": note[:500], "exit_signal": exit_signal},
     }
     kind = "stopped" if requested_stop else "exited"
