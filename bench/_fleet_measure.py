@@ -123,7 +123,7 @@ def incidents_between(conn, since: float, until: float) -> list[str]:
 
 
 def queue_depth(redis_client) -> int:
-    return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints"))
+    return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints", "background"))
 
 
 def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[float, float]) -> dict[str, Any]:

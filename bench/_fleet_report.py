@@ -144,6 +144,9 @@ def markdown(result: dict) -> str:
     row("nodes falsely unreachable", lambda r: str(r["false_unreachable"]))
     for page in ("overview", "nodes", "biggest_job"):
         row(f"dashboard `{page}` s (KB; 503s first)", lambda r, p=page: _page(r["dashboard_s"], p))
+    for page in ("overview", "nodes", "biggest_job"):
+        row(f"the same on an ingest process: `{page}` s (KB; 503s first)",
+            lambda r, p=page: _page(r.get("dashboard_on_ingest_s") or {}, p))
     row("live push to browsers on the biggest job's page: p50 / p95 ms (clients; steps missed)", _push)
     row("storm: backlog before / peak (records)",
         lambda r: f"{r['storm'].get('backlog_before_records')} / {r['storm']['backlog_peak_records']}")

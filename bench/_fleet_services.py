@@ -1,12 +1,12 @@
 """The real control plane the fleet benchmark runs against, started and stopped as production runs it.
 
-Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a
-load balancer would), a third that serves only the dashboard's WebSockets (docker-compose.yml's
-``ws``, to which the proxy routes ``/ws/``), the Celery worker with beat on the default queue and the checkpoint worker
-on ``checkpoints`` (docker-compose.yml's services), on a PostgreSQL database made for the run from
-a migrated template and a Redis database of its own. Every process runs in a session of its own
-(``tests.e2e.cluster.Proc``) so ``close()`` takes its children too; ``bench.fleet`` calls it in a
-``finally`` and on SIGINT/SIGTERM.
+Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a load
+balancer would), a third for the operators: the dashboard's pages and
+WebSockets (docker-compose.yml's ``ws``), the Celery worker with beat on the default queue, the checkpoint
+worker on ``checkpoints`` and the background worker on ``background`` (docker-compose.yml's services),
+on a PostgreSQL database made for the run from a migrated template and a Redis database of its own.
+Every process runs in a session of its own (``tests.e2e.cluster.Proc``) so ``close()`` takes its
+children too; ``bench.fleet`` calls it in a ``finally`` and on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -99,9 +99,12 @@ class ControlPlane:
                                        "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
         self.start_worker()
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
+        # Straggler checks, roll-ups and sweeps (settings.BACKGROUND_TASKS), as production's background-worker.
+        self.procs["background"] = self._celery("background", ["-Q", "background"])
         for port in (*self.ports, self.ws_port):
             wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
-        wait_for(lambda: "ready." in self.procs["checkpoints"].log(), timeout=90, what="the checkpoint worker")
+        for name in ("checkpoints", "background"):
+            wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
 
     def start_worker(self) -> Proc:
         proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery"])

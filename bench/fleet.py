@@ -476,7 +476,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     book_before = sims.book()
     started = time.time()
     log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
-    depth, worker_away, pages = 0, None, {}
+    depth, worker_away, pages, pages_on_ingest = 0, None, {}, {}
     pending = list(plan)
     backends = set(watched)
     while time.time() - started < opts.duration:
@@ -491,7 +491,10 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             else:
                 sims.send(fault, fault.get("hostname") if fault["kind"] in ("node_death", "rank_exit", "xid") else None)
         if not pages and elapsed > opts.duration * 0.7:
-            pages = dashboard(plane.ports[1], cast["session"], jobs[0])
+            # On the operators' process (compose's ws: the dashboard's pages and sockets), and, for
+            # comparison, on an ingest process, where a page waits behind the fleet's requests.
+            pages = dashboard(plane.ws_port, cast["session"], jobs[0])
+            pages_on_ingest = dashboard(plane.ports[1], cast["session"], jobs[0])
         for pid in measure.backend_pids(conn, database):
             if pid not in backends:  # a backend opened during the window: counted from 0
                 backends.add(pid)
@@ -523,7 +526,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "simulator_cores": round(sim_cpu / window, 2),
             "step_reports_made_per_s": round(made / window, 1),
             "step_reports_stored_per_s": round(delivered / window, 1),
-            "queue_depth_max": depth, "dashboard_s": pages,
+            "queue_depth_max": depth, "dashboard_s": pages, "dashboard_on_ingest_s": pages_on_ingest,
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
             "false_unreachable": measure.unreachable_events(conn, started, time.time(), killed),
             "http": http_figures(book),

@@ -186,7 +186,16 @@ CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 # them) takes seconds to minutes; queued in front of ``jobs.tasks.handle_exit`` it made a crash look
 # like a hang (docs/benchmarks/chaos.md, finding 3). It has its own queue and its own worker
 # (``celery worker -Q checkpoints``); failure handling keeps the default queue to itself.
-CELERY_TASK_ROUTES = {"checkpoints.tasks.*": {"queue": "checkpoints"}}
+# Judgement and upkeep whose delay of seconds costs nothing go to ``background``, for the same reason:
+# at 1,024 nodes the straggler check of a 512-node job, the alerts sweep and the minute's telemetry
+# roll-up took 2-6 s each, and a rank's exit report waited behind them (bench.fleet, issue 18).
+BACKGROUND_TASKS = (
+    "jobs.tasks.check_stragglers", "jobs.tasks.maintain_node_windows", "jobs.tasks.push_checkpoint_intervals",
+    "jobs.tasks.prune_training_logs", "nodes.tasks.prepare_telemetry_partitions", "nodes.tasks.prune_telemetry",
+    "nodes.tasks.roll_up_telemetry", "alerts.tasks.sweep",
+)
+CELERY_TASK_ROUTES = {"checkpoints.tasks.*": {"queue": "checkpoints"},
+                      **{name: {"queue": "background"} for name in BACKGROUND_TASKS}}
 # Keep LOGGING below (JSON lines with job/node ids) in the worker too, instead of Celery's own format.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

@@ -19,6 +19,7 @@ incident's detail says which it was and why (``remaining``).
 from __future__ import annotations
 
 import statistics
+from dataclasses import fields
 from itertools import groupby
 
 from django.conf import settings
@@ -36,6 +37,8 @@ LOOKBACK_WINDOWS = 3
 #: cores with everything else on the machine, and at the GPU default (+2.5 %) their noise alone was
 #: named a straggler (CI: a "slow rank" incident in the disk-full e2e test). docs/detection.md.
 CPU_STRAGGLER_RATIO = 1.25
+#: ``WindowFigures``' fields, in its order: ``NodeWindow`` has a column of each name (not null).
+_FIGURES = tuple(f.name for f in fields(WindowFigures))
 
 
 def check_stragglers(job: Job, generation: int, detection: DetectionPolicy | None = None) -> Incident | None:
@@ -48,9 +51,11 @@ def check_stragglers(job: Job, generation: int, detection: DetectionPolicy | Non
                      [:LOOKBACK_WINDOWS * detection.straggler_windows])
     if len(exchanges) < detection.straggler_hold:
         return None
+    # Tuples, not model instances: the 512-node job's check reads 24 windows x 512 rows.
     rows = (NodeWindow.objects.filter(job=job, generation=generation, last_step__in=exchanges)
-            .order_by("last_step", "node"))
-    windows = [[_figures(w) for w in group] for _, group in groupby(rows, key=lambda w: w.last_step)]
+            .order_by("last_step", "node").values_list("last_step", *_FIGURES))
+    windows = [[WindowFigures(*row[1:]) for row in group]
+               for _, group in groupby(rows, key=lambda row: row[0])]
     found = find_straggler(windows, detection)
     if found is None:
         return None
@@ -87,11 +92,6 @@ def remaining_time(job: Job, windows: list[list[WindowFigures]]) -> tuple[float 
     return round(left * step_s, 1), (f"max_steps {end} - step {job.last_step} = {left} steps left x "
                                       f"{step_s:.3g} s a step (the median step over the last {len(steps)} windows, "
                                       "at the pace the job runs now)")
-
-
-def _figures(w: NodeWindow) -> WindowFigures:
-    return WindowFigures(node=w.node, ranks=w.ranks, step_median_s=w.step_median_s, slowest_rank=w.slowest_rank,
-                         slowest_s=w.slowest_s, slowest_phases=w.slowest_phases or {}, phases=w.phases or {})
 
 
 def _detail(found: Straggler, hostname: str | None, generation: int, last_step: int) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -266,6 +267,34 @@ class TestStragglers:
         found = detectors.find_straggler([[noisy[0], slow_node, *noisy[2:]]] * 8, POLICY)
         assert (found.rank, found.node, found.phase) == (4, 1, "compute")
         assert found.ratio == pytest.approx(1.03, abs=0.005)
+
+    def test_node_excess_equals_the_median_over_every_other_node(self):
+        """The leave-one-out medians (read off one sort) give exactly what the direct definition
+        gives: each node against the median of all the other nodes' slowest ranks, ties, odd and
+        even node counts and missing phases included."""
+        def direct(window):
+            out = {}
+            for figures in window:
+                peers = [dict(w.slowest_phases) for w in window if w is not figures]
+                step = statistics.median(sum(p.values()) for p in peers)
+                if step > 0:
+                    out[figures.node] = (figures.slowest_rank, {
+                        phase: (figures.slowest_phases.get(phase, 0.0)
+                                - statistics.median(p.get(phase, 0.0) for p in peers)) / step
+                        for phase in detectors.STRAGGLER_PHASES})
+            return out
+
+        rng = random.Random(7)
+        phases = list(detectors.STRAGGLER_PHASES)
+        for nodes in (2, 3, 4, 7, 64, 65):
+            for _ in range(20):
+                window = []
+                for node in range(nodes):
+                    # Few distinct values, so that ties are common; sometimes a phase is missing.
+                    slowest = {p: rng.choice((0.0, 0.1, 0.25, 0.3)) for p in phases if rng.random() > 0.1}
+                    window.append(detectors.WindowFigures(node, 8, 1.0, 8 * node, sum(slowest.values()),
+                                                          slowest, dict(slowest)))
+                assert detectors.node_excess(window) == direct(window)
 
     def test_the_policy_replaces_only_when_it_pays(self):
         ev = dict(signal=policy.STRAGGLER, nodes=("gpu-03",), lost_fraction=0.2, restart_cost_s=300.0)

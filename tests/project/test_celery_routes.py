@@ -1,5 +1,5 @@
 """Which queue each task goes to, read from the Celery app's own router, and that every way the
-system runs has a worker on each queue.
+system runs has a worker on each queue (default, ``checkpoints``, ``background``).
 
 Checkpoint verification once sat in front of ``jobs.tasks.handle_exit`` on the only queue, and a
 crash was recorded as a hang (docs/benchmarks/chaos.md, finding 3): checkpoint-side tasks must go
@@ -18,6 +18,7 @@ from controlplane.celery import app
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINTS_QUEUE = "checkpoints"
+BACKGROUND_QUEUE = "background"
 #: what a failure, a missed heartbeat or a stuck recovery is handled by
 FAILURE_HANDLING = ["jobs.tasks.handle_exit", "jobs.tasks.handle_node_health", "jobs.tasks.handle_flags",
                     "jobs.tasks.handle_launch_refused", "jobs.tasks.confirm_stopped", "jobs.tasks.advance_job",
@@ -46,9 +47,23 @@ def test_failure_handling_stays_on_the_default_queue(tasks):
     assert default != CHECKPOINTS_QUEUE
     assert set(FAILURE_HANDLING) <= tasks, sorted(set(FAILURE_HANDLING) - tasks)
     assert {name: queue_of(name) for name in FAILURE_HANDLING} == dict.fromkeys(FAILURE_HANDLING, default)
-    # Nothing but checkpoint-side work leaves the default queue.
+    # Nothing but checkpoint-side work and the background's judgement and upkeep leaves it.
     elsewhere = sorted(name for name in tasks if queue_of(name) != default)
-    assert all(name.startswith("checkpoints.tasks.") for name in elsewhere), elsewhere
+    assert all(name.startswith("checkpoints.tasks.") or queue_of(name) == BACKGROUND_QUEUE
+               for name in elsewhere), elsewhere
+
+
+def test_judgement_and_upkeep_go_to_the_background_queue(tasks, settings):
+    """The 512-node job's straggler check, the alerts sweep and the telemetry roll-up took seconds
+    each at 1,024 nodes, and a rank's exit report waited behind them: they have a queue of their
+    own. Every name routed there is a real task (a typo would leave it on the default queue)."""
+    assert set(settings.BACKGROUND_TASKS) <= tasks, sorted(set(settings.BACKGROUND_TASKS) - tasks)
+    for name in ("jobs.tasks.check_stragglers", "alerts.tasks.sweep", "nodes.tasks.roll_up_telemetry"):
+        assert queue_of(name) == BACKGROUND_QUEUE
+    assert not set(settings.BACKGROUND_TASKS) & set(FAILURE_HANDLING)
+    # Alerts are delivered, and incidents and events judged, right away.
+    for name in ("alerts.tasks.deliver", "alerts.tasks.evaluate_incident", "alerts.tasks.evaluate_event"):
+        assert queue_of(name) == app.conf.task_default_queue
 
 
 def test_a_delayed_verification_lands_in_the_checkpoints_queue_of_the_broker(settings):
@@ -81,15 +96,33 @@ def test_the_compose_file_runs_a_worker_on_each_queue():
     commands = {name: " ".join(service["command"]) for name, service in services.items()
                 if "celery -A controlplane worker" in " ".join(service.get("command") or [])}
     checkpoint_workers = [name for name, command in commands.items() if f"-Q {CHECKPOINTS_QUEUE}" in command]
+    background_workers = [name for name, command in commands.items() if f"-Q {BACKGROUND_QUEUE}" in command]
     default_workers = [name for name, command in commands.items() if "-Q " not in command]
-    assert checkpoint_workers and default_workers, commands
-    assert not set(checkpoint_workers) & set(default_workers)
+    assert checkpoint_workers and background_workers and default_workers, commands
+    assert len({*checkpoint_workers, *background_workers, *default_workers}) == len(commands)
+
+
+def test_the_demo_consumes_every_queue():
+    """The embedded demo runs its own workers (dashboard/management/commands/demo.py): each queue
+    a task can be routed to has one, or that queue's tasks would wait there forever."""
+    from dashboard.management.commands import demo
+
+    consumed = {queue for argv in demo.WORKERS.values() for queue in _queues(argv)}
+    routed = {route["queue"] for route in app.conf.task_routes.values()}
+    assert {app.conf.task_default_queue, *routed} <= consumed, (consumed, routed)
+
+
+def _queues(argv: list[str]) -> list[str]:
+    """The queues a ``celery worker`` command line consumes (the default one without ``-Q``)."""
+    if "-Q" not in argv:
+        return [app.conf.task_default_queue]
+    return argv[argv.index("-Q") + 1].split(",")
 
 
 def test_beat_sends_the_tasks_that_make_room_ahead_as_it_starts(tasks, settings):
     """Beat's first run of an interval task comes an interval after it starts: the partition makers
     run at its start too, or a fresh deployment's first hour of node windows lands in the default
-    partition. The real signal and publish path: the messages are in the broker's default queue."""
+    partition. The real signal and publish path: the messages are in the broker's background queue."""
     import redis
     from celery import signals
 
@@ -100,7 +133,7 @@ def test_beat_sends_the_tasks_that_make_room_ahead_as_it_starts(tasks, settings)
     if not settings.REDIS_URL:
         pytest.fail("this test reads the broker's queues: run it with REDIS_URL (as `make test` does)")
     client = redis.Redis.from_url(settings.REDIS_URL)
-    queue = app.conf.task_default_queue
+    queue = BACKGROUND_QUEUE  # upkeep (settings.BACKGROUND_TASKS)
     before = set(client.lrange(queue, 0, -1))
     signals.beat_init.send(sender=None)
     sent = [raw for raw in client.lrange(queue, 0, -1) if raw not in before]

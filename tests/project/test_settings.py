@@ -79,7 +79,8 @@ def test_docker_compose_file_is_valid(tmp_path):
     import yaml
 
     services = yaml.safe_load(result.stdout)["services"]
-    assert set(services) == {"postgres", "redis", "web", "ws", "worker", "checkpoint-worker", "beat"}
+    assert set(services) == {"postgres", "redis", "web", "ws", "worker", "checkpoint-worker", "background-worker",
+                             "beat"}
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     assert services["web"]["environment"]["NIGHTWATCH_ENV"] == "production"

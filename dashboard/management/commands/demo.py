@@ -2,7 +2,8 @@
 
 ``make demo`` runs this. It migrates (SQLite), makes a demo on-call user, starts the ASGI server
 (daphne), a Celery worker and beat (its own process) on the filesystem broker, a second worker for the
-``checkpoints`` queue (verification, replication, retention: never in front of failure handling),
+``checkpoints`` and ``background`` queues (verification, replication, retention, straggler checks,
+roll-ups: never in front of failure handling),
 and a node agent with a scripted GPU; then launches the example job (a 2-rank CPU ``torchrun`` of
 ``examples/train.py``) and, every ``--fault-every`` seconds, injects a fault — a SIGKILLed rank — so
 a newcomer watches Nightwatch detect it and resume from the last verified checkpoint within a
@@ -43,6 +44,16 @@ from nodes.services import issue_bootstrap_token
 DEMO_SCENARIO = "gpus: 1\nbaseline: {temperature: 45, utilization: 80}\n"
 
 
+#: The demo's Celery workers: ``celery -A controlplane worker`` and these options, by name. The first
+#: has the default queue, failure handling, to itself. Verification, replication and retention
+#: (``checkpoints``) and judgement and upkeep (``background``; ``settings.CELERY_TASK_ROUTES``) share
+#: the second, so neither ever delays the handling of the fault the demo injects.
+WORKERS: dict[str, list[str]] = {
+    "worker": ["--pool=solo", "--loglevel=INFO", "-n", "demo@%h"],
+    "checkpoint-worker": ["-Q", "checkpoints,background", "--pool=solo", "--loglevel=INFO",
+                          "-n", "demo-checkpoints@%h"],
+}
+
 #: Wildcard addresses the web process may listen on, and the address this machine reaches it by.
 LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "127.0.0.1"}  # noqa: S104 - names, not a bind
 
@@ -80,17 +91,11 @@ class Command(BaseCommand):
         children = {
             "web": _spawn(logs, "web", [python, "-m", "daphne", "-b", host, "-p", str(port),
                                         "controlplane.asgi:application"], env),
-            "worker": _spawn(logs, "worker", [python, "-m", "celery", "-A", "controlplane", "worker",
-                                              "--pool=solo", "--loglevel=INFO", "-n", "demo@%h"], env),
+            **{name: _spawn(logs, name, [python, "-m", "celery", "-A", "controlplane", "worker", *options], env)
+               for name, options in WORKERS.items()},
             # Beat on its own, as in production: a worker that dies takes no schedule with it.
             "beat": _spawn(logs, "beat", [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO",
                                           "-s", str(var / "celerybeat-schedule")], env),
-            # Verification, replication and retention (CELERY_TASK_ROUTES) in a worker of their own:
-            # a verification in progress never delays the handling of the fault the demo injects.
-            "checkpoint-worker": _spawn(logs, "checkpoint-worker", [python, "-m", "celery", "-A", "controlplane",
-                                                                    "worker", "-Q", "checkpoints", "--pool=solo",
-                                                                    "--loglevel=INFO", "-n", "demo-checkpoints@%h"],
-                                        env),
         }
         self.status = StatusLine(self.stdout, tty=self.stdout.isatty())
         stop = {"now": False}
