@@ -8,9 +8,13 @@ most ``limit`` requests; the next one is answered at once with ``503`` and ``Ret
 agents and the training hooks honour with jittered backoff while their spools keep everything.
 
 Not every request is worth the same. An agent's events carry the exits and Xids that start a
-recovery: ``urgent`` requests may use the whole bound. A heartbeat that does not get through today
+recovery, its command acks the launches and stops that carry one out: ``urgent`` requests may use
+the whole bound. A heartbeat that does not get through today
 makes the sweeper call a live node unreachable tomorrow: ``priority`` requests (heartbeats,
-registration) leave ``urgent_reserve`` slots free for the urgent ones. Bulk data (step reports,
+registration) leave ``urgent_reserve`` slots free for the urgent ones, and so do an operator's
+actions (``operator``: submit, cancel, pause, drain… — writes to the URLs named, never reads): they
+are few, and an overload is when they matter (23 job submissions took 6-8 minutes of 503s behind a
+1,024-node fleet's heartbeats when they were bulk). Bulk data (step reports,
 telemetry, the hooks' events) and everything else leave ``reserve`` slots free for both. The urgent
 slots matter at fleet scale: 1,088 agents each heartbeating on their own connection keep a
 shedding server's bound full of heartbeats, and with one class for both an exit report was refused
@@ -33,6 +37,13 @@ token), so that the sweepers can tell a node or a job whose requests we turned a
 that fell silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
 made-up token names nobody. All of it is batched in memory and handed to Redis from a thread at
 most once per ``FLUSH_S``, so a 503 never waits on Redis and never fails because of it.
+
+A heartbeat is how an agent fetches its commands, so one that carries a launch or a stop is worth
+more than the others: the heartbeats of ``carriers`` URLs whose bearer token's digest is among
+those with open commands (``core.shared_counts.awaited_heartbeats``, written by
+``nodes.services.commands``) are urgent. The set is read from Redis in a thread at most once per
+``FLUSH_S``, and kept as it was while Redis does not answer. Without it, a launch waited minutes for
+a heartbeat of its node to get through a 1,024-node fleet's 503s (bench.fleet, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -62,10 +73,13 @@ Send = Callable[[dict], Awaitable[None]]
 
 URGENT = "urgent"
 PRIORITY = "priority"
+OPERATOR = "operator"
 EXEMPT = "exempt"
 OTHER = "other"
 #: The classes a request can be refused in, as ``refused:<class>`` in the shared counts.
-REFUSABLE = (URGENT, PRIORITY, OTHER)
+REFUSABLE = (URGENT, PRIORITY, OPERATOR, OTHER)
+#: The methods that read: an operator's reads (pages, lists) are bulk, however few.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Shared counts are handed to Redis at most this often per process.
 FLUSH_S = 1.0
 
@@ -76,7 +90,7 @@ class Counters:
 
     in_flight: int = 0
     peak: int = 0
-    admitted: dict[str, int] = field(default_factory=lambda: {URGENT: 0, PRIORITY: 0, EXEMPT: 0, OTHER: 0})
+    admitted: dict[str, int] = field(default_factory=lambda: dict.fromkeys((*REFUSABLE, EXEMPT), 0))
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSABLE, 0))
 
 
@@ -125,12 +139,51 @@ def bearer_token(scope: Scope) -> str | None:
     return None
 
 
+def _digest(scope: Scope) -> str | None:
+    token = bearer_token(scope)
+    return hash_token(token) if token is not None else None
+
+
+class AwaitedHeartbeats:
+    """The token digests whose heartbeats carry commands, as last read from Redis (a thread reads
+    them at most once per ``FLUSH_S``; an answer of "unknown" keeps the last set)."""
+
+    def __init__(self, within_s: float):
+        self.within_s = within_s
+        self.digests: frozenset[str] = frozenset()
+        self.read_at = float("-inf")
+        self.reading: asyncio.Future | None = None
+
+    def any(self) -> bool:
+        """Whether any node carries commands now (a read is started when due): the request path
+        hashes a heartbeat's token only then, as it otherwise does only for a refusal."""
+        self.refresh_if_due()
+        return bool(self.digests)
+
+    def carries(self, digest: str) -> bool:
+        return digest in self.digests
+
+    def refresh_if_due(self) -> None:
+        now = time.monotonic()
+        if now - self.read_at < FLUSH_S or (self.reading is not None and not self.reading.done()):
+            return
+        self.read_at = now
+        self.reading = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(shared_counts.awaited_heartbeats, self.within_s, now=time.time()))
+        self.reading.add_done_callback(self._read)
+
+    def _read(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None and (digests := future.result()) is not None:
+            self.digests = digests
+
+
 class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
 
     def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, urgent_reserve: int = 0,
-                 urgent: Collection[str] = (), priority: Collection[str] = (), exempt: Collection[str] = (),
-                 witnesses: Collection[str] = (), late_s: float | None = None):
+                 urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
+                 exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
+                 late_s: float | None = None, awaited_within_s: float = 600.0):
         if limit < 0 or not 0 <= urgent_reserve <= reserve or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= urgent_reserve <= reserve < limit (or limit 0: off), got "
                              f"limit={limit} reserve={reserve} urgent_reserve={urgent_reserve}")
@@ -140,22 +193,27 @@ class Admission:
         self.limit = limit
         self.reserve = reserve
         self.urgent_reserve = urgent_reserve
-        self._bounds = {URGENT: limit, PRIORITY: limit - urgent_reserve, OTHER: limit - reserve}
+        self._bounds = {URGENT: limit, PRIORITY: limit - urgent_reserve, OPERATOR: limit - urgent_reserve,
+                        OTHER: limit - reserve}
         self.retry_after_s = retry_after_s
         self.urgent = frozenset(urgent)
         self.priority = frozenset(priority)
+        self.operator = frozenset(operator)
         self.exempt = frozenset(exempt)
         self.witnesses = frozenset(witnesses)
+        self.carriers = frozenset(carriers)
+        self.awaited = AwaitedHeartbeats(awaited_within_s)
         self.counters = Counters()
         self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
                        if late_s is None else late_s)
         self.shared = SharedTally()
 
-    def classify(self, path: str) -> str:
-        """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)."""
-        return self._route(path)[0]
+    def classify(self, path: str, method: str = "GET") -> str:
+        """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)
+        and, for an operator's URLs, its method."""
+        return self._route(path, method)[0]
 
-    def _route(self, path: str) -> tuple[str, str | None]:
+    def _route(self, path: str, method: str) -> tuple[str, str | None]:
         try:
             name = resolve(path).url_name
         except Resolver404:
@@ -164,7 +222,9 @@ class Admission:
             return EXEMPT, name
         if name in self.urgent:
             return URGENT, name
-        return PRIORITY if name in self.priority else OTHER, name
+        if name in self.priority:
+            return PRIORITY, name
+        return OPERATOR if name in self.operator and method not in SAFE_METHODS else OTHER, name
 
     def admits(self, kind: str) -> bool:
         if not self.limit or kind == EXEMPT:
@@ -175,12 +235,17 @@ class Admission:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        kind, name = self._route(scope["path"])
+        kind, name = self._route(scope["path"], scope.get("method", "GET"))
         counters = self.counters
+        digest = None
+        if kind == PRIORITY and name in self.carriers and self.limit and self.awaited.any():
+            digest = _digest(scope)
+            if digest is not None and self.awaited.carries(digest):
+                kind = URGENT
         if not self.admits(kind):
             counters.refused[kind] += 1
-            if name in self.witnesses and (token := bearer_token(scope)) is not None:
-                self.shared.refused_caller(hash_token(token))
+            if name in self.witnesses and (digest := digest or _digest(scope)) is not None:
+                self.shared.refused_caller(digest)
             self.shared.add(f"refused:{kind}")
             await self._refuse(scope, send, kind)
             return

@@ -36,6 +36,11 @@ KEEP_S = 3600
 #: Who was refused: the SHA-256 of each bearer token admission control turned away, scored by the
 #: last time it did (``refused_callers``). A sorted set, trimmed to ``KEEP_S`` by its writers.
 REFUSED_CALLERS = PREFIX + "refused-callers"
+#: Whose next heartbeat carries commands: the SHA-256 of each agent token whose node has open commands,
+#: scored by when the newest was queued (``expect_heartbeats``). Admission control reads it to let those
+#: heartbeats in as urgent; an entry leaves when the node has acknowledged its last open command, or
+#: ages out with the commands' time to live.
+AWAITED = PREFIX + "awaited-heartbeats"
 #: A Redis that does not answer within this long counts as down (the caller goes on without it).
 TIMEOUT_S = 0.5
 #: Failures are logged and counted (``nightwatch_redis_fallbacks_total{component="shared_counts"}``).
@@ -141,3 +146,51 @@ def refused_callers(seconds: float, *, now: float) -> dict[str, float] | None:
         degraded.note(COMPONENT, error)
         return None
     return {(m.decode() if isinstance(m, bytes) else m): float(score) for m, score in members}
+
+
+def expect_heartbeats(digests: dict[str, float], *, keep_s: float) -> bool:
+    """Mark the agents of these token digests (-> when their command was queued, Unix time) as
+    carrying commands on their next heartbeat; returns whether Redis took it. One round trip, which
+    also drops entries older than ``keep_s`` (the commands' time to live)."""
+    redis = client()
+    if redis is None or not digests:
+        return False
+    pipe = redis.pipeline(transaction=False)
+    pipe.zadd(AWAITED, digests)
+    pipe.zremrangebyscore(AWAITED, "-inf", max(digests.values()) - keep_s)
+    try:
+        pipe.execute()
+    except Exception as error:
+        log.info("shared counts: Redis did not take %d awaited heartbeats", len(digests))
+        degraded.note(COMPONENT, error)
+        return False
+    degraded.recovered(COMPONENT)
+    return True
+
+
+def heartbeats_received(digests: list[str]) -> bool:
+    """These agents have no open command left: their heartbeats are ordinary again."""
+    redis = client()
+    if redis is None or not digests:
+        return False
+    try:
+        redis.zrem(AWAITED, *digests)
+    except Exception as error:
+        degraded.note(COMPONENT, error)
+        return False
+    degraded.recovered(COMPONENT)
+    return True
+
+
+def awaited_heartbeats(seconds: float, *, now: float) -> frozenset[str] | None:
+    """The token digests whose commands were queued during the ``seconds`` before ``now`` and not
+    all acknowledged yet (None: unknown). One round trip."""
+    redis = client()
+    if redis is None:
+        return None
+    try:
+        members = redis.zrangebyscore(AWAITED, now - seconds, "+inf")
+    except Exception as error:
+        degraded.note(COMPONENT, error)
+        return None
+    return frozenset(m.decode() if isinstance(m, bytes) else m for m in members)

@@ -10,6 +10,14 @@
 3. ``ack_command`` records the first acknowledgement (later ones are answered the same and change
    nothing). An acknowledgement of a command whose generation is no longer the job's is answered
    409 (``StaleCommand``), and the command is closed so it is not re-sent.
+
+A command waits for its node's next heartbeat, and under overload admission control refuses most
+heartbeats: in bench.fleet at 1,024 nodes, launches stayed pending for minutes behind nodes whose
+heartbeats were refused again and again, and 4-5 of 23 jobs never started. So a node with open
+commands is named to admission control (``core.shared_counts.expect_heartbeats``, the digest of its
+agent token, after commit), which lets its heartbeats in as urgent until it has acknowledged the
+last of them (``core.admission``); few nodes have open commands at a time, and each is a launch or
+a stop some recovery waits for.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from django.db.models import F, Model
 from django.utils import timezone
 
 from agents.protocol import agent as wire
+from core import shared_counts
 from core.events import EventKind, record_event
+from core.models import ApiToken, Scope
 from core.tokens import job_token_for
 from nodes import signals
 from nodes.choices import CommandKind, CommandState
@@ -66,15 +76,33 @@ def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: 
     now = timezone.now()
     try:
         with transaction.atomic():
-            return NodeCommand.objects.create(
+            command = NodeCommand.objects.create(
                 node=node, kind=kind, job=job, generation=generation, idempotency_key=key, payload=canonical,
                 created_by=actor, created_at=now, expires_at=now + (ttl or command_ttl()),
             )
+        transaction.on_commit(lambda: expect_heartbeat(node.pk, command.expires_at))
+        return command
     except IntegrityError:
         existing = NodeCommand.objects.filter(node=node, idempotency_key=key).first()
         if existing is None:
             raise
         return existing
+
+
+def _agent_digests(node_id: int) -> list[str]:
+    return list(ApiToken.objects.usable().filter(scope=Scope.AGENT, node_id=node_id).values_list("digest", flat=True))
+
+
+def expect_heartbeat(node_id: int, expires_at) -> None:
+    """The node's next heartbeat carries a command (open until ``expires_at`` at the latest): tell
+    admission control to let it in as urgent. Best effort: without Redis it waits its turn, as before."""
+    if shared_counts.client() is None:  # no Redis (the embedded demo), or skipped after a failure
+        return
+    now = timezone.now()
+    digests = _agent_digests(node_id)
+    if digests:
+        shared_counts.expect_heartbeats(dict.fromkeys(digests, now.timestamp()),
+                                        keep_s=max(0.0, (expires_at - now).total_seconds()))
 
 
 def pending_commands_for(node: Node, *, limit: int = wire.MAX_COMMANDS_PER_HEARTBEAT) -> list[wire.Command]:
@@ -165,6 +193,9 @@ def ack_command(node: Node, command_id: int, ack: wire.CommandAck, *, actor: str
                                job_id=command.job_id, generation=command.generation, status=ack.status,
                                state=new_state, detail=ack.detail)
     command.state, command.acked_at, command.detail = new_state, now, ack.detail
+    if shared_counts.client() is not None and not NodeCommand.objects.filter(
+            node=node, state__in=CommandState.OPEN).exists():
+        shared_counts.heartbeats_received(_agent_digests(node.pk))
     return command
 
 

@@ -11,7 +11,15 @@ import json
 
 import pytest
 
-from controlplane.asgi import EXEMPT_URLS, PRIORITY_URLS, URGENT_URLS, WITNESS_URLS, application
+from controlplane.asgi import (
+    CARRIER_URLS,
+    EXEMPT_URLS,
+    OPERATOR_URLS,
+    PRIORITY_URLS,
+    URGENT_URLS,
+    WITNESS_URLS,
+    application,
+)
 from core.admission import Admission
 
 HEARTBEAT = "/api/v1/nodes/7/heartbeat"
@@ -20,6 +28,8 @@ CONTROL = "/api/v1/jobs/3/control"
 CHECKPOINTS = "/api/v1/jobs/3/checkpoints"
 EVENTS = "/api/v1/nodes/7/events"
 PROBE = "/healthz"
+SUBMIT = "/api/v1/jobs"
+DRAIN = "/nodes/7/drain"  # the dashboard's form
 
 
 class Held:
@@ -36,7 +46,7 @@ class Held:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
+async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None, method: str = "POST") -> dict:
     sent: list[dict] = []
 
     async def receive():
@@ -45,7 +55,7 @@ async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None)
     async def send(message):
         sent.append(message)
 
-    await app({"type": "http", "method": "POST", "path": path, "headers": headers or []}, receive, send)
+    await app({"type": "http", "method": method, "path": path, "headers": headers or []}, receive, send)
     start = sent[0]
     return {"status": start["status"], "headers": dict(start["headers"]), "body": sent[1]["body"]}
 
@@ -53,7 +63,8 @@ async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None)
 def admission(limit=3, reserve=1, urgent_reserve=0):
     held = Held()
     return held, Admission(held, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=2,
-                           urgent=URGENT_URLS, priority=PRIORITY_URLS, exempt=EXEMPT_URLS, witnesses=WITNESS_URLS)
+                           urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
+                           witnesses=WITNESS_URLS, carriers=CARRIER_URLS)
 
 
 async def until(predicate):
@@ -86,7 +97,7 @@ def test_bulk_is_refused_at_the_bound_less_the_reserve_and_heartbeats_use_the_re
         answers = await asyncio.gather(*bulk, beat, probe)
         assert [a["status"] for a in answers] == [200, 200, 200, 200]
         assert app.counters.in_flight == 0 and app.counters.peak == 4
-        assert app.counters.refused == {"urgent": 0, "priority": 1, "other": 1}
+        assert app.counters.refused == {"urgent": 0, "priority": 1, "operator": 0, "other": 1}
         assert (await call(app, REPORTS))["status"] == 200  # capacity is back
 
     asyncio.run(scenario())
@@ -105,7 +116,28 @@ def test_heartbeats_leave_the_urgent_slots_to_the_agents_events():
         assert (await call(app, EVENTS))["status"] == 503  # and then the bound holds for urgent ones too
         held.release.set()
         assert [a["status"] for a in await asyncio.gather(*beats, exit_report)] == [200] * 4
-        assert app.counters.refused == {"urgent": 1, "priority": 1, "other": 1}
+        assert app.counters.refused == {"urgent": 1, "priority": 1, "operator": 0, "other": 1}
+
+    asyncio.run(scenario())
+
+
+def test_an_operators_actions_are_admitted_before_bulk_and_their_reads_are_not():
+    """Submitting a job or draining a node in an overload: admitted like a heartbeat, while the
+    same URLs' reads (the job list, a page) are bulk like everything else."""
+    async def scenario():
+        held, app = admission(limit=4, reserve=2, urgent_reserve=1)
+        bulk = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: held.started == 2)
+        assert (await call(app, SUBMIT, method="GET"))["status"] == 503  # a read of the list: bulk
+        actions = [asyncio.create_task(call(app, path)) for path in (SUBMIT,)]
+        await until(lambda: held.started == 3)
+        assert (await call(app, DRAIN))["status"] == 503  # limit - urgent_reserve in flight
+        exit_report = asyncio.create_task(call(app, EVENTS))  # the urgent slot is still free
+        await until(lambda: held.started == 4)
+        held.release.set()
+        assert [a["status"] for a in await asyncio.gather(*bulk, *actions, exit_report)] == [200] * 4
+        assert app.counters.refused == {"urgent": 0, "priority": 0, "operator": 1, "other": 1}
+        assert app.counters.admitted["operator"] == 1
 
     asyncio.run(scenario())
 
@@ -142,6 +174,10 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
     assert http.classify(HEARTBEAT) == "priority" and http.classify("/api/v1/agents/register") == "priority"
     assert http.urgent_reserve == settings.NIGHTWATCH["URGENT_RESERVE"] <= http.reserve
     assert http.classify(EVENTS) == "urgent"  # exits and Xids: the verdicts that start recovery
+    assert http.classify("/api/v1/nodes/7/commands/9/ack") == "urgent"  # the launches and stops that carry it out
     assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports",
                               "job-checkpoints"}
     assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"
+    assert http.classify(SUBMIT, "POST") == http.classify(DRAIN, "POST") == "operator"
+    assert http.classify(SUBMIT) == http.classify("/api/v1/jobs/3/cancel", "GET") == "other"
+    assert not set(OPERATOR_URLS) & set(WITNESS_URLS)  # an operator's request proves no node alive

@@ -107,3 +107,44 @@ def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):
     asyncio.run(scenario())
     assert shared_counts.totals() is None
 
+
+
+def test_a_heartbeat_that_carries_commands_gets_the_urgent_slots_until_they_are_acknowledged(counts):
+    """A node with open commands (nodes.services.commands names it) fetches them with its next
+    heartbeat: that heartbeat is urgent, the fleet's others are not; once the node has none left,
+    its heartbeats wait their turn again."""
+    carrying = [(b"authorization", b"Bearer nw_node-with-a-launch")]
+    idle = [(b"authorization", b"Bearer nw_idle-node")]
+    assert shared_counts.expect_heartbeats({hash_token("nw_node-with-a-launch"): time.time()}, keep_s=600)
+
+    async def scenario():
+        held, app = admission(limit=3, reserve=2, urgent_reserve=1)
+        beats = [asyncio.create_task(call(app, HEARTBEAT, idle)) for _ in range(2)]
+        await until(lambda: held.started == 2)
+        assert (await call(app, HEARTBEAT, idle))["status"] == 503  # the urgent slot is not for it
+        await until(lambda: app.awaited.digests)  # read from Redis in a thread
+        launch = asyncio.create_task(call(app, HEARTBEAT, carrying))
+        await until(lambda: held.started == 3)
+        assert app.counters.admitted["urgent"] == 1 and app.counters.refused["priority"] == 1
+
+        assert shared_counts.heartbeats_received([hash_token("nw_node-with-a-launch")])
+        app.awaited.read_at = float("-inf")  # the next read is due (FLUSH_S is 0 here)
+        app.awaited.refresh_if_due()
+        await until(lambda: not app.awaited.digests)
+        held.release.set()
+        await asyncio.gather(*beats, launch)
+        held.release.clear()
+        beats = [asyncio.create_task(call(app, HEARTBEAT, idle)) for _ in range(2)]
+        await until(lambda: held.started == 5)
+        assert (await call(app, HEARTBEAT, carrying))["status"] == 503  # acknowledged: ordinary again
+        held.release.set()
+        await asyncio.gather(*beats)
+
+    asyncio.run(scenario())
+
+
+def test_awaited_heartbeats_age_out_with_the_commands_time_to_live(counts):
+    now = time.time()
+    assert shared_counts.expect_heartbeats({"old": now - 700, "new": now}, keep_s=600)
+    assert shared_counts.awaited_heartbeats(600, now=now) == frozenset({"new"})
+    assert shared_counts.client().zcard(shared_counts.AWAITED) == 1  # the writer trimmed the old one

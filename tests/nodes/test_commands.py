@@ -177,3 +177,35 @@ def test_the_queue_is_visible_to_people(cast, api, generation_one):
     assert only["count"] == 0
     bad = api(cast.tokens["viewer"]).get(f"/api/v1/nodes/{cast.node1.pk}/commands", {"state": "nope"})
     assert bad.status_code == 400
+
+
+@pytest.mark.django_db
+def test_a_node_with_open_commands_is_named_to_admission_control_until_it_acknowledged_them(cast, post,
+                                                                                           generation_one):
+    """Its heartbeats carry the commands, so they are let in as urgent (core.admission): named once
+    the command is committed, forgotten once the node acknowledged its last open one."""
+    from core import shared_counts
+    from core.models import hash_token
+
+    redis = shared_counts.client()
+    if redis is None:
+        pytest.fail("this test reads the shared counts: run it with REDIS_URL (as `make test` does)")
+    redis.delete(shared_counts.AWAITED)
+    node1, node2 = hash_token(cast.tokens["agent"]), hash_token(cast.tokens["agent2"])
+
+    def awaited():
+        return shared_counts.awaited_heartbeats(600, now=time.time())
+
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        launch = services.enqueue_command(cast.node1, "launch", job=generation_one, generation=1, payload=LAUNCH)
+        assert awaited() == frozenset()  # not before the command is committed
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        stop = services.enqueue_command(cast.node1, "stop", job=generation_one, generation=1)
+    assert awaited() == {node1}
+    post("heartbeat", heartbeat(cast.node1))  # delivered, not acknowledged: still carrying
+    assert awaited() == {node1}
+    post(f"commands/{launch.pk}/ack", ack(launch))
+    assert awaited() == {node1}  # the stop is still open
+    post(f"commands/{stop.pk}/ack", ack(stop, detail="stopped"))
+    assert node2 not in awaited() and awaited() == frozenset()
+    redis.delete(shared_counts.AWAITED)
