@@ -10,7 +10,8 @@ INSTALLED := $(VENV)/.installed
 
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nightwatch
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
-PYTEST_ARGS ?=
+# The slowest tests are listed after the run: the suite's 30-minute budget is spent there.
+PYTEST_ARGS ?= --durations=25 --durations-min=10
 
 .PHONY: demo test lint system-deps services clean bench bench-quick bench-chaos bench-fleet
 

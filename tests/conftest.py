@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).parent
 
 
 def free_port() -> int:
@@ -38,6 +41,20 @@ def pytest_runtest_makereport(item, call):
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+#: The folders whose tests hash the cast's passwords cheaply (``fast_password_hashing``): their
+#: servers, where they start one, run in the test's process and settings.
+CHEAP_HASH_FOLDERS = frozenset({"alerts", "api", "checkpoints", "core", "dashboard", "jobs", "nodes"})
+
+
+@pytest.fixture(autouse=True)
+def _cheap_hashes(request):
+    """Cheap hashes for the cast in ``CHEAP_HASH_FOLDERS``, except in end-to-end tests: a real
+    server (a browser's, an agent's) checks passwords with the production hashers."""
+    folder = Path(str(request.node.path)).relative_to(TESTS).parts[0]
+    if folder in CHEAP_HASH_FOLDERS and request.node.get_closest_marker("e2e") is None:
+        request.getfixturevalue("fast_password_hashing")
 
 
 @pytest.fixture(autouse=True)
@@ -98,8 +115,9 @@ def eager_celery():
 @pytest.fixture
 def fast_password_hashing(settings):
     """Cheap MD5 hashes: the cast's users get passwords, and PBKDF2 at production strength costs seconds
-    per test on 2 cores. A folder opts in with an autouse fixture that requests this one; a test whose real
-    server checks a password must keep the real hashers (the server does not use the test's settings)."""
+    per test on 2 cores. The folders in ``CHEAP_HASH_FOLDERS`` have it for every test but the
+    end-to-end ones; a test whose real server checks a password must keep the real hashers (the
+    server does not use the test's settings)."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 

@@ -107,8 +107,3 @@ def channels(db, receiver, alert_settings):
         "email": Channel.objects.create(name="mail", kind="email", emails=["oncall@example.com"],
                                         min_severity="page"),
     }
-
-
-@pytest.fixture(autouse=True)
-def _cheap_hashes(fast_password_hashing):
-    """Every alerts test hashes the cast's passwords cheaply (tests/conftest.py)."""

@@ -121,11 +121,6 @@ def flip_byte(path: Path, offset: int = 4096) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _cheap_hashes(fast_password_hashing):
-    """Every checkpoints test hashes the cast's passwords cheaply (tests/conftest.py)."""
-
-
-@pytest.fixture(autouse=True)
 def _roots_in_tmp_path(settings, tmp_path):
     """The checkpoint root is this test's directory (its runs, built checkpoints and the job's
     directory all lie inside); replicas may go under ``replica/`` (and CHECKPOINT_REPLICA_ROOT)."""

@@ -5,14 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _cheap_hashes(request):
-    """Cheap hashes for the cast (tests/conftest.py), except where a real server must check the
-    password (browser tests)."""
-    if request.node.get_closest_marker("e2e") is None:
-        request.getfixturevalue("fast_password_hashing")
-
-
 @pytest.fixture
 def signed_in(client):
     """``signed_in(user, csrf=False)`` -> a test client with that person's session."""
