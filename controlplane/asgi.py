@@ -50,7 +50,8 @@ def admission(app) -> Admission:
                      urgent_reserve=knobs["URGENT_RESERVE"], retry_after_s=knobs["RETRY_AFTER_S"],
                      urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
                      witnesses=WITNESS_URLS, carriers=CARRIER_URLS,
-                     awaited_within_s=command_ttl().total_seconds())
+                     awaited_within_s=command_ttl().total_seconds(), width=knobs["ADMISSION_WIDTH"],
+                     share=knobs["ADMISSION_SHARE"])
 
 
 application = ProtocolTypeRouter(

@@ -394,6 +394,13 @@ NIGHTWATCH = {
     # Of those, the slots heartbeats and registrations leave free for the agents' events (exits, Xids).
     "URGENT_RESERVE": env_int("NIGHTWATCH_URGENT_RESERVE", 2),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
+    # The order admitted requests are served in (core.admission.Gate): this many go into Django at
+    # once (0: all, in arrival order), the rest wait their turn, agent events and command acks first,
+    # then heartbeats and operators' actions, ADMISSION_SHARE of them for each bulk request while both wait.
+    # Off until bench.fleet has measured it at 1,024 nodes (2 is the width to try: Django's one thread
+    # plus the next request's body being read).
+    "ADMISSION_WIDTH": env_int("NIGHTWATCH_ADMISSION_WIDTH", 0),
+    "ADMISSION_SHARE": env_int("NIGHTWATCH_ADMISSION_SHARE", 3),
     # GPU telemetry (docs/architecture.md, "Telemetry storage"): raw samples for this many hours
     # (dropped an hourly partition at a time on PostgreSQL), 1-minute rollups for this many days.
     "TELEMETRY_RAW_RETENTION_HOURS": env_int("NIGHTWATCH_TELEMETRY_RAW_RETENTION_HOURS", 48),

@@ -44,11 +44,22 @@ those with open commands (``core.shared_counts.awaited_heartbeats``, written by
 ``nodes.services.commands``) are urgent. The set is read from Redis in a thread at most once per
 ``FLUSH_S``, and kept as it was while Redis does not answer. Without it, a launch waited minutes for
 a heartbeat of its node to get through a 1,024-node fleet's 503s (bench.fleet, 2026-12-03).
+
+The bounds say how many of each class may *wait*; the order they are *served* in is the gate's
+(``Gate``, ``width`` > 0). Django runs a process's views one at a time, in the order they reach its
+thread, so bounds alone serve the classes in proportion to the slots each holds: at 1,024 nodes
+bulk telemetry held 12 of the 16 and heartbeats were admitted at 0.7 a second for 1,088 nodes
+(bench.fleet, 2026-12-03). The gate lets ``width`` admitted requests into the application at once
+and holds the rest in a queue per class: urgent ones go first, then heartbeats and an operator's
+actions and bulk share what is left, ``share`` of the first for each bulk one while both wait
+(bulk is never starved: its step reports are what the hang sweep reads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
 import json
 import logging
@@ -78,6 +89,8 @@ EXEMPT = "exempt"
 OTHER = "other"
 #: The classes a request can be refused in, as ``refused:<class>`` in the shared counts.
 REFUSABLE = (URGENT, PRIORITY, OPERATOR, OTHER)
+#: The gate's queue of each class that has none of its own.
+OPERATOR_LANE = {OPERATOR: PRIORITY}
 #: The methods that read: an operator's reads (pages, lists) are bulk, however few.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Shared counts are handed to Redis at most this often per process.
@@ -177,13 +190,75 @@ class AwaitedHeartbeats:
             self.digests = digests
 
 
+class Gate:
+    """At most ``width`` requests inside the application at once; the others wait in a queue per
+    class and enter as those inside leave: urgent first, then ``share`` priority or operator
+    requests for each bulk one while both kinds wait (first come, first served within a queue)."""
+
+    def __init__(self, width: int, share: int):
+        if width < 1 or share < 1:
+            raise ValueError(f"admission gate: need width >= 1 and share >= 1, got width={width} share={share}")
+        self.width = width
+        self.share = share
+        self.inside = 0
+        self.queues: dict[str, collections.deque[asyncio.Future]] = {
+            URGENT: collections.deque(), PRIORITY: collections.deque(), OTHER: collections.deque()}
+        self.served_since_bulk = 0
+
+    @staticmethod
+    def lane(kind: str) -> str:
+        """The queue of a class: an operator's actions wait with the heartbeats."""
+        return OPERATOR_LANE.get(kind, kind)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    async def enter(self, kind: str) -> None:
+        """Return once the request may go in (``leave`` must follow, also if the caller is cancelled)."""
+        if self.inside < self.width and not self.waiting():
+            self.inside += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.queues[self.lane(kind)].append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed the place just as the caller went away
+                self.leave()
+            else:
+                with contextlib.suppress(ValueError):  # a ``leave`` may have passed over it already
+                    self.queues[self.lane(kind)].remove(turn)
+            raise
+
+    def leave(self) -> None:
+        """One request left the application: the next in turn goes in, if any waits."""
+        while (turn := self._next()) is not None:
+            if not turn.done():
+                turn.set_result(None)  # the place passes to it: ``inside`` stays
+                return
+        self.inside -= 1
+
+    def _next(self) -> asyncio.Future | None:
+        urgent, priority, bulk = self.queues[URGENT], self.queues[PRIORITY], self.queues[OTHER]
+        if urgent:
+            return urgent.popleft()
+        if priority and (not bulk or self.served_since_bulk < self.share):
+            self.served_since_bulk += 1
+            return priority.popleft()
+        if bulk:
+            self.served_since_bulk = 0
+            return bulk.popleft()
+        return None
+
+
 class Admission:
-    """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off."""
+    """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off, ``width`` 0 the gate
+    (admitted requests then all go in at once, served in the order they reach Django's thread)."""
 
     def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, urgent_reserve: int = 0,
                  urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
                  exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
-                 late_s: float | None = None, awaited_within_s: float = 600.0):
+                 late_s: float | None = None, awaited_within_s: float = 600.0, width: int = 0, share: int = 3):
         if limit < 0 or not 0 <= urgent_reserve <= reserve or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= urgent_reserve <= reserve < limit (or limit 0: off), got "
                              f"limit={limit} reserve={reserve} urgent_reserve={urgent_reserve}")
@@ -207,6 +282,7 @@ class Admission:
         self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
                        if late_s is None else late_s)
         self.shared = SharedTally()
+        self.gate = Gate(width, share) if limit and width else None
 
     def classify(self, path: str, method: str = "GET") -> str:
         """The class of a request, by the name of the URL it resolves to (unknown paths: ``other``)
@@ -253,8 +329,15 @@ class Admission:
         counters.in_flight += 1
         counters.peak = max(counters.peak, counters.in_flight)
         arrived = time.monotonic()
+        gate = self.gate if kind != EXEMPT else None
         try:
-            await self.app(scope, receive, send)
+            if gate is not None:
+                await gate.enter(kind)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                if gate is not None:
+                    gate.leave()
         finally:
             counters.in_flight -= 1
             if kind == PRIORITY and 0 < self.late_s <= time.monotonic() - arrived:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from controlplane import asgi as controlplane_asgi
 from controlplane.asgi import (
     CARRIER_URLS,
     EXEMPT_URLS,
@@ -181,3 +182,120 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
     assert http.classify(SUBMIT, "POST") == http.classify(DRAIN, "POST") == "operator"
     assert http.classify(SUBMIT) == http.classify("/api/v1/jobs/3/cancel", "GET") == "other"
     assert not set(OPERATOR_URLS) & set(WITNESS_URLS)  # an operator's request proves no node alive
+    # The gate is off by default (not yet measured by bench.fleet); with a width it is the settings'.
+    assert http.gate is None and settings.NIGHTWATCH["ADMISSION_WIDTH"] == 0
+    assert controlplane_asgi.admission(Held()).gate is None
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "ADMISSION_WIDTH": 2, "ADMISSION_SHARE": 5}
+    gate = controlplane_asgi.admission(Held()).gate
+    assert gate is not None and (gate.width, gate.share) == (2, 5)
+
+
+# --- the gate: the order admitted requests are served in ---------------------------------------------
+
+class OneAtATime:
+    """Django's thread as the gate sees it: serves the requests that reach it one at a time, each
+    once the test says so (``step``), and records their paths in the order served."""
+
+    def __init__(self):
+        self.served: list[str] = []
+        self.inside = 0
+        self.most_inside = 0
+        self.turns: asyncio.Queue[None] = asyncio.Queue()
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, scope, receive, send):
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        try:
+            async with self.lock:
+                await self.turns.get()
+                self.served.append(scope["path"])
+        finally:
+            self.inside -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.turns.put_nowait(None)
+
+
+def gated(width=1, share=3, limit=32, reserve=4, urgent_reserve=2):
+    django = OneAtATime()
+    return django, Admission(django, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=1,
+                             urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
+                             witnesses=WITNESS_URLS, carriers=CARRIER_URLS, width=width, share=share)
+
+
+def test_the_gate_serves_urgent_first_then_heartbeats_three_to_one_with_bulk():
+    """Bulk arrived first and in numbers, as at 1,024 nodes (telemetry held 12 of 16 slots and
+    heartbeats were served 0.7 a second): behind the gate the exit report goes first, then three
+    heartbeats for each bulk request while both wait, first come first served within each; bulk
+    is not starved."""
+    async def scenario():
+        django, app = gated(width=1, share=3)
+        first = asyncio.create_task(call(app, REPORTS))  # inside already, when the rest arrive
+        await until(lambda: django.inside == 1)
+        bulk = [asyncio.create_task(call(app, f"/api/v1/jobs/{n}/reports")) for n in range(10, 14)]
+        beats = [asyncio.create_task(call(app, f"/api/v1/nodes/{n}/heartbeat")) for n in range(20, 27)]
+        await until(lambda: app.gate.waiting() == 11)
+        exit_report = asyncio.create_task(call(app, EVENTS))
+        await until(lambda: app.gate.waiting() == 12)
+        django.step(13)
+        await asyncio.gather(first, *bulk, *beats, exit_report)
+        assert django.served == [
+            REPORTS, EVENTS,
+            "/api/v1/nodes/20/heartbeat", "/api/v1/nodes/21/heartbeat", "/api/v1/nodes/22/heartbeat",
+            "/api/v1/jobs/10/reports",
+            "/api/v1/nodes/23/heartbeat", "/api/v1/nodes/24/heartbeat", "/api/v1/nodes/25/heartbeat",
+            "/api/v1/jobs/11/reports",
+            "/api/v1/nodes/26/heartbeat", "/api/v1/jobs/12/reports", "/api/v1/jobs/13/reports",
+        ]
+        assert django.most_inside == 1 and app.gate.inside == 0 and app.counters.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_lets_width_requests_in_and_an_operators_action_waits_with_the_heartbeats():
+    async def scenario():
+        django, app = gated(width=2, share=1)
+        inside = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: django.inside == 2)
+        waiting = [asyncio.create_task(call(app, path)) for path in (CHECKPOINTS, SUBMIT, HEARTBEAT)]
+        await until(lambda: app.gate.waiting() == 3)
+        django.step(5)
+        await asyncio.gather(*inside, *waiting)
+        # One of the heartbeats' lane (the operator's submit, the heartbeat) for each bulk one.
+        assert django.served[2:] == [SUBMIT, CHECKPOINTS, HEARTBEAT]
+        assert django.most_inside == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_goes_away_while_waiting_gives_its_turn_back():
+    """A request cancelled at the gate (its client gone) leaves no place taken: the next one goes
+    in, and the bound's count comes back to zero."""
+    async def scenario():
+        django, app = gated(width=1)
+        first = asyncio.create_task(call(app, REPORTS))
+        await until(lambda: django.inside == 1)
+        gone = asyncio.create_task(call(app, HEARTBEAT))
+        later = asyncio.create_task(call(app, CHECKPOINTS))
+        await until(lambda: app.gate.waiting() == 2)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        django.step(2)
+        await asyncio.gather(first, later)
+        assert django.served == [REPORTS, CHECKPOINTS]
+        assert app.gate.inside == 0 and app.gate.waiting() == 0 and app.counters.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("width, share", [(0, 3), (2, 0)])
+def test_a_gate_that_cannot_work_is_refused_at_start(width, share):
+    from core.admission import Gate
+
+    with pytest.raises(ValueError):
+        Gate(width, share)
