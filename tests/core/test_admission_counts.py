@@ -128,9 +128,13 @@ def test_a_heartbeat_that_carries_commands_gets_the_urgent_slots_until_they_are_
         assert app.counters.admitted["urgent"] == 1 and app.counters.refused["priority"] == 1
 
         assert shared_counts.heartbeats_received([hash_token("nw_node-with-a-launch")])
-        app.awaited.read_at = float("-inf")  # the next read is due (FLUSH_S is 0 here)
-        app.awaited.refresh_if_due()
-        await until(lambda: not app.awaited.digests)
+        # A read started before the acknowledgement may still bring the digest back: read again
+        # until one started after it answers (FLUSH_S is 0 here; a read in flight is never doubled).
+        def read_again():
+            app.awaited.refresh_if_due()
+            return not app.awaited.digests
+
+        await until(read_again)
         held.release.set()
         await asyncio.gather(*beats, launch)
         held.release.clear()
