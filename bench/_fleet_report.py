@@ -127,6 +127,7 @@ def markdown(result: dict) -> str:
         lambda r: "all" if "setup" not in r else
         f"{r['setup']['agents_registered']} / {r['setup']['registrations_refused']}, {r['setup']['nodes_healthy']}, "
         f"{r['setup']['jobs_running']} of {len(r['jobs'])}")
+    row("heartbeat interval the control plane asked for (pacing), s", lambda r: _v(r.get("heartbeat_interval_s")))
     row("requests attempted / s", lambda r: _v(r["attempted_rps"]))
     row("requests accepted (2xx) / s", lambda r: _v(r["accepted_rps"]))
     row("503 (admission control)", lambda r: str(sum(e["503"] for e in r["http"].values())))

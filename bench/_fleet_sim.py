@@ -52,6 +52,7 @@ from agents.protocol.agent import (
     GpuSample,
     HealthReport,
     Heartbeat,
+    HeartbeatResponse,
     LaunchedDetail,
     LaunchPayload,
     RankExit,
@@ -345,15 +346,17 @@ class Agent:
         running = [RunningGeneration(job=g.job, generation=g.generation, pids=[4242 + g.node_rank],
                                      started_at=g.started_at) for g in self.generations.values() if not g.ended]
         message = Heartbeat(node_id=self.node_id, seq=self.seq, time=time.time(), running=running,
-                            spooled=len(self.outbox))
+                            spooled=len(self.outbox), interval_s=self.interval)
         try:
             path = HEARTBEAT_PATH.format(node_id=self.node_id)
             status, body = await self.beat_client.request("heartbeat", "POST", path, self.token, dump(message))
         except Unreachable:
             return 0
         if status == 200:
-            for raw in body.get("commands", []):
-                self.execute(parse(Command, raw))
+            answer = parse(HeartbeatResponse, body)
+            self.interval = answer.heartbeat_interval_s or self.interval  # pacing, as the agent follows it
+            for command in answer.commands:
+                self.execute(command)
         return status
 
     async def telemetry_batch(self) -> int:
@@ -568,6 +571,7 @@ class Sim:
         print(json.dumps({"t": time.time(), "registered": self.registered, "refused": self.refused,
                           "backlog": sum(backlogs),
                           "behind": sum(1 for b in backlogs if b > BEHIND),
+                          "interval_max": max((a.interval for a in alive), default=0.0),
                           "delivered": self.delivered, "made": self.made,
                           "faults": self.faults, "calibration": self.calibration,
                           "book": self.book.as_json()}), flush=True)

@@ -381,6 +381,12 @@ NIGHTWATCH = {
     # Seconds between agent heartbeats, and how many may be missed before "unreachable".
     "HEARTBEAT_INTERVAL_S": env_int("NIGHTWATCH_HEARTBEAT_INTERVAL_S", 5),
     "HEARTBEAT_MISSES": env_int("NIGHTWATCH_HEARTBEAT_MISSES", 3),
+    # Heartbeat pacing (nodes/services/fleet.py, as Nomad's max_heartbeats_per_second): the interval
+    # agents are asked for stretches so that the fleet sends at most this many heartbeats a second
+    # (0: never stretched), up to HEARTBEAT_INTERVAL_MAX_S. 50 a second is 250 nodes at 5 s, 1,088
+    # at 21.8 s; a node's timeout stays HEARTBEAT_MISSES of the interval it was asked for.
+    "MAX_HEARTBEATS_PER_S": env_float("NIGHTWATCH_MAX_HEARTBEATS_PER_S", 50.0),
+    "HEARTBEAT_INTERVAL_MAX_S": env_float("NIGHTWATCH_HEARTBEAT_INTERVAL_MAX_S", 30.0),
     # How long a bootstrap token may wait for its agent's (single) registration.
     "BOOTSTRAP_TOKEN_TTL_S": env_int("NIGHTWATCH_BOOTSTRAP_TOKEN_TTL_S", 24 * 3600),
     # Admission control (core/admission.py): HTTP requests one web process works on at once (0: no

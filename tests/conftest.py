@@ -58,6 +58,17 @@ def _cheap_hashes(request):
 
 
 @pytest.fixture(autouse=True)
+def fleet_counted_afresh():
+    """Heartbeat pacing counts the fleet once per ``FLEET_COUNT_TTL_S`` in a process: a test's
+    1,500 nodes must not stretch the next test's heartbeat interval."""
+    from nodes.services.fleet import forget_fleet_count
+
+    forget_fleet_count()
+    yield
+    forget_fleet_count()
+
+
+@pytest.fixture(autouse=True)
 def redis_not_skipped():
     """A test that made Redis fail must not leave it skipped (``core.degraded``'s short circuit) for
     the next test in the same process."""

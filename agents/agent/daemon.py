@@ -32,7 +32,7 @@ from agents.agent.registration import (
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.preflight import check_launch
-from agents.protocol import ProtocolError, dump, parse
+from agents.protocol import ProtocolError, parse
 from agents.protocol.agent import (
     HEARTBEAT_PATH,
     AgentStarted,
@@ -50,6 +50,7 @@ from agents.protocol.agent import (
     RankGone,
     StopPayload,
     XidDetail,
+    compact,
 )
 from agents.supervisor import DEFAULT_TORCHRUN, StaleGeneration, Supervisor, attach_xids
 from agents.telemetry import TelemetryCollector, TelemetrySource, open_source
@@ -92,6 +93,10 @@ class Agent:
         self._wake = threading.Event()
         self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._seq = 0
+        #: The interval the control plane asked for (heartbeat pacing); registration's until it answers.
+        self.heartbeat_interval_s: float | None = None
+        #: Whether heartbeats say which interval they follow: not to a server that predates pacing.
+        self._paced = True
         self._decision_expected_until = 0.0
         self._reachable = True
         self._probe: BandwidthProbeServer | None = None
@@ -174,6 +179,7 @@ class Agent:
         return None
 
     def _loop(self, creds: NodeCredentials) -> None:
+        self.heartbeat_interval_s = creds.heartbeat_interval_s
         next_sample = next_heartbeat = next_flush = last_heartbeat = time.monotonic()
         samples_due = float("inf")  # when the oldest sample not yet sent must go
         flush_backoff = TICK_S
@@ -194,7 +200,7 @@ class Agent:
             if now >= next_heartbeat or urgent:
                 self._heartbeat(creds)
                 last_heartbeat = now
-                next_heartbeat = now + creds.heartbeat_interval_s
+                next_heartbeat = now + self.heartbeat_interval_s
             if now >= next_flush and len(self.outbox) and (self.outbox.urgent or now >= samples_due):
                 try:
                     self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack)
@@ -204,7 +210,7 @@ class Agent:
                 except (Unreachable, AuthRejected) as exc:
                     # Back off, but never beyond a heartbeat (replay starts soon after it returns) unless
                     # an overloaded control plane asked for longer; jittered, so a refused fleet spreads.
-                    flush_backoff = min(flush_backoff * 2, creds.heartbeat_interval_s)
+                    flush_backoff = min(flush_backoff * 2, self.heartbeat_interval_s)
                     retry_after = exc.retry_after if isinstance(exc, Unreachable) else None
                     next_flush = now + retry_delay(1, base=flush_backoff, cap=flush_backoff, retry_after=retry_after)
                     self._set_reachable(False, str(exc))
@@ -216,11 +222,20 @@ class Agent:
         message = Heartbeat(node_id=creds.node_id, seq=self._seq, time=time.time(), running=self.supervisor.running(),
                             gpu_telemetry=self.source.available, gpu_telemetry_reason=self.source.reason,
                             draining=self.draining, spooled=len(self.outbox),
-                            telemetry_dropped=self.outbox.spool.dropped.get("telemetry", 0))
+                            telemetry_dropped=self.outbox.spool.dropped.get("telemetry", 0),
+                            interval_s=self.heartbeat_interval_s if self._paced else None)
         try:
-            status, body = self._api().request("POST", HEARTBEAT_PATH.format(node_id=creds.node_id), dump(message))
+            status, body = self._api().request("POST", HEARTBEAT_PATH.format(node_id=creds.node_id), compact(message))
         except Unreachable as exc:
             self._set_reachable(False, str(exc))
+            return
+        if status == 400 and self._paced and "interval_s" in str(body):
+            # A control plane older than heartbeat pacing: keep the registration's interval, ask again at once.
+            log.warning("the control plane does not pace heartbeats (%s); keeping %.1f s", body,
+                        self.heartbeat_interval_s)
+            self._paced = False
+            self._seq -= 1
+            self._heartbeat(creds)
             return
         if status != 200:
             log.error("heartbeat refused (%d): %s", status, body)
@@ -231,6 +246,10 @@ class Agent:
         except ProtocolError as exc:
             log.error("malformed heartbeat answer: %s", exc)
             return
+        if answer.heartbeat_interval_s is not None and answer.heartbeat_interval_s != self.heartbeat_interval_s:
+            log.info("heartbeat interval %.1f s, as the control plane asks (was %.1f s)", answer.heartbeat_interval_s,
+                     self.heartbeat_interval_s)
+            self.heartbeat_interval_s = answer.heartbeat_interval_s
         assert self.commands is not None
         for command in answer.commands:
             self.commands.submit(command)

@@ -142,6 +142,9 @@ class Heartbeat:
     #: Records waiting in the agent's disk spool (non-zero after an outage, while replaying).
     spooled: int = field(default=0, min=0)
     telemetry_dropped: int = field(default=0, min=0)
+    #: The interval this agent heartbeats at now. Sent by agents that follow the answer's
+    #: ``heartbeat_interval_s`` (heartbeat pacing); None: an older agent, kept at the configured interval.
+    interval_s: float | None = field(default=None, min=0, max=3600)
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,9 @@ class Command:
 @dataclass(frozen=True)
 class HeartbeatResponse:
     commands: list[Command] = field(default_factory=list, max_len=MAX_COMMANDS_PER_HEARTBEAT)
+    #: When to heartbeat next, in seconds: the fleet's paced interval. Only to an agent whose
+    #: heartbeat gave ``interval_s`` (left out otherwise, so an older agent parses the answer).
+    heartbeat_interval_s: float | None = field(default=None, min=0.05, max=3600)
 
 
 @dataclass(frozen=True)

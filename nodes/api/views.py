@@ -280,7 +280,7 @@ class AgentHeartbeat(AgentEndpoint):
         if beat.node_id != str(node_id):
             raise exceptions.ValidationError({"node_id": [f"the heartbeat is for node {beat.node_id!r}, "
                                                           f"the URL for node {node_id}"]})
-        return Response(dump(services.record_heartbeat(request.node, beat)))
+        return Response(wire.compact(services.record_heartbeat(request.node, beat)))
 
 
 class AgentTelemetry(AgentEndpoint):

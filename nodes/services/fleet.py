@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,13 +68,67 @@ def thresholds() -> rules.Thresholds:
     return rules.Thresholds.from_mapping(settings.NIGHTWATCH.get("HEALTH", {}))
 
 
-def heartbeat_interval_s() -> float:
+# --- heartbeat pacing -------------------------------------------------------------------------
+#
+# A heartbeat costs the same whoever sends it, so a fleet's heartbeats cost in proportion to its
+# nodes: 1,088 agents at 5 s offered 218 a second, 73 % of all requests and more than 2 cores can
+# serve (docs/benchmarks/fleet.md). As Nomad does (``max_heartbeats_per_second``), the interval the
+# control plane asks of its agents grows with the fleet so that the fleet sends at most
+# ``MAX_HEARTBEATS_PER_S``: the configured ``HEARTBEAT_INTERVAL_S`` up to that many nodes, then
+# nodes / rate, never beyond ``HEARTBEAT_INTERVAL_MAX_S``. Each heartbeat answer carries the
+# interval and each node's deadline is ``HEARTBEAT_MISSES`` of the interval it was asked for, so
+# what a node was told and what it is judged by never differ. The price is stated, not hidden: a
+# dead node is noticed after the paced timeout (65 s at 1,088 nodes and 50 a second); a rank's
+# exit or an Xid does not wait for a heartbeat (they are events), and a node with commands open
+# asks for them every 0.2 s while it expects a decision (``agents.agent.daemon.DECISION_POLL_S``).
+#
+# Only agents that follow the answer's interval (their heartbeat says which one they use now,
+# ``Heartbeat.interval_s``) are paced; an older agent keeps the configured interval and is judged by it.
+
+#: How long a web process or worker goes by one count of the fleet.
+FLEET_COUNT_TTL_S = 10.0
+#: Paced intervals are rounded up to this: agents hear of a change when the fleet changed, not at every node.
+PACING_STEP_S = 0.5
+_fleet_count: tuple[float, int] | None = None  # (monotonic time of the count, nodes)
+
+
+def base_heartbeat_interval_s() -> float:
+    """The configured interval: the one registration announces, and an unpaced agent's."""
     return float(settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"])
 
 
-def heartbeat_timeout() -> timedelta:
-    """Missing this many heartbeats in a row makes a node unreachable."""
-    return timedelta(seconds=heartbeat_interval_s() * settings.NIGHTWATCH["HEARTBEAT_MISSES"])
+def heartbeat_interval_s() -> float:
+    """The interval agents are asked to heartbeat at now (see "heartbeat pacing" above)."""
+    base = base_heartbeat_interval_s()
+    rate = float(settings.NIGHTWATCH["MAX_HEARTBEATS_PER_S"])
+    if rate <= 0:
+        return base
+    ceiling = max(base, float(settings.NIGHTWATCH["HEARTBEAT_INTERVAL_MAX_S"]))
+    paced = math.ceil(heartbeating_nodes() / rate / PACING_STEP_S) * PACING_STEP_S  # not a new value per node
+    return min(max(base, paced), ceiling)
+
+
+def heartbeat_timeout(interval_s: float | None = None) -> timedelta:
+    """Missing this many heartbeats in a row makes a node unreachable (at the paced interval unless
+    ``interval_s`` says which)."""
+    interval = heartbeat_interval_s() if interval_s is None else interval_s
+    return timedelta(seconds=interval * settings.NIGHTWATCH["HEARTBEAT_MISSES"])
+
+
+def heartbeating_nodes() -> int:
+    """The nodes we expect heartbeats from (those with a deadline), counted at most every
+    ``FLEET_COUNT_TTL_S`` in this process: one indexed count, not one per heartbeat."""
+    global _fleet_count
+    now = time.monotonic()
+    if _fleet_count is None or now - _fleet_count[0] >= FLEET_COUNT_TTL_S:
+        _fleet_count = (now, Node.objects.filter(heartbeat_deadline__isnull=False).count())
+    return _fleet_count[1]
+
+
+def forget_fleet_count() -> None:
+    """Count the fleet afresh at the next ask (tests, and after a bulk change of the fleet)."""
+    global _fleet_count
+    _fleet_count = None
 
 
 # --- registration and heartbeats ----------------------------------------------------------------
@@ -144,7 +200,8 @@ def register_agent(message: wire.Register) -> Registration:
         _record_registration(node, message, actor=f"token:{token.name}", previous=previous, now=now)
         _stamp_heartbeat(node, now)
         _came_alive(node, actor=f"node:{node.hostname}")
-    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
+    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw,
+                                     heartbeat_interval_s=base_heartbeat_interval_s())
     return Registration(node=node, response=response)
 
 
@@ -170,7 +227,8 @@ def _retried_registration(message: wire.Register, now) -> Registration | None:
                  reason="the agent retried its registration (the first answer was lost): the same node, a new "
                         "agent token, the one in the lost answer revoked")
     _stamp_heartbeat(node, now)
-    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw, heartbeat_interval_s=heartbeat_interval_s())
+    response = wire.RegisterResponse(node_id=str(node.pk), node_token=raw,
+                                     heartbeat_interval_s=base_heartbeat_interval_s())
     return Registration(node=node, response=response)
 
 
@@ -255,7 +313,7 @@ def _record_gpus(node: Node, gpus: list[wire.GpuInfo]) -> None:
 
 
 def _stamp_heartbeat(node: Node, now, **fields) -> None:
-    deadline = now + heartbeat_timeout()
+    deadline = now + heartbeat_timeout(base_heartbeat_interval_s())  # what registration announces
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, heartbeat_deadline=deadline, **fields)
     node.last_heartbeat_at, node.heartbeat_deadline = now, deadline
     for name, value in fields.items():
@@ -285,10 +343,10 @@ def _heartbeat_sql() -> str:
             f"{table}.{pk} AND c.{q(command.get_field('state').column)} IN ({states}))")
 
 
-def _stamp_beat(node: Node, now, **fields) -> bool:
-    """``_stamp_heartbeat`` in one statement; refreshes ``node``'s health and schedulability and says
-    whether the node has open commands."""
-    deadline = now + heartbeat_timeout()
+def _stamp_beat(node: Node, now, interval_s: float, **fields) -> bool:
+    """``_stamp_heartbeat`` in one statement, the deadline ``HEARTBEAT_MISSES`` of ``interval_s``;
+    refreshes ``node``'s health and schedulability and says whether the node has open commands."""
+    deadline = now + heartbeat_timeout(interval_s)
     fields.update(last_heartbeat_at=now, heartbeat_deadline=deadline)
     connection = connections[Node.objects.db]
     values = [Node._meta.get_field(name).get_db_prep_save(fields[name], connection) for name in _HEARTBEAT_FIELDS]
@@ -304,10 +362,13 @@ def _stamp_beat(node: Node, now, **fields) -> bool:
 
 
 def record_heartbeat(node: Node, beat: wire.Heartbeat) -> wire.HeartbeatResponse:
-    """The agent is alive: move the deadline, note what it runs, answer with its open commands."""
+    """The agent is alive: move the deadline, note what it runs, answer with its open commands (and,
+    to an agent that follows it, the interval to heartbeat at)."""
     for name in ("seq", "spooled", "telemetry_dropped"):
         check_range(getattr(beat, name), name)
-    commands_open = _stamp_beat(node, timezone.now(), running=[dump(r) for r in beat.running],
+    paced = beat.interval_s is not None
+    interval = heartbeat_interval_s() if paced else base_heartbeat_interval_s()
+    commands_open = _stamp_beat(node, timezone.now(), interval, running=[dump(r) for r in beat.running],
                                 gpu_telemetry=beat.gpu_telemetry, gpu_telemetry_reason=beat.gpu_telemetry_reason or "",
                                 last_heartbeat_seq=beat.seq, agent_draining=beat.draining, spooled=beat.spooled,
                                 telemetry_dropped=beat.telemetry_dropped)
@@ -316,7 +377,8 @@ def record_heartbeat(node: Node, beat: wire.Heartbeat) -> wire.HeartbeatResponse
         _came_alive(node, actor=actor)
     if node.schedulability == Schedulability.DRAINING and not beat.running:
         finish_drain(node, actor=actor, reason="the agent runs no generation any more")
-    return wire.HeartbeatResponse(commands=pending_commands_for(node) if commands_open else [])
+    return wire.HeartbeatResponse(commands=pending_commands_for(node) if commands_open else [],
+                                  heartbeat_interval_s=interval if paced else None)
 
 
 def _came_alive(node: Node, *, actor: str) -> None:

@@ -56,7 +56,7 @@ from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
 from nodes.models import Node
-from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
+from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:overload-watch"
@@ -131,8 +131,9 @@ def last_transition() -> Event | None:
 
 def heartbeat_lag_s() -> float:
     """How late a heartbeat may be answered before it counts as late (``OVERLOAD_HEARTBEAT_LAG_S``;
-    0, the default: one heartbeat interval)."""
-    return settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or float(heartbeat_interval_s())
+    0, the default: one configured heartbeat interval, however far pacing stretched it: an answer
+    that late is the control plane's queue, not the node's)."""
+    return settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or base_heartbeat_interval_s()
 
 
 def overloaded() -> bool:

@@ -90,6 +90,10 @@ class ControlPlane:
         self.pending: list[dict[str, Any]] = []  # commands re-sent until acked
         self.ack_answers: dict[str, int] = {}  # command id -> status to answer its ack with
         self.register_delays: list[float] = []  # seconds to sit on each next registration's answer
+        #: Heartbeat pacing: the interval to ask of an agent that says its own (None: never asked).
+        self.paced_interval_s: float | None = None
+        #: A control plane older than pacing refuses the heartbeat field it does not know.
+        self.knows_interval = True
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -133,8 +137,15 @@ class ControlPlane:
         if parts[:3] != ["api", "v1", "nodes"] or parts[3] != self.node_id:
             return 404, {"error": "no such node"}
         if parts[4:] == ["heartbeat"]:
-            self.heartbeats.append(parse(Heartbeat, body))
-            return 200, {"commands": list(self.pending)}
+            if "interval_s" in body and not self.knows_interval:
+                return 400, {"type": "about:blank", "title": "Bad request", "status": 400,
+                             "detail": "interval_s: unknown field"}  # as parse() words it
+            beat = parse(Heartbeat, body)
+            self.heartbeats.append(beat)
+            answer: dict[str, Any] = {"commands": list(self.pending)}
+            if beat.interval_s is not None and self.paced_interval_s is not None:
+                answer["heartbeat_interval_s"] = self.paced_interval_s
+            return 200, answer
         if parts[4:] == ["telemetry"]:
             samples = parse(TelemetryBatch, body).samples
             self.samples.extend(dump(s) for s in samples)

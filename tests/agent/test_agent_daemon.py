@@ -58,6 +58,31 @@ def test_registers_stores_its_token_and_reports(control_plane: Any, agent_config
     assert again.stop() == 0
 
 
+def test_a_control_plane_older_than_pacing_gets_heartbeats_it_can_parse(control_plane: Any,
+                                                                         agent_config: Callable[..., Any],
+                                                                         start_agent: Callable[..., Any]) -> None:
+    control_plane.knows_interval = False
+    running = start_agent(agent_config())
+    wait_for(lambda: len(control_plane.heartbeats) >= 3, timeout=20, what="three heartbeats", interval=POLL_S)
+    assert all(h.interval_s is None for h in control_plane.heartbeats)
+    assert running.agent.heartbeat_interval_s == 0.2  # registration's, for good
+    assert running.stop() == 0
+
+
+def test_the_interval_a_heartbeat_answer_asks_for_is_followed(control_plane: Any, agent_config: Callable[..., Any],
+                                                              start_agent: Callable[..., Any]) -> None:
+    running = start_agent(agent_config())
+    wait_for(lambda: control_plane.heartbeats, timeout=20, what="a heartbeat", interval=POLL_S)
+    assert control_plane.heartbeats[0].interval_s == 0.2  # says what it follows: registration's interval
+    control_plane.paced_interval_s = 0.6
+    wait_for(lambda: running.agent.heartbeat_interval_s == 0.6, timeout=5, what="the paced interval", interval=POLL_S)
+    wait_for(lambda: len([h for h in control_plane.heartbeats if h.interval_s == 0.6]) >= 3, timeout=10,
+             what="three paced heartbeats", interval=POLL_S)
+    paced = [h.time for h in control_plane.heartbeats if h.interval_s == 0.6]
+    assert min(b - a for a, b in zip(paced, paced[1:], strict=False)) >= 0.55
+    assert running.stop() == 0
+
+
 def test_a_registration_answer_lost_to_a_timeout_is_retried_as_the_same_attempt(
         control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any]) -> None:
     control_plane.register_delays = [1.5]  # longer than the agent's 1 s request timeout

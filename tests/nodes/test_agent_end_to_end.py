@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
 from agents.agent.config import AgentConfig
 from agents.agent.daemon import Agent
@@ -19,6 +21,7 @@ from jobs.models import Event
 from nodes import services
 from nodes.choices import CommandState, Health, Schedulability
 from nodes.models import AgentEventRecord, Node, NodeCommand, NodeGpuSample
+from nodes.services import fleet
 from tests.waiting import wait_for
 
 POLL_S = 0.05  # the timing asserts below allow a fraction of a second: poll often
@@ -57,6 +60,26 @@ def running_agent(live_server, transactional_db, tmp_path: Path, fast_heartbeats
     agent.stop()
     thread.join(timeout=30)
     assert not thread.is_alive(), "the agent did not stop"
+
+
+@pytest.fixture
+def paced(settings):
+    """Heartbeat pacing at 4 a second: with 4 nodes to hear from, the agent is asked for 1 s."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "MAX_HEARTBEATS_PER_S": 4.0}
+
+
+def test_the_agent_beats_at_the_interval_the_control_plane_asks_for(paced, running_agent):
+    agent, _ = running_agent
+    Node.objects.bulk_create([Node(hostname=f"quiet-{i}", address=f"10.0.3.{i}", health="healthy",
+                                   heartbeat_deadline=timezone.now() + timedelta(hours=1)) for i in range(3)])
+    fleet.forget_fleet_count()
+    wait_for(lambda: agent.heartbeat_interval_s == 1.0, timeout=15, what="the paced interval", interval=POLL_S)
+    node = node_state()
+    assert node.heartbeat_deadline - node.last_heartbeat_at == timedelta(seconds=3 * 1.0)
+    first = node.last_heartbeat_seq
+    time.sleep(3.2)  # a measured span, not a wait: 12 heartbeats at 0.25 s, 3 or 4 at 1 s
+    assert node_state().last_heartbeat_seq - first in (3, 4)
+    assert node_state().health != Health.UNREACHABLE  # (the scenario's Xid makes it unhealthy)
 
 
 def node_state():
