@@ -276,7 +276,7 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
 
     database = f"nightwatch_fleet_bench_{nodes}"
     fleet = nodes + spares(nodes)
-    with served(work, database) as (plane, slot):
+    with served(work, database, opts.max_heartbeats_per_s) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
@@ -324,17 +324,21 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 latency = measure.detection(conn, fault)
                 fault["detected_s"] = None if latency is None else round(latency, 2)
         sims.close()
-        result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes)
+        result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
+                      max_heartbeats_per_s=opts.max_heartbeats_per_s)
         conn.close()
         return result
 
 
 @contextlib.contextmanager
-def served(work: Path, database: str):
+def served(work: Path, database: str, max_heartbeats_per_s: float | None = None):
     """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
-    out; the plane's logs are printed when anything fails."""
+    out; the plane's logs are printed when anything fails. ``max_heartbeats_per_s``: heartbeat pacing's
+    rate (None: the control plane's default; 0: off)."""
     fresh_database(database, TEMPLATE_DB)
     plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
+    if max_heartbeats_per_s is not None:
+        plane.env["NIGHTWATCH_MAX_HEARTBEATS_PER_S"] = str(max_heartbeats_per_s)
     fleet = SimpleNamespace(sims=None)
     try:
         plane.start()
@@ -666,6 +670,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--storm-limit", type=float, help="how long to wait for the spools to empty (120; --quick 60)")
     parser.add_argument("--processes", type=int, help="simulator processes (default: 1-3 by fleet size)")
     parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--max-heartbeats-per-s", type=float, help="heartbeat pacing: the fleet's heartbeats a "
+                        "second the control plane asks for (default: its NIGHTWATCH_MAX_HEARTBEATS_PER_S, 50; 0: off)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
                         "per-request CPU cost (default 1000)")
     parser.add_argument("--cost-runs", type=int, help="calibration bursts per request kind (3; 0: skip)")
