@@ -17,7 +17,11 @@ intervals: a fleet beats every interval, each node on its own clock, so a stretc
 without any is our side. That catches an outage of an overloaded control plane, whose nodes' last
 contacts (and so deadlines) are spread over a whole timeout rather than one interval: at 1,024
 nodes the first sweeps of an outage saw 17 % of the fleet past its deadline, below the fraction,
-and marked 1,023 live nodes unreachable.
+and marked 1,023 live nodes unreachable. And once heartbeat pacing stretches the interval
+(``nodes.services.fleet``), it is silent when no heartbeat at all arrived for ``QUIET_INTERVALS``
+of the *configured* interval from a fleet that sends at least ``HUSH_BEATS`` in that time, before
+any deadline passed: paced deadlines are a minute away at 1,000 nodes, longer than an outage that
+already runs the jobs' progress deadlines (seconds) out.
 
 So, like the Kubernetes node controller in its "full disruption" mode, the heartbeat sweeper holds:
 while the fleet is silent no node is marked unreachable and no job is declared hung (the jobs'
@@ -51,13 +55,16 @@ from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
 from nodes.models import Node
-from nodes.services.fleet import heartbeat_interval_s, heartbeat_timeout
+from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:fleet-watch"
 SILENT, RESTORED, GIVEN_UP = "silent", "restored", "given_up"
 #: No heartbeat from any node for this many heartbeat intervals is our silence, whatever the fraction.
 QUIET_INTERVALS = 1.5
+#: No heartbeat at all for QUIET_INTERVALS of the *configured* interval, from a fleet that would have
+#: sent at least this many in that time, is our silence before any deadline ran out (``Silence.hushed``).
+HUSH_BEATS = 20
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,29 @@ class Silence:
     quiet_s: float | None = None  # how long no heartbeat at all has arrived
 
     @property
+    def hushed(self) -> bool:
+        """No heartbeat from anyone for ``QUIET_INTERVALS`` configured intervals, from a fleet that
+        sends at least ``HUSH_BEATS`` in that time. Heartbeat pacing made this rule necessary: at 1,088
+        nodes a node's deadline is 66 s away, so a 30 s outage of our ingress passes no deadline and the
+        rules below never speak, while the jobs' progress deadlines (seconds) run out: bench.fleet's
+        storm declared 20 jobs hung. A fleet that sends 50 heartbeats a second and none for 7.5 s is
+        our side. Only while pacing stretches the interval: unpaced, deadlines pass within an outage."""
+        interval, base = heartbeat_interval_s(), base_heartbeat_interval_s()
+        if (self.quiet_s is None or interval <= base  # unpaced: the deadlines pass in time, as before
+                or self.expected < settings.NIGHTWATCH["FLEET_SILENCE_MIN_NODES"]):
+            return False
+        return self.quiet_s >= QUIET_INTERVALS * base and self.expected / interval * self.quiet_s >= HUSH_BEATS
+
+    @property
+    def onset(self) -> datetime | None:
+        """When the silence began: the oldest missed deadline, or the last heartbeat when hushed first."""
+        return self.since if self.since is not None else self.last_heard
+
+    @property
     def is_fleet_wide(self) -> bool:
         config = settings.NIGHTWATCH
+        if self.hushed:
+            return True
         if self.since is None or self.silent < config["FLEET_SILENCE_MIN_NODES"]:
             return False
         if self.quiet_s is not None and self.quiet_s >= QUIET_INTERVALS * heartbeat_interval_s():
@@ -126,7 +154,7 @@ def watch(now: datetime | None = None) -> bool:
     holding = last is not None and last.new_state == SILENT
     if silence.is_fleet_wide:
         hold_s = settings.NIGHTWATCH["FLEET_SILENCE_HOLD_S"]
-        silent_for = (now - silence.since).total_seconds()
+        silent_for = (now - silence.onset).total_seconds()
         if silent_for >= hold_s:
             if holding:
                 _record(GIVEN_UP, now, silence,
@@ -134,9 +162,11 @@ def watch(now: datetime | None = None) -> bool:
                         f"the {hold_s} s hold: treating them as unreachable (partition policy)")
             return False
         if not holding:
-            _record(SILENT, now, silence,
-                    f"{silence.silent} of {silence.expected} nodes missed their heartbeats together: suspecting "
-                    f"the control plane's own ingress; holding up to {hold_s} s (no node unreachable, no job hung)")
+            what = (f"no heartbeat from any of {silence.expected} nodes for {silence.quiet_s:.1f} s"
+                    if silence.since is None else
+                    f"{silence.silent} of {silence.expected} nodes missed their heartbeats together")
+            _record(SILENT, now, silence, f"{what}: suspecting the control plane's own ingress; holding up to "
+                                          f"{hold_s} s (no node unreachable, no job hung)")
         return True
     if holding:
         _restore(now, silence, since=last.created_at)

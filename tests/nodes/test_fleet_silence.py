@@ -15,6 +15,7 @@ from nodes import services, tasks
 from nodes.choices import Health
 from nodes.models import Node
 from nodes.services import silence
+from nodes.services.fleet import forget_fleet_count, heartbeat_interval_s
 
 T0 = "2026-11-30 12:00:00Z"
 
@@ -183,3 +184,46 @@ def test_the_same_spread_with_one_node_still_getting_through_is_a_node_problem(f
         assert tasks.expire_heartbeats() == 1
     assert transitions() == []
     assert Node.objects.get(pk=nodes[0].pk).health == Health.UNREACHABLE
+
+
+@pytest.mark.django_db
+def test_a_paced_fleet_that_goes_quiet_is_our_silence_before_any_deadline_passes(cast, settings):
+    """bench.fleet's storm with heartbeat pacing: 1,088 nodes' deadlines were 66 s away, the web
+    stopped for 30 s, no deadline passed, so nothing held the jobs' progress deadlines: 20 jobs hung."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "HEARTBEAT_INTERVAL_S": 5, "HEARTBEAT_MISSES": 3,
+                           "MAX_HEARTBEATS_PER_S": 50.0, "FLEET_SILENCE_MIN_NODES": 2, "FLEET_SILENCE_HOLD_S": 120}
+    with time_machine.travel(T0, tick=False) as clock:
+        now = timezone.now()
+        Node.objects.bulk_create([Node(hostname=f"quiet-{i:03d}", address=f"10.1.{i // 200}.{i % 200}",
+                                       health="healthy", last_heartbeat_at=now - timedelta(seconds=i % 6),
+                                       heartbeat_deadline=now + timedelta(seconds=18 - i % 6)) for i in range(300)])
+        forget_fleet_count()
+        assert heartbeat_interval_s() == 6.0  # 300 nodes at 50 a second: paced
+        Job.objects.filter(pk=cast.job.pk).update(state="running", recovery_policy={"progress_timeout_s": 5},
+                                                  progress_deadline=now + timedelta(seconds=5))
+        clock.shift(7.0)  # 7 s since the newest heartbeat: not yet 1.5 configured intervals
+        assert tasks.expire_heartbeats() == 0 and transitions() == []
+        clock.shift(1.0)  # 8 s of nothing from a fleet that sends 50 a second; no deadline has passed
+        assert tasks.expire_heartbeats() == 0
+        assert transitions() == ["silent"]
+        assert "no heartbeat from any of 300 nodes for 8.0 s" in Event.objects.get(kind=EventKind.FLEET_SILENCE).reason
+        assert progress.expire_one_progress_deadline() is False  # the job's deadline ran out: held
+        Node.objects.filter(hostname="quiet-000").update(last_heartbeat_at=timezone.now())  # the web is back
+        assert tasks.expire_heartbeats() == 0
+        assert transitions() == ["silent", "restored"]
+        # It starts over a (paced) heartbeat timeout from now, longer than its own 5 s: reports buffered
+        # through the outage need that long to arrive.
+        assert Job.objects.get(pk=cast.job.pk).progress_deadline == timezone.now() + timedelta(seconds=18)
+    assert set(Node.objects.values_list("health", flat=True)) == {Health.HEALTHY}
+    assert Job.objects.get(pk=cast.job.pk).state == "running"
+
+
+@pytest.mark.django_db
+def test_an_unpaced_fleet_keeps_to_its_deadlines(fleet, settings):
+    """The same quiet without pacing is left to the deadline rules, which speak within an outage."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "MAX_HEARTBEATS_PER_S": 0}
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(*fleet)
+        clock.shift(4)  # 2 configured intervals of nothing, no deadline passed
+        assert tasks.expire_heartbeats() == 0
+    assert transitions() == []
