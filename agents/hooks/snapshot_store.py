@@ -158,10 +158,19 @@ class SnapshotStore:
                 shutil.rmtree(entry, ignore_errors=True)
 
     def remove_empty(self) -> None:
-        """Remove the job's directories that hold nothing any more (another rank's may still be in use)."""
-        for directory in sorted(self.directory.glob("rank*/*"), reverse=True) + sorted(self.directory.glob("rank*")):
+        """Remove the job's directories that hold nothing any more (another rank's may still be in use).
+
+        Every rank of the node does this as it finishes, at the same moment: a directory another
+        rank removed after it was listed here is not an error (``glob`` raised on it).
+        """
+        for owner in _entries(self.directory):
+            if not owner.name.startswith("rank"):
+                continue
+            for kind in _entries(owner):
+                with contextlib.suppress(OSError):
+                    kind.rmdir()
             with contextlib.suppress(OSError):
-                directory.rmdir()
+                owner.rmdir()
         with contextlib.suppress(OSError):
             self.directory.rmdir()
 

@@ -3,7 +3,11 @@ reason, lineage fencing, and retention (at most two committed, the oldest remove
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import multiprocessing
+import time
 
 import pytest
 import torch
@@ -99,3 +103,30 @@ def test_only_a_snapshot_newer_than_the_disk_checkpoint_is_taken(trained):
     assert choose_snapshot(store, Topology(), None, lineage(after_step=2)).key.step == 3
     choice = choose_snapshot(store, Topology(), None, lineage(after_step=3))
     assert choice.snapshot is None and choice.rejected == []
+
+
+def _finish_repeatedly(root, rank, deadline):
+    """One rank of a node finishing again and again: its directories made, then the empty ones removed."""
+    store = SnapshotStore(root, "job")
+    errors = []
+    while time.monotonic() < deadline:
+        for kind in ("own", "copy"):
+            with contextlib.suppress(OSError):  # a parent (or itself) another rank removed just now
+                store.place(rank, kind).mkdir(parents=True, exist_ok=True)
+        try:
+            store.remove_empty()
+        except OSError as error:
+            errors.append(repr(error))
+    return errors
+
+
+def test_ranks_finishing_together_remove_each_others_empty_directories_without_error(tmp_path):
+    # Every rank of a node calls remove_empty as it finishes, and each sees (and may remove) the
+    # others' directories: a directory gone between being listed and being read is not an error
+    # (CI of 4628af3: rank 1's glob raised FileNotFoundError on a directory rank 0 had removed).
+    deadline = time.monotonic() + 1.5
+    with concurrent.futures.ProcessPoolExecutor(4, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_finish_repeatedly, [tmp_path] * 4, range(4), [deadline] * 4))
+    assert [error for errors in results for error in errors] == []
+    SnapshotStore(tmp_path, "job").remove_empty()
+    assert list(tmp_path.iterdir()) == []
