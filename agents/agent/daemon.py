@@ -180,9 +180,9 @@ class Agent:
 
     def _loop(self, creds: NodeCredentials) -> None:
         self.heartbeat_interval_s = creds.heartbeat_interval_s
-        next_sample = next_heartbeat = next_flush = last_heartbeat = time.monotonic()
+        next_sample = next_heartbeat = next_flush = next_urgent = last_heartbeat = time.monotonic()
         samples_due = float("inf")  # when the oldest sample not yet sent must go
-        flush_backoff = TICK_S
+        flush_backoff = urgent_backoff = TICK_S  # of the bulk lane (telemetry) and of the urgent one
         while not self._stopping.is_set():
             now = time.monotonic()
             for xid in self.collector.poll_xids(0):
@@ -201,18 +201,31 @@ class Agent:
                 self._heartbeat(creds)
                 last_heartbeat = now
                 next_heartbeat = now + self.heartbeat_interval_s
-            if now >= next_flush and len(self.outbox) and (self.outbox.urgent or now >= samples_due):
+            bulk = now >= next_flush
+            if len(self.outbox) and ((self.outbox.urgent and now >= next_urgent) or (bulk and now >= samples_due)):
                 try:
-                    self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack)
-                    samples_due = float("inf")
-                    flush_backoff = TICK_S
+                    self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack, bulk=bulk)
+                    if bulk:
+                        samples_due = float("inf")
+                        flush_backoff = TICK_S
+                    urgent_backoff = TICK_S
                     self._set_reachable(True, "")
                 except (Unreachable, AuthRejected) as exc:
                     # Back off, but never beyond a heartbeat (replay starts soon after it returns) unless
                     # an overloaded control plane asked for longer; jittered, so a refused fleet spreads.
+                    # Each lane on its own: refused telemetry waits out its Retry-After, but an Xid or an
+                    # exit that comes meanwhile goes at once (under heartbeat pacing the wait is up to a
+                    # 30 s interval, and the exit would wait with it).
+                    retry_after = _retry_after(exc)
+                    if self.outbox.urgent:  # the urgent lane itself was refused: both wait
+                        urgent_backoff = min(urgent_backoff * 2, self.heartbeat_interval_s)
+                        next_urgent = now + retry_delay(1, base=urgent_backoff, cap=urgent_backoff,
+                                                        retry_after=retry_after)
+                    else:
+                        urgent_backoff = TICK_S
                     flush_backoff = min(flush_backoff * 2, self.heartbeat_interval_s)
-                    retry_after = exc.retry_after if isinstance(exc, Unreachable) else None
-                    next_flush = now + retry_delay(1, base=flush_backoff, cap=flush_backoff, retry_after=retry_after)
+                    next_flush = max(next_urgent, now + retry_delay(1, base=flush_backoff, cap=flush_backoff,
+                                                                    retry_after=retry_after))
                     self._set_reachable(False, str(exc))
             if self._wake.wait(TICK_S):
                 self._wake.clear()
@@ -388,3 +401,8 @@ class Agent:
     def stats(self) -> dict[str, Any]:
         return {"samples_taken": self.samples_taken, "events_created": self.outbox.events_created,
                 "spooled": len(self.outbox), "dropped": self.outbox.spool.dropped}
+
+
+def _retry_after(exc: Exception) -> float | None:
+    """The wait a refusal asked for (``Retry-After``), if it said one."""
+    return exc.retry_after if isinstance(exc, Unreachable) else None

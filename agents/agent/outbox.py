@@ -9,7 +9,8 @@ recovery) go before telemetry. A control plane that sheds load refuses bulk data
 Xid queued behind a telemetry backlog waited out every one of its refusals (issue 18's fleet run:
 5 s at 1,024 nodes); now it waits for at most the one telemetry batch already on its way.
 Telemetry samples are keyed by (node, GPU, time) on the server, so their order against events
-does not matter.
+does not matter. The lanes also back off apart (``Agent._loop``): telemetry refused by a shedding
+control plane waits out its ``Retry-After``, and an Xid that arrives meanwhile goes on its own.
 """
 
 from __future__ import annotations
@@ -87,20 +88,26 @@ class Outbox:
             self._drops_reported = total
 
     def flush(self, client: ControlPlaneClient, node_id: str,
-              on_stale_ack: Callable[[CommandAck], None]) -> int:
-        """Deliver spooled records until none is left, the urgent lane before each bulk batch; how
-        many were delivered.
+              on_stale_ack: Callable[[CommandAck], None], *, bulk: bool = True) -> int:
+        """Deliver spooled records until none is left, the urgent lane before each bulk batch (only
+        the urgent lane with ``bulk=False``); how many were delivered.
 
-        Raises ``agents.http.Unreachable`` (and keeps the rest) when the control plane is down.
+        Raises ``agents.http.Unreachable`` (and keeps the rest) when the control plane is down or
+        refuses; ``urgent`` is still true afterwards only if the urgent lane was what it refused.
         """
         delivered = 0
         while True:
-            while run := self._head_run(URGENT):
-                delivered += self._deliver(client, node_id, run[0][1], run, on_stale_ack, URGENT)
-            if not (run := self._head_run(BULK)):
+            # Cleared before the lane is read: what another thread adds meanwhile sets it again.
+            self.urgent = False
+            try:
+                while run := self._head_run(URGENT):
+                    delivered += self._deliver(client, node_id, run[0][1], run, on_stale_ack, URGENT)
+            except BaseException:
+                self.urgent = True
+                raise
+            if not bulk or not (run := self._head_run(BULK)):
                 break
             delivered += self._deliver(client, node_id, run[0][1], run, on_stale_ack, BULK)
-        self.urgent = False
         return delivered
 
     def _head_run(self, lane: frozenset[str]) -> list[tuple[int, str, dict[str, Any]]]:

@@ -85,6 +85,7 @@ class ControlPlane:
         self.telemetry_posts: list[int] = []  # samples per telemetry request
         self.events: dict[str, Any] = {}  # key -> (event, detail): the server deduplicates on key
         self.event_deliveries = 0
+        self.event_arrivals: dict[str, float] = {}  # key -> when it first arrived (Unix time)
         self.acks: list[CommandAck] = []
         self.errors: list[str] = []
         self.pending: list[dict[str, Any]] = []  # commands re-sent until acked
@@ -94,6 +95,9 @@ class ControlPlane:
         self.paced_interval_s: float | None = None
         #: A control plane older than pacing refuses the heartbeat field it does not know.
         self.knows_interval = True
+        #: A shedding control plane: telemetry is answered 503 with this Retry-After (None: taken).
+        self.telemetry_retry_after: int | None = None
+        self.telemetry_refusals = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -147,6 +151,9 @@ class ControlPlane:
                 answer["heartbeat_interval_s"] = self.paced_interval_s
             return 200, answer
         if parts[4:] == ["telemetry"]:
+            if self.telemetry_retry_after is not None:
+                self.telemetry_refusals += 1
+                return 503, {"title": "Service Unavailable", "status": 503, "code": "overloaded"}
             samples = parse(TelemetryBatch, body).samples
             self.samples.extend(dump(s) for s in samples)
             self.telemetry_posts.append(len(samples))
@@ -155,6 +162,7 @@ class ControlPlane:
             for event, detail in parse_event_details(parse(EventBatch, body)):
                 self.event_deliveries += 1
                 self.events.setdefault(event.key, (event, detail))
+                self.event_arrivals.setdefault(event.key, time.time())
             return 202, {}
         if len(parts) == 7 and parts[4] == "commands" and parts[6] == "ack":
             ack = parse(CommandAck, body)
@@ -179,6 +187,8 @@ class ControlPlane:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if status == 503 and plane.telemetry_retry_after is not None:
+                    self.send_header("Retry-After", str(plane.telemetry_retry_after))
                 self.end_headers()
                 self.wfile.write(data)
 

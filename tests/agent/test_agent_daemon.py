@@ -249,6 +249,23 @@ def test_samples_share_a_request_per_batch_and_an_event_takes_them_along(
              what="the samples of the 0.2 s before the event, sent along with it", interval=POLL_S)
 
 
+def test_an_xid_does_not_wait_out_the_retry_after_of_refused_telemetry(
+        control_plane: Any, agent_config: Callable[..., Any], scenario_file: Callable[[str], Path],
+        start_agent: Callable[..., Any]) -> None:
+    # A shedding control plane refuses telemetry and asks for 30 s (a paced fleet's heartbeat interval):
+    # the Xid 2 s later goes on its own lane at once, and telemetry waits out what it was asked.
+    control_plane.telemetry_retry_after = 30
+    running = start_agent(agent_config(telemetry_batch_s=0.2, scenario=scenario_file(
+        "gpus: 2\nevents: [{at: 2s, gpu: 1, xid: 13}]\n")))
+    wait_for(lambda: control_plane.telemetry_refusals >= 1, timeout=10, what="a refused telemetry batch",
+             interval=POLL_S)
+    [(xid, _)] = wait_for(lambda: control_plane.events_of("xid"), timeout=10, what="the xid event", interval=POLL_S)
+    assert control_plane.event_arrivals[xid.key] - xid.time < 1.0
+    assert control_plane.telemetry_refusals == 1, "refused telemetry waits out its Retry-After"
+    assert control_plane.samples == []
+    assert running.stop() == 0
+
+
 def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, agent_config: Callable[..., Any],
                                                             scenario_file: Callable[[str], Path],
                                                             start_agent: Callable[..., Any]) -> None:

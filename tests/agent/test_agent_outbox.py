@@ -77,6 +77,36 @@ def test_an_xid_behind_a_telemetry_backlog_goes_first_and_the_backlog_is_kept(tm
     outbox.close()
 
 
+def test_the_urgent_lane_alone_and_which_lane_a_refusal_came_from(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    outbox.add_samples([sample(t) for t in range(10)])
+    outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
+    server = SheddingControlPlane()
+
+    # While telemetry backs off, the daemon sends the urgent lane alone: telemetry is not even tried.
+    assert outbox.flush(server, "n1", on_stale_ack=lambda ack: None, bulk=False) == 1
+    assert server.paths == [EVENTS_PATH.format(node_id="n1")] and not outbox.urgent
+    assert len(outbox) == 10
+
+    # Telemetry refused after the urgent lane went: ``urgent`` says the urgent lane is not to back off.
+    outbox.add_event("xid", XidDetail(gpu=4, code=79), key="xid-2")
+    with pytest.raises(Unreachable):
+        outbox.flush(server, "n1", on_stale_ack=lambda ack: None)
+    assert server.events == ["xid-1", "xid-2"] and not outbox.urgent
+
+    # The urgent lane itself refused: it stays urgent, for the daemon to back off both.
+    outbox.add_event("xid", XidDetail(gpu=5, code=79), key="xid-3")
+    with pytest.raises(Unreachable):
+        outbox.flush(DownControlPlane(), "n1", on_stale_ack=lambda ack: None, bulk=False)
+    assert outbox.urgent and len(outbox) == 11
+    outbox.close()
+
+
+class DownControlPlane:
+    def request(self, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[int, dict]:
+        raise Unreachable("connection refused")
+
+
 def test_the_urgent_lane_is_drained_again_before_each_telemetry_batch(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
     outbox.add_samples([sample(t) for t in range(2 * MAX_SAMPLES_PER_BATCH)])
