@@ -48,6 +48,7 @@ def admission(app) -> Admission:
     knobs = settings.NIGHTWATCH
     return Admission(app, limit=knobs["MAX_IN_FLIGHT"], reserve=knobs["PRIORITY_RESERVE"],
                      urgent_reserve=knobs["URGENT_RESERVE"], retry_after_s=knobs["RETRY_AFTER_S"],
+                     retry_after_max_s=knobs["RETRY_AFTER_MAX_S"],
                      urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
                      witnesses=WITNESS_URLS, carriers=CARRIER_URLS,
                      awaited_within_s=command_ttl().total_seconds(), width=knobs["ADMISSION_WIDTH"],

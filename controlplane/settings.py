@@ -400,6 +400,9 @@ NIGHTWATCH = {
     # Of those, the slots heartbeats and registrations leave free for the agents' events (exits, Xids).
     "URGENT_RESERVE": env_int("NIGHTWATCH_URGENT_RESERVE", 2),
     "RETRY_AFTER_S": env_int("NIGHTWATCH_RETRY_AFTER_S", 1),
+    # A refused bulk request is asked to wait RETRY_AFTER_S x offered / admitted bulk, at most this
+    # (core.admission.Pressure); the hang sweep spares a refused job 1.5 x this (jobs.progress).
+    "RETRY_AFTER_MAX_S": env_int("NIGHTWATCH_RETRY_AFTER_MAX_S", 10),
     # The order admitted requests are served in (core.admission.Gate): this many go into Django at
     # once (0: all, in arrival order), the rest wait their turn, agent events and command acks first,
     # then heartbeats and operators' actions, ADMISSION_SHARE of them for each bulk request while both wait.

@@ -53,6 +53,15 @@ bulk telemetry held 12 of the 16 and heartbeats were admitted at 0.7 a second fo
 and holds the rest in a queue per class: urgent ones go first, then heartbeats and an operator's
 actions and bulk share what is left, ``share`` of the first for each bulk one while both wait
 (bulk is never starved: its step reports are what the hang sweep reads).
+
+How long a refused caller is asked to wait follows how much more bulk is offered than taken
+(``Pressure``). With one fixed second, every refused telemetry batch and step report came back a
+second later to be refused again: at 1,024 nodes the fleet offered 160-314 requests a second for
+58-75 taken, and most of what the server did for bulk was say no (bench.fleet, 2026-12-04). A
+refused bulk request is asked to wait ``retry_after_s`` × offered / admitted over the last 5-10 s,
+at most ``retry_after_max_s``: callers spread over the time the server needs to take them. The
+other classes are always asked for ``retry_after_s``: they are few, and their wait is a verdict's.
+The jobs' hang sweep spares a refused job for 1.5 × the longest wait (``jobs.progress``).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
@@ -95,6 +105,8 @@ OPERATOR_LANE = {OPERATOR: PRIORITY}
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Shared counts are handed to Redis at most this often per process.
 FLUSH_S = 1.0
+#: Bulk offered and admitted are counted in windows of this long; the last two make the pressure.
+PRESSURE_WINDOW_S = 5.0
 
 
 @dataclass
@@ -136,6 +148,36 @@ class SharedTally:
         self.flushed_at = now
         self.flushing = asyncio.get_running_loop().run_in_executor(
             None, functools.partial(shared_counts.add, batch, at=self.since, refused=callers))
+
+
+class Pressure:
+    """How many bulk requests were offered for each one admitted, over the current window and the
+    one before it (``window_s`` each: the figure moves as fast as the load, but not on one burst)."""
+
+    def __init__(self, window_s: float = PRESSURE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self.current = [0, 0]  # offered, admitted
+        self.previous = [0, 0]
+
+    def count(self, admitted: bool) -> None:
+        self._roll()
+        self.current[0] += 1
+        self.current[1] += admitted
+
+    def ratio(self) -> float:
+        """Offered / admitted (1.0 with nothing offered; the offered count when nothing was admitted)."""
+        self._roll()
+        offered, admitted = self.current[0] + self.previous[0], self.current[1] + self.previous[1]
+        return offered / max(admitted, 1) if offered else 1.0
+
+    def _roll(self) -> None:
+        windows = int((self.clock() - self.started) // self.window_s)
+        if windows >= 1:
+            self.previous = self.current if windows == 1 else [0, 0]
+            self.current = [0, 0]
+            self.started += windows * self.window_s
 
 
 def bearer_token(scope: Scope) -> str | None:
@@ -255,7 +297,8 @@ class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off, ``width`` 0 the gate
     (admitted requests then all go in at once, served in the order they reach Django's thread)."""
 
-    def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, urgent_reserve: int = 0,
+    def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, retry_after_max_s: int | None = None,
+                 urgent_reserve: int = 0,
                  urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
                  exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
                  late_s: float | None = None, awaited_within_s: float = 600.0, width: int = 0, share: int = 3):
@@ -264,6 +307,10 @@ class Admission:
                              f"limit={limit} reserve={reserve} urgent_reserve={urgent_reserve}")
         if retry_after_s < 1:
             raise ValueError(f"admission: Retry-After is whole seconds, at least 1, got {retry_after_s}")
+        retry_after_max_s = retry_after_s if retry_after_max_s is None else retry_after_max_s
+        if retry_after_max_s < retry_after_s:
+            raise ValueError(f"admission: the longest Retry-After ({retry_after_max_s} s) is shorter than the "
+                             f"shortest ({retry_after_s} s)")
         self.app = app
         self.limit = limit
         self.reserve = reserve
@@ -271,6 +318,8 @@ class Admission:
         self._bounds = {URGENT: limit, PRIORITY: limit - urgent_reserve, OPERATOR: limit - urgent_reserve,
                         OTHER: limit - reserve}
         self.retry_after_s = retry_after_s
+        self.retry_after_max_s = retry_after_max_s
+        self.pressure = Pressure()
         self.urgent = frozenset(urgent)
         self.priority = frozenset(priority)
         self.operator = frozenset(operator)
@@ -307,6 +356,12 @@ class Admission:
             return True
         return self.counters.in_flight < self._bounds[kind]
 
+    def retry_after(self, kind: str) -> int:
+        """The whole seconds a refused request of ``kind`` is asked to wait."""
+        if kind != OTHER:
+            return self.retry_after_s
+        return min(self.retry_after_max_s, math.ceil(self.retry_after_s * self.pressure.ratio()))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -318,7 +373,10 @@ class Admission:
             digest = _digest(scope)
             if digest is not None and self.awaited.carries(digest):
                 kind = URGENT
-        if not self.admits(kind):
+        admitted = self.admits(kind)
+        if kind == OTHER and self.limit:
+            self.pressure.count(admitted)
+        if not admitted:
             counters.refused[kind] += 1
             if name in self.witnesses and (digest := digest or _digest(scope)) is not None:
                 self.shared.refused_caller(digest)
@@ -347,18 +405,19 @@ class Admission:
 
     async def _refuse(self, scope: Scope, send: Send, kind: str) -> None:
         refused = sum(self.counters.refused.values())
+        wait_s = self.retry_after(kind)
         if refused == 1 or refused % 1000 == 0:
             log.warning("admission: %d requests in flight, refusing %s requests with 503 (%d refused so far)",
                         self.counters.in_flight, kind, refused)
         body = json.dumps(problem(
             503, "Service Unavailable",
             f"This server is working on {self.counters.in_flight} requests, its bound; retry after "
-            f"{self.retry_after_s} s (with jitter).",
+            f"{wait_s} s (with jitter).",
             code="overloaded", instance=scope["path"],
         )).encode()
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", CONTENT_TYPE.encode()),
             (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(self.retry_after_s).encode()),
+            (b"retry-after", str(wait_s).encode()),
         ]})
         await send({"type": "http.response.body", "body": body})

@@ -129,12 +129,8 @@ REPORT_DELAY_MAX_S = 2.0
 #: is loaded, and ``model``, which every process reports right after that point whether it
 #: resumed or not (``agents.hooks.api.Hooks.__init__``). Both come from rank 0.
 LOOP_STARTING_EVENTS = frozenset({"resumed", "model"})
-#: A job whose reports admission control refused tries again within this long at the latest: the
-#: hooks' reporter backs off up to 10 s plus up to 50 % jitter (``agents.http.retry_delay``,
-#: ``Reporter.max_backoff``; the server's ``Retry-After`` is 1 s). So a refused job is spared at
-#: least this long after its last refusal, however short its progress timeout: a fast job's 8 s
-#: would otherwise read a backed-off reporter as a hang, in exactly the overload that caused it.
-REFUSED_RETRY_WITHIN_S = 15.0
+#: The hooks' reporter backs off up to this long between tries (``Reporter.max_backoff``).
+REPORTER_MAX_BACKOFF_S = 10.0
 #: A job past its deadline one of whose ranks an agent found gone (``rank_gone``) waits this long
 #: after the notice for the exit report that says how the rank ended (torchrun sends it once it has
 #: closed the rest of the group: seconds, or up to its 30 s SIGTERM wait for a rank that ignores it,
@@ -292,12 +288,22 @@ def hang_fault_time(job: Job) -> datetime:
     return min(arrived, max(stepped, arrived - timedelta(seconds=REPORT_DELAY_MAX_S)))
 
 
+def refused_retry_within_s() -> float:
+    """How long after its last refusal a job whose reports admission control refused tries again
+    at the latest: its reporter waits the longer of its own backoff and the server's ``Retry-After``
+    (which grows with the bulk refused, up to ``RETRY_AFTER_MAX_S``), plus up to 50 % jitter
+    (``agents.http.retry_delay``). A refused job is spared at least this long, however short its
+    progress timeout: a fast job's 8 s would otherwise read a backed-off reporter as a hang, in
+    exactly the overload that caused it."""
+    return 1.5 * max(REPORTER_MAX_BACKOFF_S, settings.NIGHTWATCH["RETRY_AFTER_MAX_S"])
+
+
 def _spare_refused(job: Job, now: datetime) -> bool:
     """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
-    fell within its progress timeout (at least ``REFUSED_RETRY_WITHIN_S``); returns whether the job
+    fell within its progress timeout (at least ``refused_retry_within_s()``); returns whether the job
     was spared (a report that moved the deadline meanwhile wins the compare-and-set: spared all the
     same)."""
-    hold = timedelta(seconds=max(job_progress_timeout_s(job), REFUSED_RETRY_WITHIN_S))
+    hold = timedelta(seconds=max(job_progress_timeout_s(job), refused_retry_within_s()))
     refused = refusals.refused_since(hold.total_seconds(), now=now)
     last = refused.generations.get((job.pk, job.generation)) if refused is not None else None
     if last is None or last + hold <= now:

@@ -21,7 +21,7 @@ from controlplane.asgi import (
     WITNESS_URLS,
     application,
 )
-from core.admission import Admission
+from core.admission import Admission, Pressure
 
 HEARTBEAT = "/api/v1/nodes/7/heartbeat"
 REPORTS = "/api/v1/jobs/3/reports"
@@ -61,9 +61,10 @@ async def call(app, path: str, headers: list[tuple[bytes, bytes]] | None = None,
     return {"status": start["status"], "headers": dict(start["headers"]), "body": sent[1]["body"]}
 
 
-def admission(limit=3, reserve=1, urgent_reserve=0):
+def admission(limit=3, reserve=1, urgent_reserve=0, retry_after_max_s=None):
     held = Held()
     return held, Admission(held, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=2,
+                           retry_after_max_s=retry_after_max_s,
                            urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
                            witnesses=WITNESS_URLS, carriers=CARRIER_URLS)
 
@@ -122,6 +123,55 @@ def test_heartbeats_leave_the_urgent_slots_to_the_agents_events():
     asyncio.run(scenario())
 
 
+def test_a_refused_bulk_request_waits_longer_the_more_bulk_is_refused_and_heartbeats_do_not():
+    """Retry-After for bulk = 2 s x offered / admitted over the last windows, at most 9 s."""
+    async def scenario():
+        held, app = admission(limit=3, reserve=1, retry_after_max_s=9)
+        clock = [0.0]
+        app.pressure = Pressure(window_s=5.0, clock=lambda: clock[0])
+        bulk = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: held.started == 2)  # 2 offered, 2 admitted: the bound for bulk is full
+
+        waits = [int((await call(app, REPORTS))["headers"][b"retry-after"]) for _ in range(4)]
+        assert waits == [3, 4, 5, 6]  # ceil(2 x 3/2), ceil(2 x 4/2), ...
+        assert app.retry_after("other") == 6
+        for _ in range(10):
+            await call(app, REPORTS)
+        assert app.retry_after("other") == 9  # 16 offered for 2 taken: capped
+        assert app.retry_after("priority") == app.retry_after("urgent") == 2
+        beat = asyncio.create_task(call(app, HEARTBEAT))
+        await until(lambda: held.started == 3)
+        assert (await call(app, HEARTBEAT))["headers"][b"retry-after"] == b"2"  # a verdict's wait, not bulk's
+
+        clock[0] = 6.0  # one window on: the last two windows still hold the refusals
+        assert app.retry_after("other") == 9
+        clock[0] = 10.5  # two windows on: the pressure is forgotten
+        assert app.retry_after("other") == 2
+        held.release.set()
+        await asyncio.gather(*bulk, beat)
+
+    asyncio.run(scenario())
+
+
+def test_pressure_counts_over_the_current_window_and_the_one_before():
+    clock = [0.0]
+    pressure = Pressure(window_s=5.0, clock=lambda: clock[0])
+    assert pressure.ratio() == 1.0  # nothing offered
+    for admitted in (True, False, False, False):
+        pressure.count(admitted)
+    assert pressure.ratio() == 4.0
+    clock[0] = 5.0
+    pressure.count(True)
+    assert pressure.ratio() == 5 / 2  # both windows
+    clock[0] = 10.0
+    assert pressure.ratio() == 1.0  # the first window is gone: 1 offered, 1 admitted
+    clock[0] = 100.0
+    assert pressure.ratio() == 1.0 and pressure.current == pressure.previous == [0, 0]
+    for _ in range(3):
+        pressure.count(False)
+    assert pressure.ratio() == 3.0  # nothing admitted: offered over one
+
+
 def test_an_operators_actions_are_admitted_before_bulk_and_their_reads_are_not():
     """Submitting a job or draining a node in an overload: admitted like a heartbeat, while the
     same URLs' reads (the job list, a page) are bulk like everything else."""
@@ -160,11 +210,13 @@ def test_an_unknown_path_counts_as_bulk_and_a_zero_limit_admits_everything():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("limit, reserve, urgent, retry", [(4, 4, 0, 1), (4, 5, 0, 1), (-1, 0, 0, 1), (4, 1, 0, 0),
-                                                            (4, 1, 2, 1), (4, 1, -1, 1)])
-def test_a_bound_that_cannot_work_is_refused_at_start(limit, reserve, urgent, retry):
+@pytest.mark.parametrize("limit, reserve, urgent, retry, longest", [
+    (4, 4, 0, 1, None), (4, 5, 0, 1, None), (-1, 0, 0, 1, None), (4, 1, 0, 0, None), (4, 1, 2, 1, None),
+    (4, 1, -1, 1, None), (4, 1, 0, 2, 1)])
+def test_a_bound_that_cannot_work_is_refused_at_start(limit, reserve, urgent, retry, longest):
     with pytest.raises(ValueError):
-        Admission(Held(), limit=limit, reserve=reserve, urgent_reserve=urgent, retry_after_s=retry)
+        Admission(Held(), limit=limit, reserve=reserve, urgent_reserve=urgent, retry_after_s=retry,
+                  retry_after_max_s=longest)
 
 
 def test_the_project_routes_http_through_admission_with_the_settings_bound(settings):
@@ -174,6 +226,8 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
         "PRIORITY_RESERVE"]
     assert http.classify(HEARTBEAT) == "priority" and http.classify("/api/v1/agents/register") == "priority"
     assert http.urgent_reserve == settings.NIGHTWATCH["URGENT_RESERVE"] <= http.reserve
+    assert (http.retry_after_s, http.retry_after_max_s) == (settings.NIGHTWATCH["RETRY_AFTER_S"],
+                                                            settings.NIGHTWATCH["RETRY_AFTER_MAX_S"])
     assert http.classify(EVENTS) == "urgent"  # exits and Xids: the verdicts that start recovery
     assert http.classify("/api/v1/nodes/7/commands/9/ack") == "urgent"  # the launches and stops that carry it out
     assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports",

@@ -125,21 +125,26 @@ def test_a_job_whose_reports_were_refused_is_not_hung_until_a_timeout_after_its_
 
 
 @pytest.mark.django_db
-def test_a_fast_jobs_refused_reports_are_waited_for_as_long_as_its_reporter_backs_off(cast, fleet, redis_counts):
-    """A 2 s progress timeout is shorter than the wait of a reporter refused again and again
-    (up to 10 s plus jitter): the job is spared for that long after its last refusal, not 2 s."""
+@pytest.mark.parametrize("retry_after_max_s, spared_s", [(10, 15), (1, 15), (20, 30)])
+def test_a_fast_jobs_refused_reports_are_waited_for_as_long_as_its_reporter_backs_off(
+        cast, fleet, redis_counts, settings, retry_after_max_s, spared_s):
+    """A 2 s progress timeout is shorter than the wait of a reporter refused again and again (up to
+    the longer of its 10 s backoff and the server's longest Retry-After, plus jitter): the job is
+    spared for that long after its last refusal, not 2 s."""
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "RETRY_AFTER_MAX_S": retry_after_max_s}
+    assert Reporter.__init__.__kwdefaults__["max_backoff"] == progress.REPORTER_MAX_BACKOFF_S
+    assert progress.refused_retry_within_s() == spared_s
     _, job_token = ApiToken.issue(name="hooks", scope="job", job=cast.job, generation=1)
     Job.objects.filter(pk=cast.job.pk).update(recovery_policy={"progress_timeout_s": 2})
-    assert Reporter.__init__.__kwdefaults__["max_backoff"] * 1.5 <= progress.REFUSED_RETRY_WITHIN_S
     with time_machine.travel(T0, tick=False) as clock:
         job = hung_job(cast)
         shed(redis_counts, job_token, other=500)
         refused_at = timezone.now()
-        clock.shift(10)  # the reporter is still backing off
+        clock.shift(spared_s - 1)  # the reporter may still be backing off
         assert progress.expire_one_progress_deadline() is True and not job.incidents.exists()
-        spared_until = refused_at + timedelta(seconds=progress.REFUSED_RETRY_WITHIN_S)
+        spared_until = refused_at + timedelta(seconds=spared_s)
         assert Job.objects.get(pk=job.pk).progress_deadline == spared_until
-        clock.shift(progress.REFUSED_RETRY_WITHIN_S - 10 + 1)  # no try for longer than any backoff: hung
+        clock.shift(2)  # no try for longer than any backoff: hung
         assert progress.expire_one_progress_deadline() is True
     assert job.incidents.count() == 1
 
