@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from agents.hooks import GuardSettings, Hooks
+from agents.hooks import GuardSettings, Hooks, inprocess
 
 
 class SyntheticTokens(Dataset):
@@ -69,7 +69,9 @@ class Faults:
 
     def __init__(self, args: argparse.Namespace, rank: int):
         self.args, self.rank = args, rank
-        self.first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        # Neither torchrun's restart nor an in-process replacement of the rank crashes again.
+        self.first_attempt = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+                              and not os.environ.get(inprocess.ENV_REPLACEMENT))
 
     def maybe_slow(self, step: int) -> None:
         """A straggler: ``--slow-rank`` busy-computes ``--slow-ms`` more per step from ``--slow-from``
@@ -138,7 +140,8 @@ def train(args: argparse.Namespace) -> None:
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # In-process restarts (when the job asks for them) re-form the group here, round by round.
+        inprocess.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
 
     shape = {"vocab": args.vocab, "dim": args.dim, "layers": args.layers, "heads": args.heads,
@@ -260,4 +263,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    inprocess.run(train, parse_args())  # train(args), again after a peer's in-process restart

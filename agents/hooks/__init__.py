@@ -32,6 +32,9 @@ _EXPORTS = {
     "Environment": "agents.hooks.settings",
 }
 
+#: Submodules a script may use by name (``from agents.hooks import inprocess``).
+_MODULES = {"inprocess"}
+
 __all__ = [
     "Environment",
     "GlobalCursorSampler",
@@ -41,11 +44,13 @@ __all__ = [
     "StopTraining",
     "Verdict",
     "config_fingerprint",
+    "inprocess",
     "latest_verified",
     "verify",
 ]
 
 if TYPE_CHECKING:
+    from agents.hooks import inprocess
     from agents.hooks.api import Hooks, StepOutcome, StopTraining, config_fingerprint
     from agents.hooks.data import GlobalCursorSampler
     from agents.hooks.guards import GuardSettings
@@ -54,6 +59,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"agents.hooks.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'agents.hooks' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -38,7 +38,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from agents.hooks import resume, snapshot, state
+from agents.hooks import inprocess, resume, snapshot, state
 from agents.hooks.checkpointer import Checkpointer, Commit, describe_failure, lost_peer
 from agents.hooks.data import GlobalCursorSampler, epoch_aware, is_stateful, pipeline_parts
 from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
@@ -572,6 +572,10 @@ class Hooks:
             return
         if choice.path is None:
             log.info("no verified checkpoint to resume from: starting at step 0")
+            if inprocess.current() is not None:  # the control plane still hears of the restart
+                self.telemetry.event(0, "resumed", "restarted in process at step 0: nothing to restore",
+                                     {"step": 0, "checkpoint": None, "world_size": self.topology.world_size,
+                                      **_in_process()})
             return
         progress, parts = resume.restore(choice.path, self.topology, self.model, self.optimizer,
                                          scheduler=self.scheduler, scaler=self.scaler,
@@ -583,7 +587,7 @@ class Hooks:
                              f"resumed from step {progress.step} (checkpoint {choice.path})",
                              {"step": progress.step, "checkpoint": choice.path, "parts": parts,
                               "world_size": self.topology.world_size,
-                              "previous_world_size": progress.world_size})
+                              "previous_world_size": progress.world_size, **_in_process()})
         if progress.world_size != self.topology.world_size:
             self.telemetry.event(progress.step, "world_size_change",
                                  f"world size changed from {progress.world_size} to "
@@ -631,7 +635,8 @@ class Hooks:
                              f"newer than the disk checkpoint {choice.path or 'none'})",
                              {"step": progress.step, "checkpoint": choice.path, "snapshot": found.key.dirname,
                               "from_partner": found.from_partner, "parts": parts,
-                              "world_size": self.topology.world_size, "previous_world_size": progress.world_size},
+                              "world_size": self.topology.world_size, "previous_world_size": progress.world_size,
+                              **_in_process()},
                              local=found.from_partner)
         return True
 
@@ -720,6 +725,13 @@ def config_fingerprint(model: torch.nn.Module, config: Mapping[str, Any] | None)
     shapes = sorted((name.removeprefix("module."), list(p.shape)) for name, p in model.named_parameters())
     blob = json.dumps({"config": config or {}, "parameters": shapes}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _in_process() -> dict[str, Any]:
+    """The ``resumed`` event's word on an in-process restart (``inprocess``): round, when this rank
+    saw the last round break, the error; nothing after a launch."""
+    restart = inprocess.current()
+    return {"in_process": restart.detail()} if restart is not None else {}
 
 
 def _default_logging(rank: int) -> None:

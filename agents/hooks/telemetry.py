@@ -190,8 +190,8 @@ class Telemetry:
         number = self._event_numbers[(step, kind)]
         self._event_numbers[(step, kind)] += 1
         # The key names the occurrence, so a replay after a crash is recognised as the same event,
-        # while the same event on a later torchrun attempt is a new one.
-        key = f"{self.topology.restart_count}:{self.topology.rank}:{step}:{kind}:{number}"
+        # while the same event on a later torchrun attempt, or in-process round, is a new one.
+        key = f"{self.topology.attempt}:{self.topology.rank}:{step}:{kind}:{number}"
         self.reporter.event(Event(job=self.env.job, generation=self.env.generation, rank=self.topology.rank,
                                   step=step, kind=kind, key=key, message=message[:2000],
                                   detail=_without_nulls(detail), time=time.time()), urgent=urgent)

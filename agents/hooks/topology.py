@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agents.hooks import inprocess
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -65,6 +67,13 @@ class Topology:
     def restart_count(self) -> int:
         """How many times torchrun has restarted this worker group (0 on the first attempt)."""
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    @property
+    def attempt(self) -> str:
+        """Names this run of the worker group: torchrun's restart count, and the round of in-process
+        restarts within it when there was one (``"2"``, ``"2.1"``)."""
+        number = inprocess.round_number()
+        return f"{self.restart_count}.{number}" if number else str(self.restart_count)
 
     def all_gather_floats(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (same length on every rank), indexed by rank."""

@@ -71,6 +71,8 @@ MAX_MODULE = 200
 #: A job's ``checkpoint_policy.snapshot_every`` and the launch's: beyond this a snapshot is as rare
 #: as a disk checkpoint, which is cheaper to keep.
 MAX_SNAPSHOT_EVERY = 10_000
+#: A job's ``restart_policy.inprocess_restarts`` and the launch's: per rank slot and generation.
+MAX_INPROCESS_RESTARTS = 100
 
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")
@@ -226,6 +228,10 @@ class LaunchPayload:
     #: of an earlier one belongs to history a rollback left and is never restored. None: not set,
     #: and the hooks restore only snapshots of their own generation.
     branch_generation: int | None = field(default=None, min=0, max=2**31 - 1)
+    #: In-process restarts (``agents.hooks.inprocess``): a rank that crashes on this node is replaced
+    #: in its generation up to this many times, the other ranks keeping their interpreters. Needs the
+    #: agent's warm workers (a node without them starts the generation as before). None: off.
+    inprocess_restarts: int | None = field(default=None, min=1, max=MAX_INPROCESS_RESTARTS)
 
 
 @dataclass(frozen=True)
@@ -452,6 +458,16 @@ def snapshot_environment(payload: LaunchPayload) -> dict[str, str]:
     if payload.branch_generation is not None:
         env["NIGHTWATCH_BRANCH_GENERATION"] = str(payload.branch_generation)
     return env
+
+
+def inprocess_environment(payload: LaunchPayload) -> dict[str, str]:
+    """The variables of in-process restarts for ``payload`` (``agents.hooks.inprocess``): the budget,
+    and torchrun's rendezvous store shared with its workers (the rounds meet there, since it outlives
+    every worker; with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` rank 0 would host it and take it along
+    when it dies). Only for a supervisor whose ranks are forked warm, which can replace one."""
+    if not payload.inprocess_restarts:
+        return {}
+    return {"NIGHTWATCH_INPROCESS_RESTARTS": str(payload.inprocess_restarts)}
 
 
 def validate_launch(payload: LaunchPayload) -> None:

@@ -24,6 +24,7 @@ from agents.protocol.agent import (
     LaunchPayload,
     LaunchSpecError,
     RunningGeneration,
+    inprocess_environment,
     module_files,
     nccl_environment,
     snapshot_environment,
@@ -200,6 +201,12 @@ class Supervisor:
         gen_dir.mkdir(parents=True, exist_ok=True)
         log_path = gen_dir / "torchrun.log"
         env = self._environment(job, generation, payload, nccl_env, gen_dir)
+        if payload.inprocess_restarts and self._warm_workers:
+            env.update(inprocess_environment(payload))
+            del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]  # see inprocess_environment
+        elif payload.inprocess_restarts:
+            log.warning("job %s generation %d asks for in-process restarts, which need warm workers "
+                        "(off on this agent): a crash restarts the whole generation", job, generation)
         # A fresh file for this launch (the reader starts at its beginning), appended to by torchrun.
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         zygote_dir = private_socket_dir() if self._warm_workers else None

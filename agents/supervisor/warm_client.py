@@ -14,7 +14,16 @@ the ``agents`` package): it starts in about 20 ms. It
    SIGUSR1 and SIGUSR2 sent to it are forwarded to the worker through the pidfd (from then on;
    one that came earlier is forwarded then);
 3. ends as the worker did: the same exit code, or the same signal re-raised on itself (torchrun
-   sees ``-9`` for a SIGKILLed rank).
+   sees ``-9`` for a SIGKILLed rank); except that
+4. with in-process restarts on (``NIGHTWATCH_INPROCESS_RESTARTS`` = N in the rank's environment), a
+   worker that *crashed* (killed by a signal it was not sent through this client: SIGKILL from the
+   OOM killer, SIGSEGV, SIGBUS...) is replaced, up to N times: the client asks the zygote for a new
+   worker with ``NIGHTWATCH_INPROCESS_REPLACEMENT`` set, and the surviving ranks, which kept their
+   interpreters, form the next round of the process group with it (``agents.hooks.inprocess``).
+   torchrun sees nothing. Not replaced: a worker that exited (an exception is a deterministic bug
+   until shown otherwise: restarting would repeat it), one stopped through this client (SIGTERM,
+   SIGINT...: the generation is being stopped), and any while the supervisor holds replacements
+   (a file ``hold`` beside the zygote's socket: the node failed its health check).
 
 When the zygote cannot be reached (gone, refused, the request rejected) before a worker was forked,
 it says so on stderr and becomes the cold worker (``exec python -u script.py ARGS``): slower, never
@@ -37,6 +46,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGCONT, signal.SIGHUP, signa
              signal.SIGUSR2)
 #: The exit code when the zygote died under a running worker.
 ZYGOTE_LOST = 1
+#: Signals that end a process without anyone asking it to stop: a crash, which a replacement may
+#: survive. (SIGTERM, SIGINT, SIGHUP, SIGQUIT come from whoever stops the generation.)
+CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+#: Beside the zygote's socket: while it exists, no worker is replaced (``Supervisor.hold_replacements``).
+HOLD_FILE = "hold"
+RESTARTS_ENV = "NIGHTWATCH_INPROCESS_RESTARTS"
+REPLACEMENT_ENV = "NIGHTWATCH_INPROCESS_REPLACEMENT"
 
 
 class _Unavailable(Exception):
@@ -47,8 +63,12 @@ class _Forwarder:
     def __init__(self) -> None:
         self.pidfd: int | None = None
         self.pending: list[int] = []
+        #: A signal that stops a process came through here: the worker's end was asked for.
+        self.stopping = False
 
     def __call__(self, sig: int, _frame: object) -> None:
+        if sig not in (signal.SIGCONT, signal.SIGUSR1, signal.SIGUSR2):
+            self.stopping = True
         if self.pidfd is None:
             self.pending.append(sig)
         else:
@@ -60,6 +80,12 @@ class _Forwarder:
         except ProcessLookupError:
             pass  # the worker has ended: its status is on its way
 
+    def detach(self) -> None:
+        """The worker ended: signals wait (``pending``) for its replacement."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        self.pidfd = None
+
     def attach(self, pidfd: int) -> None:
         self.pidfd = pidfd
         for sig in self.pending:
@@ -67,8 +93,8 @@ class _Forwarder:
         self.pending.clear()
 
 
-def _request(sock_path: str, argv: list[str]) -> socket.socket:
-    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+def _request(sock_path: str, argv: list[str], env: dict[str, str]) -> socket.socket:
+    body = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(sock_path)
@@ -111,9 +137,35 @@ def _end_as(outcome: dict[str, Any]) -> None:
     os._exit(int(outcome["exit"]))
 
 
+def replacement_allowed(outcome: dict[str, Any], *, stopping: bool, replaced: int, budget: int,
+                        held: bool) -> bool:
+    """Whether a worker that ended with ``outcome`` is replaced in process (see the docstring, 4)."""
+    return (outcome.get("signal") in CRASH_SIGNALS and not stopping and not held and replaced < budget)
+
+
+def _budget(env: dict[str, str]) -> int:
+    try:
+        return max(0, int(env.get(RESTARTS_ENV, "0")))
+    except ValueError:
+        return 0
+
+
 def _cold(argv: list[str], why: str) -> None:
     print(f"nightwatch warm worker: {why}; starting this rank cold", file=sys.stderr, flush=True)
     os.execv(sys.executable, [sys.executable, "-u", *argv])  # noqa: S606 - the rank, as torchrun would start it
+
+
+def _serve(conn: socket.socket, argv: list[str], forwarder: _Forwarder) -> tuple[int | None, dict[str, Any] | None]:
+    """Stand for one worker: its pid, and how it ended (None: the zygote went away first)."""
+    pid = None
+    for message in _messages(conn, forwarder):
+        if "pid" in message:
+            pid = message["pid"]
+        elif "error" in message:
+            _cold(argv, f"the zygote refused the request: {message['error']}")
+        elif pid is not None:
+            return pid, message
+    return pid, None
 
 
 def main() -> None:
@@ -124,19 +176,32 @@ def main() -> None:
     forwarder = _Forwarder()
     for sig in FORWARDED:
         signal.signal(sig, forwarder)
+    budget, replaced = _budget(dict(os.environ)), 0
+    hold = os.path.join(os.path.dirname(sock_path), HOLD_FILE)
     try:
-        conn = _request(sock_path, argv)
+        conn = _request(sock_path, argv, dict(os.environ))
     except _Unavailable as exc:
         _cold(argv, str(exc))
         return
-    pid = None
-    for message in _messages(conn, forwarder):
-        if "pid" in message:
-            pid = message["pid"]
-        elif "error" in message:
-            _cold(argv, f"the zygote refused the request: {message['error']}")
-        elif pid is not None:
-            _end_as(message)
+    while True:
+        pid, outcome = _serve(conn, argv, forwarder)
+        conn.close()
+        if outcome is None:
+            break
+        if not replacement_allowed(outcome, stopping=forwarder.stopping, replaced=replaced, budget=budget,
+                                   held=os.path.exists(hold)):
+            _end_as(outcome)
+        replaced += 1
+        forwarder.detach()
+        print(f"nightwatch warm worker: rank {os.environ.get('RANK', '?')}'s worker (pid {pid}) was killed by signal "
+              f"{outcome['signal']}; starting its replacement in process ({replaced} of {budget})",
+              file=sys.stderr, flush=True)
+        os.environ[REPLACEMENT_ENV] = str(replaced)  # also for a cold start, should the zygote refuse
+        try:
+            conn = _request(sock_path, argv, dict(os.environ))
+        except _Unavailable as exc:
+            print(f"nightwatch warm worker: no replacement ({exc})", file=sys.stderr, flush=True)
+            _end_as(outcome)
     if pid is None or forwarder.pidfd is None:
         _cold(argv, "the zygote closed the connection before forking")
         return
