@@ -180,7 +180,8 @@ def train(args: argparse.Namespace) -> None:
             nw.step(loss)  # hooks 3/3
             if sample_log:
                 record = {"step": step, "rank": rank, "world_size": nw.topology.world_size,
-                          "attempt": nw.topology.restart_count, "ids": batch["id"].tolist()}
+                          "attempt": nw.topology.restart_count, "round": inprocess.round_number(),
+                          "ids": batch["id"].tolist()}
                 sample_log.write(json.dumps(record) + "\n")
                 sample_log.flush()
 

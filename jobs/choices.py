@@ -48,6 +48,7 @@ class IncidentState(models.TextChoices):
 class Decision(models.TextChoices):
     RESTART = "restart", "restart from the latest verified checkpoint"
     RESTART_ON_SPARE = "restart_on_spare", "drain the node and restart on a spare"
+    RESTART_IN_PROCESS = "restart_in_process", "the node replaced the rank in process"
     SHRINK = "shrink", "restart on fewer nodes"
     PAUSE = "pause", "pause and ask a human"
     ESCALATE = "escalate", "pause and escalate"

@@ -21,7 +21,7 @@ from django.utils import timezone
 from agents.protocol import hooks as hooks_protocol
 from checkpoints.policies import CheckpointPolicy
 from core.events import EventKind, record_event
-from jobs import detection, plausibility, progress, state
+from jobs import detection, inprocess, plausibility, progress, state
 from jobs import windows as node_windows
 from jobs.choices import JobState
 from jobs.models import Generation, Job, NodeWindow, StepMetric, TrainingEvent
@@ -87,8 +87,19 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         if batch.windows:
             transaction.on_commit(lambda: check_stragglers.delay(job.pk, batch.generation))
         _report_failed_saves(job, batch.generation, fresh_events)
+        _record_inprocess_restarts(job, batch.generation, fresh_events)
     return IngestResult(accepted=len(fresh), duplicates=len(kept) - len(fresh),
                         ignored=len(batch.reports) - len(kept))
+
+
+def _record_inprocess_restarts(job: Job, generation: int, fresh_events: list[hooks_protocol.Event]) -> None:
+    """Rank 0's word that its ranks restarted in process (``jobs.inprocess``): an incident, after commit."""
+    keys = [e.key for e in fresh_events if e.rank == 0 and e.kind == "resumed" and "in_process" in (e.detail or {})]
+    if not keys:
+        return
+    stored = TrainingEvent.objects.filter(job=job, generation=generation, key__in=keys).values_list("pk", flat=True)
+    for event_id in stored:
+        transaction.on_commit(lambda event_id=event_id: inprocess.record_restart(event_id))
 
 
 def _raise_flags(job: Job, generation: int, fresh: list[hooks_protocol.StepReport],

@@ -212,7 +212,7 @@ def _launch_payload(job: Job, number: int, node_rank: int, nodes: list[Node], ch
     # Before it starts, each node probes its bandwidth to the job's other nodes and refuses to
     # launch on a pair below the expected ratio (agents without a probe server are not probed).
     peers = [n for n in nodes if n.pk != nodes[node_rank].pk and n.probe_port]
-    return _snapshot_fields(job) | {
+    return _snapshot_fields(job) | _inprocess_fields(job) | {
         "probe_peers": probe_peers_for(peers),
         "script": job.entrypoint or None,
         "module": job.module or None,
@@ -239,6 +239,13 @@ def _snapshot_fields(job: Job) -> dict:
     so an agent that predates them still takes the launch (``agents.protocol.agent``)."""
     every = CheckpointPolicy.of(job).snapshot_every
     return {"snapshot_every": every, "branch_generation": job.branch_since_generation} if every else {}
+
+
+def _inprocess_fields(job: Job) -> dict:
+    """The launch's in-process restart budget, only when the job's policy turns them on (an agent
+    that predates the field still takes every other launch)."""
+    budget = RecoveryPolicy.of(job).inprocess_restarts
+    return {"inprocess_restarts": budget} if budget else {}
 
 
 def _wait_for_nodes(job: Job, *, actor: str, free: int) -> None:

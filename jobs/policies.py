@@ -44,6 +44,11 @@ class RecoveryPolicy:
     max_steps: int | None = None
     #: A step report more than max(this, 10 × the reports in its batch) past the job's last step is refused.
     max_step_jump: int = 1000
+    #: A rank that crashes on a healthy node is replaced in its generation, the other ranks keeping
+    #: their interpreters (``agents.hooks.inprocess``), up to this many times per rank and
+    #: generation; 0: off (every crash restarts the whole generation). Needs agents with warm workers
+    #: and a script that opts in; a job with snapshots loses at most ``snapshot_every`` steps.
+    inprocess_restarts: int = 0
 
     @classmethod
     def of(cls, job: _HasRecoveryPolicy) -> RecoveryPolicy:

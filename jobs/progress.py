@@ -327,8 +327,9 @@ def _await_exit_report(job: Job, now: datetime) -> bool:
        on-call looking for a deadlock that did not happen; what is missing is torchrun's account of
        it. The remedy is the same restart; with no signature it never counts as a repeat.
     """
+    # The newest: a rank replaced in process (``jobs.inprocess``) may die again in the same generation.
     notice = (AgentEventRecord.objects.filter(job=job, generation=job.generation, kind="rank_gone")
-              .select_related("node").order_by("received_at", "pk").first())
+              .select_related("node").order_by("-received_at", "-pk").first())
     if notice is None:
         return False
     stepped_after = timedelta(seconds=REPORT_DELAY_MAX_S)  # steps from before the death still arriving

@@ -372,9 +372,10 @@ class Agent:
         """A rank of a running generation is going down (gone, or its uncaught exception printed):
         tell the control plane now, not only in the exit report that follows once torchrun has
         closed the rest of the group (seconds later), so that it waits for that report instead of
-        taking the silence for a hang. Keyed per generation: a second sighting is the same notice."""
+        taking the silence for a hang. Keyed per death (the supervisor tells of one once; a rank
+        replaced in process may die again in the same generation)."""
         self.outbox.add_event("rank_gone", RankGone(at=at, error_line=error_line), job=job, generation=generation,
-                              key=f"rank_gone:{job}:{generation}")
+                              key=f"rank_gone:{job}:{generation}:{at:.3f}")
         self._wake.set()
 
     # --- shutdown ------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ CHECKPOINT_POLICY = {"dir": STR, "replica_dir": STR, "interval": ("fixed", "auto
                      "release_permanent_under_pressure": BOOL, "snapshot_every": INT}
 RECOVERY_POLICY = {"max_restarts": INT, "window_minutes": INT, "backoff_seconds": INT, "allow_shrink": BOOL,
                    "progress_timeout_s": INT, "startup_timeout_s": INT, "loss_spike_limit": INT,
-                   "clean_run_minutes": INT, "max_steps": INT, "max_step_jump": INT}
+                   "clean_run_minutes": INT, "max_steps": INT, "max_step_jump": INT,
+                   "inprocess_restarts": INT}
 TOP_LEVEL = {"name": STR, "entrypoint": STR, "module": STR, "args": "args", "nnodes": INT, "nproc_per_node": INT,
              "accelerator": ("gpu", "cpu"), "rdzv_port": INT, "nccl_profile": "nccl_profile",
              "checkpoint_policy": CHECKPOINT_POLICY, "recovery_policy": RECOVERY_POLICY, "queue": BOOL}

@@ -34,6 +34,7 @@ from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
 from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
+from agents.supervisor.warm_client import REPLACEMENT_LINE
 from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client, worker_pids
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
@@ -94,8 +95,8 @@ class Supervisor:
         #: output (its last line), which can come seconds before the rank exits (atexit handlers,
         #: threads) and torchrun closes the group.
         self._on_rank_gone = on_rank_gone
-        #: Generations told of (job, generation); a few bytes each for the agent's life.
-        self._told: set[tuple[str, int]] = set()
+        #: Deaths told of (job, generation, ranks replaced in process before it); a few bytes each.
+        self._told: set[tuple[str, int, int]] = set()
         self._torchrun = list(torchrun)
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
         #: Ranks forked from a zygote of the warm launcher (``agents.supervisor.zygote``), not cold.
@@ -496,10 +497,15 @@ class Supervisor:
             except Exception:  # shipping output must never stop the reading that finds the exit
                 log.exception("job %s generation %d: the output callback failed", gen.job, gen.generation)
         gen.tail.append(line[:MAX_LOG_LINE])
+        if line.startswith(REPLACEMENT_LINE):
+            gen.replaced += 1  # the watcher re-arms the rank-gone notice (``_refresh_family``)
+            gen.errors_told = len(gen.scan.error_lines)
+            return
         gen.scan.feed(line)
-        if gen.scan.error_lines and not gen.requested_stop and (gen.job, gen.generation) not in self._told:
+        told = (gen.job, gen.generation, gen.replaced) in self._told
+        if len(gen.scan.error_lines) > gen.errors_told and not gen.requested_stop and not told:
             # "[rank0]: RuntimeError: ...": the last line of a rank's uncaught exception.
-            raised = next((error for rank, error in gen.scan.error_lines if rank is not None), None)
+            raised = next((error for rank, error in gen.scan.error_lines[gen.errors_told:] if rank is not None), None)
             if raised is not None:
                 self._rank_gone(gen, time.time(), raised)
         if gen.scan.table_complete:
@@ -533,6 +539,12 @@ class Supervisor:
     def _refresh_family(self, gen: _Generation) -> None:
         if gen.torchrun_present():
             family = _family(gen.pid, gen.pid)
+            if gen.replaced_seen < gen.replaced:
+                # A rank was replaced in process: its death was told; the next one is news again.
+                gen.replaced_seen = gen.replaced
+                alive = {(p.pid, p.started) for p in family if p.state != "Z"}
+                gen.seen = {p for p in gen.seen if (p.pid, p.started) in alive}
+                gen.rank_exited_at = None
             if gen.rank_exited_at is None and not gen.requested_stop and _worker_gone(gen.seen, family, gen.pid):
                 gen.rank_exited_at = time.time()
                 self._rank_gone(gen, gen.rank_exited_at, None)
@@ -541,9 +553,10 @@ class Supervisor:
     def _rank_gone(self, gen: _Generation, at: float, error_line: str | None) -> None:
         """Say at once that a rank of ``gen`` is going down: torchrun reports it seconds later, once
         it has closed the rest of the group, and a hang sweep must not take that silence for a hang."""
-        if self._on_rank_gone is None or (gen.job, gen.generation) in self._told:
+        told = (gen.job, gen.generation, gen.replaced)
+        if self._on_rank_gone is None or told in self._told:
             return
-        self._told.add((gen.job, gen.generation))
+        self._told.add(told)
         try:
             self._on_rank_gone(gen.job, gen.generation, at, error_line)
         except Exception:  # the notice is a hint; the exit report still follows

@@ -56,6 +56,12 @@ class _Generation:
     #: Wall-clock time the watcher first found one of torchrun's workers gone (a rank ended), one
     #: watch tick at most after it did; None while every rank runs.
     rank_exited_at: float | None = None
+    #: Ranks its warm clients replaced in process (``warm_client``, read from the log), and how many
+    #: of those the watcher has taken in: each one re-arms the rank-gone notice for the next death.
+    replaced: int = 0
+    replaced_seen: int = 0
+    #: Ranks' uncaught exceptions read before the last replacement (told of already).
+    errors_told: int = 0
     #: The private directory of the zygote's socket (warm workers); removed when the generation ends.
     zygote_dir: Path | None = None
 

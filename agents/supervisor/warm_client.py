@@ -51,6 +51,8 @@ ZYGOTE_LOST = 1
 CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
 #: Beside the zygote's socket: while it exists, no worker is replaced (``Supervisor.hold_replacements``).
 HOLD_FILE = "hold"
+#: How the client's line about a replacement begins: the supervisor reads it from torchrun's log.
+REPLACEMENT_LINE = "nightwatch warm worker: replacing rank "
 RESTARTS_ENV = "NIGHTWATCH_INPROCESS_RESTARTS"
 REPLACEMENT_ENV = "NIGHTWATCH_INPROCESS_REPLACEMENT"
 
@@ -193,8 +195,8 @@ def main() -> None:
             _end_as(outcome)
         replaced += 1
         forwarder.detach()
-        print(f"nightwatch warm worker: rank {os.environ.get('RANK', '?')}'s worker (pid {pid}) was killed by signal "
-              f"{outcome['signal']}; starting its replacement in process ({replaced} of {budget})",
+        print(f"{REPLACEMENT_LINE}{os.environ.get('RANK', '?')} in process ({replaced} of {budget}): its worker "
+              f"(pid {pid}) was killed by signal {outcome['signal']}",
               file=sys.stderr, flush=True)
         os.environ[REPLACEMENT_ENV] = str(replaced)  # also for a cold start, should the zygote refuse
         try:

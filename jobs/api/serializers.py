@@ -11,6 +11,7 @@ from pathlib import Path
 from rest_framework import serializers
 
 from agents.protocol.agent import (
+    MAX_INPROCESS_RESTARTS,
     MAX_MODULE,
     MAX_SCRIPT,
     MAX_SNAPSHOT_EVERY,
@@ -172,6 +173,11 @@ class RecoveryPolicySerializer(StrictSerializer):
     max_step_jump = serializers.IntegerField(min_value=1, max_value=10**12, default=_RECOVERY.max_step_jump,
                                              help_text="Step reports more than max(this, 10 × the reports in their "
                                                        "batch) past the job's last step are refused (422).")
+    inprocess_restarts = serializers.IntegerField(
+        min_value=0, max_value=MAX_INPROCESS_RESTARTS, default=_RECOVERY.inprocess_restarts,
+        help_text="A rank that crashes (killed by a signal) on a healthy node is replaced in its generation up to "
+                  "this many times per rank and generation, the other ranks keeping their interpreters; 0: off. "
+                  "Needs agents with warm_workers and a script that calls agents.hooks.inprocess.")
 
 
 class JobSpecSerializer(StrictSerializer, serializers.ModelSerializer):

@@ -1,0 +1,96 @@
+"""In-process restarts, as the control plane records them.
+
+A rank that crashed on a healthy node and was replaced inside its generation
+(``agents.hooks.inprocess``) needs no decision here: the node did the restart before any verdict
+could come, and the generation, the fencing token, is unchanged. What the control plane owes it is
+the record: an incident, resolved at once, with the times and the lost steps goodput is computed
+from (``jobs.goodput``), and the node blamed like any crash's. Its evidence comes from two
+witnesses: the agent's ``rank_gone`` notice (the node, and when the agent saw the rank die) and the
+hooks' ``resumed`` event of the next round (the step restored, the round, when the survivors saw
+their collective break).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from core.events import EventKind, record_event
+from core.text import clean_json, clip
+from jobs.choices import Decision, IncidentKind, IncidentState, JobState
+from jobs.models import Generation, Incident, Job, TrainingEvent
+from nodes.models import AgentEventRecord
+
+#: Where an in-process restart may still be recorded: the generation is live.
+RECORDED_IN = JobState.ACTIVE
+
+
+def in_process_detail(event: TrainingEvent) -> dict | None:
+    """The ``in_process`` detail of a ``resumed`` event (a dict), or None for an ordinary resume."""
+    detail = (event.detail or {}).get("in_process") if event.kind == "resumed" else None
+    return detail if isinstance(detail, dict) else None
+
+
+def record_restart(event_id: int) -> Incident | None:
+    """The incident of the in-process restart ``event_id`` (rank 0's ``resumed`` event) announced;
+    None when it announced none, the generation is no longer the job's, or it was recorded before."""
+    with transaction.atomic():
+        event = TrainingEvent.objects.select_related("job").filter(pk=event_id).first()
+        detail = in_process_detail(event) if event is not None else None
+        if event is None or detail is None:
+            return None
+        job = Job.objects.select_for_update().get(pk=event.job_id)
+        if job.generation != event.generation or job.state not in RECORDED_IN:
+            return None
+        if Incident.objects.filter(job=job, evidence__resumed_event=event.pk).exists():
+            return None
+        return _open_and_resolve(job, event, detail)
+
+
+def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
+    now = timezone.now()
+    notice = _notice(job, event)
+    failed_at = _epoch(detail.get("failed_at"))
+    fault_at = _epoch((notice.detail or {}).get("at")) if notice else None
+    fault_at = fault_at or failed_at or event.reported_at
+    host = notice.node.hostname if notice else None
+    restored = event.step
+    reached = max(job.last_step or 0, restored)
+    round_number = int(detail.get("round") or 0)
+    reason = (f"a rank {'on ' + host + ' ' if host else ''}crashed and was replaced in process: round "
+              f"{round_number} of the process group resumed from step {restored}")
+    incident = Incident.objects.create(
+        job=job, generation=Generation.objects.filter(job=job, number=event.generation).first(),
+        kind=IncidentKind.CRASH, classification=clip(reason, 200), decision=Decision.RESTART_IN_PROCESS,
+        state=IncidentState.RESOLVED,
+        evidence=clean_json({"signal": "in_process_restart", "nodes": [host] if host else [],
+                             "resumed_event": event.pk, "in_process": detail,
+                             "rank_gone": notice.detail if notice else None, "reason": reason}),
+        fault_at=fault_at, detected_at=min(failed_at or event.reported_at, event.reported_at),
+        quiesced_at=failed_at, relaunched_at=event.reported_at, first_step_at=event.reported_at,
+        resolved_at=now, lost_steps=max(0, reached - restored))
+    if notice is not None:
+        incident.nodes.set([notice.node])
+    evidence = {"incident": incident.pk, "decision": incident.decision}
+    record_event(EventKind.INCIDENT_OPEN, actor=f"node:{host}" if host else "system", job=job,
+                 generation=event.generation, reason=reason, evidence=evidence)
+    record_event(EventKind.INCIDENT_RESOLVED, actor="system", job=job, generation=event.generation,
+                 reason=f"round {round_number} resumed in process",
+                 evidence={**evidence, "lost_steps": incident.lost_steps, "restored_step": restored})
+    return incident
+
+
+def _notice(job: Job, event: TrainingEvent) -> AgentEventRecord | None:
+    """The agent's newest ``rank_gone`` notice of the generation from before the resume: the node,
+    and when the agent saw the rank die."""
+    return (AgentEventRecord.objects.filter(job=job, generation=event.generation, kind="rank_gone",
+                                            received_at__lte=event.received_at)
+            .select_related("node").order_by("-received_at", "-pk").first())
+
+
+def _epoch(value: object) -> datetime | None:
+    if isinstance(value, int | float) and value > 0:
+        return datetime.fromtimestamp(value, tz=UTC)
+    return None
