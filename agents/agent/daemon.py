@@ -189,6 +189,7 @@ class Agent:
                 log.error("GPU %d: Xid %d", xid.gpu, xid.code)
                 self._xids.append((xid.time, xid.code))
                 self.outbox.add_event("xid", XidDetail(gpu=xid.gpu, code=xid.code))
+                self.supervisor.hold_replacements(f"GPU {xid.gpu}: Xid {xid.code}")
             if now >= next_sample:
                 samples = self.collector.sample(creds.node_id)
                 self.outbox.add_samples(samples)
@@ -336,6 +337,7 @@ class Agent:
 
     def _drain(self, command: Command, payload: DrainPayload) -> tuple[str, str]:
         self.draining = True
+        self.supervisor.hold_replacements(f"draining: {payload.reason}")
         self.outbox.add_event("drain_ack", DrainAck(reason=payload.reason, running=self.supervisor.running()))
         return "done", "draining: no new launches"
 

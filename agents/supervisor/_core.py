@@ -34,11 +34,19 @@ from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
 from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
-from agents.supervisor.warm_client import REPLACEMENT_LINE
+from agents.supervisor.warm_client import HOLD_FILE, REPLACEMENT_LINE
 from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client, worker_pids
 
 #: The package's name, as before the split into modules: the JSON log's "logger" field stays the same.
 log = logging.getLogger(__package__)
+
+
+def _hold(zygote_dir: Path | None, reason: str) -> None:
+    if zygote_dir is not None:
+        try:
+            (zygote_dir / HOLD_FILE).write_text(reason[:500])
+        except OSError:  # the generation has just ended and taken its directory along
+            pass
 
 
 class StaleGeneration(Exception):
@@ -110,12 +118,24 @@ class Supervisor:
         self._lock = threading.Lock()
         self._running: dict[str, _Generation] = {}
         self._fence_path = self.work_dir / "generations.json"
+        #: Why ranks are no longer replaced in process on this node (``hold_replacements``); None: they may be.
+        self._held: str | None = None
         self._newest: dict[str, int] = json.loads(self._fence_path.read_text()) if self._fence_path.exists() else {}
         #: One record per generation that runs (see ``adopt``).
         self._records_dir = self.work_dir / "running"
         self._records_dir.mkdir(exist_ok=True)
         if self._warm_enabled:
             self._start_warm()
+
+    def hold_replacements(self, reason: str) -> None:
+        """No rank of this node is replaced in process from now on (``warm_client``: the hold file
+        beside each zygote's socket): the node failed its health check (an Xid) or is draining, so a
+        crash there ends its generation and the control plane moves the job. Kept for the agent's life."""
+        with self._lock:
+            self._held = reason
+            generations = list(self._running.values())
+        for gen in generations:
+            _hold(gen.zygote_dir, reason)
 
     def running(self) -> list[RunningGeneration]:
         with self._lock:
@@ -211,6 +231,8 @@ class Supervisor:
         # A fresh file for this launch (the reader starts at its beginning), appended to by torchrun.
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         zygote_dir = private_socket_dir() if self._warm_workers else None
+        if self._held is not None:
+            _hold(zygote_dir, self._held)
         try:
             proc = self._hand_to_warm(command[len(self._torchrun):], env, cwd, log_path, zygote_dir)
             warm = proc is not None
@@ -498,6 +520,10 @@ class Supervisor:
                 log.exception("job %s generation %d: the output callback failed", gen.job, gen.generation)
         gen.tail.append(line[:MAX_LOG_LINE])
         if line.startswith(REPLACEMENT_LINE):
+            # A rank died and its warm client replaces it: a death to tell of, unless the tree walk
+            # did (a rank that lived less than a watch tick was never seen by it).
+            if not gen.requested_stop:
+                self._rank_gone(gen, time.time(), None)
             gen.replaced += 1  # the watcher re-arms the rank-gone notice (``_refresh_family``)
             gen.errors_told = len(gen.scan.error_lines)
             return

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from agents.protocol.agent import ExitReport, LaunchedDetail, LaunchPayload
-from agents.supervisor import Supervisor, zygote
+from agents.supervisor import Supervisor, warm_client, zygote
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,11 @@ if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "kill-once":  # an in-process restart's replacement finds the variable set
+    replacement = os.environ.get("NIGHTWATCH_INPROCESS_REPLACEMENT")
+    if not replacement:
+        os.kill(os.getpid(), signal.SIGKILL)
+    (out / "replacement").write_text(replacement)
 if mode == "raise":
     raise ValueError("boom")
 if mode == "term":
@@ -114,12 +119,14 @@ def rank(tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> Callable[...
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "script.py").write_text(SCRIPT)
 
-    def start(socket_path: str, *args: str, target: tuple[str, ...] = ("script.py",)) -> subprocess.Popen[bytes]:
-        env = {k: v for k, v in os.environ.items() if k != "ONLY_IN_ZYGOTE"}
-        env.update(OUT=str(tmp_path), X="from the client", PYTHONPATH=str(tmp_path / "code"))
+    def start(socket_path: str, *args: str, target: tuple[str, ...] = ("script.py",),
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        environment = {k: v for k, v in os.environ.items() if k != "ONLY_IN_ZYGOTE"}
+        environment.update(OUT=str(tmp_path), X="from the client", PYTHONPATH=str(tmp_path / "code"), RANK="1",
+                           **(env or {}))
         with open(tmp_path / "stdout", "wb") as out, open(tmp_path / "stderr", "wb") as err:
             proc = subprocess.Popen([sys.executable, "-u", zygote.CLIENT, socket_path, *target, *args],
-                                    cwd=tmp_path / "code", env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    cwd=tmp_path / "code", env=environment, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=err, start_new_session=True)
         started.append(proc)
         return proc
@@ -240,6 +247,50 @@ def test_the_socket_directory_is_private(socket_dir: Path) -> None:
 def test_a_request_is_checked_field_by_field(body: bytes, fds: list[int], error: str) -> None:
     with pytest.raises(zygote.RequestError, match=error):
         zygote.parse_request(body, fds)
+
+
+# --- in-process restarts: the client replaces a crashed worker (agents.hooks.inprocess) -----------
+
+def test_a_crashed_worker_is_replaced_in_process_and_torchrun_sees_nothing(
+        zygote_at: Callable[[], str], rank: Callable[..., subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    client = rank(zygote_at(), "kill-once", env={warm_client.RESTARTS_ENV: "2"})
+    assert client.wait(timeout=30) == 0  # the replacement's exit: the SIGKILL never reached torchrun
+    assert (tmp_path / "replacement").read_text() == "1"
+    stderr = (tmp_path / "stderr").read_text()
+    assert f"{warm_client.REPLACEMENT_LINE}1 in process (1 of 2)" in stderr and "signal 9" in stderr
+
+
+def test_replacements_stop_at_the_budget_and_the_client_then_dies_as_the_worker_did(
+        zygote_at: Callable[[], str], rank: Callable[..., subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    client = rank(zygote_at(), "kill", env={warm_client.RESTARTS_ENV: "2"})
+    assert client.wait(timeout=30) == -signal.SIGKILL
+    assert (tmp_path / "stderr").read_text().count(warm_client.REPLACEMENT_LINE) == 2
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_no_replacement_for_an_exception_or_while_the_supervisor_holds_them(
+        zygote_at: Callable[[], str], rank: Callable[..., subprocess.Popen[bytes]], tmp_path: Path,
+        socket_dir: Path, held: bool) -> None:
+    socket_path = zygote_at()
+    if held:  # the node failed its health check: a crash there ends the generation as before
+        (socket_dir / warm_client.HOLD_FILE).write_text("unhealthy")
+    client = rank(socket_path, "kill" if held else "raise", env={warm_client.RESTARTS_ENV: "3"})
+    assert client.wait(timeout=30) == (-signal.SIGKILL if held else 1)
+    assert warm_client.REPLACEMENT_LINE not in (tmp_path / "stderr").read_text()
+
+
+@pytest.mark.parametrize(("outcome", "stopping", "replaced", "held", "allowed"), [
+    ({"signal": signal.SIGKILL}, False, 0, False, True),
+    ({"signal": signal.SIGSEGV}, False, 1, False, True),
+    ({"signal": signal.SIGKILL}, False, 2, False, False),  # the budget (2) is spent
+    ({"signal": signal.SIGKILL}, True, 0, False, False),  # a stop came through the client first
+    ({"signal": signal.SIGTERM}, False, 0, False, False),  # somebody stopped it
+    ({"exit": 1}, False, 0, False, False),  # an exception: deterministic until shown otherwise
+    ({"signal": signal.SIGKILL}, False, 0, True, False),  # the supervisor holds replacements
+])
+def test_which_ends_are_replaced(outcome: dict, stopping: bool, replaced: int, held: bool, allowed: bool) -> None:
+    assert warm_client.replacement_allowed(outcome, stopping=stopping, replaced=replaced, budget=2,
+                                           held=held) is allowed
 
 
 def test_torchruns_target_goes_through_the_client() -> None:

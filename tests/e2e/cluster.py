@@ -213,6 +213,23 @@ def rank_pids(job_id: int, generation: int, marker: Path | None = None) -> dict[
     return found
 
 
+def worker_of(pid: int) -> int:
+    """The process that trains for ``pid``, a rank ``rank_pids`` found: with warm workers that is a
+    warm client (``agents/supervisor/warm_client.py``, the process whose environment names the rank),
+    and the rank's own process is the one the zygote forked for it (recorded beside its socket);
+    otherwise ``pid`` itself. A fault that kills *the rank* (the OOM killer's choice) kills this one."""
+    from agents.supervisor.zygote import worker_pids
+
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return pid
+    at = next((i for i, arg in enumerate(argv) if arg.endswith(b"warm_client.py")), None)
+    if at is None or at + 1 >= len(argv):
+        return pid
+    return worker_pids(Path(argv[at + 1].decode()).parent).get(pid, pid)
+
+
 def api(cluster: Cluster, token: str, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     """One JSON request to the cluster's API with a bearer token."""
     import json

@@ -1,7 +1,9 @@
 """Runs examples/train.py the way torchrun would, with snapshot faults planted from outside it.
 
 ``python -m tests.hooks.snapshot_run ARGS...`` under torchrun, with
-``SNAPSHOT_FAULTS=ATTEMPT:KIND:RANK:STEP,...``; each fault fires on torchrun attempt ATTEMPT only:
+``SNAPSHOT_FAULTS=ATTEMPT:KIND:RANK:STEP,...``; each fault fires on attempt ATTEMPT only: torchrun's
+restart count plus the round of in-process restarts (``agents.hooks.inprocess``), so that the same
+faults drive a run restarted by ``torchrun --max-restarts`` and one whose ranks restart in process:
 
 - ``copy``: rank RANK SIGKILLs itself from the snapshot thread in the middle of the snapshot of
   step STEP: its own copy is written (shard and manifest, no marker), its partner has received
@@ -24,27 +26,31 @@ from typing import Any
 
 
 def main() -> None:
-    from agents.hooks import api, snapshot
+    from agents.hooks import api, inprocess, snapshot
     from agents.hooks.snapshot_store import OWN
 
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    faults = {}
+    planned: dict[int, dict[str, int]] = {}
     for spec in filter(None, os.environ.get("SNAPSHOT_FAULTS", "").split(",")):
         when, kind, who, step = spec.split(":")
-        if int(when) == attempt and int(who) == rank:
-            faults[kind] = int(step)
+        if int(who) == rank:
+            planned.setdefault(int(when), {})[kind] = int(step)
+
+    def due(kind: str) -> int | None:
+        """The step of this attempt's fault ``kind`` (the attempt is read when asked: in process it moves on)."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + inprocess.round_number()
+        return planned.get(attempt, {}).get(kind)
 
     original_step = api.Hooks.step
 
     def step(self: Any, loss: Any) -> Any:
         coming = self.step_count + 1
-        if faults.get("lose") == coming:
+        if due("lose") == coming:
             self.snapshotter.wait()
             shutil.rmtree(self.snapshotter.store.place(rank, OWN))
             print(f"rank {rank} lost its snapshots and is killed at step {coming}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if faults.get("kill") == coming:
+        if due("kill") == coming:
             print(f"rank {rank} killed at step {coming}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return original_step(self, loss)
@@ -52,7 +58,7 @@ def main() -> None:
     original_replicate = snapshot.Snapshotter._replicate
 
     def replicate(self: Any, key: Any, *args: Any) -> bool:
-        if faults.get("copy") == key.step:
+        if due("copy") == key.step:
             print(f"rank {rank} killed in the middle of the snapshot copy of step {key.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return original_replicate(self, key, *args)
