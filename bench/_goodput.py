@@ -1,11 +1,11 @@
 """Goodput accounting from the sample logs the example job writes (``--log-samples``).
 
-Every rank appends one line per trained step: ``{"step", "rank", "attempt", "ids"}``; the
+Every rank appends one line per trained step: ``{"step", "rank", "attempt", "round", "ids"}``; the
 benchmark notes the wall time it first saw each line. From those lines alone:
 
 - **segments**: a run of consecutive steps of one process group. A new segment starts when the
   step does not follow the previous one (a resume from a checkpoint rewinds it), when torchrun's
-  attempt changes, or after a gap far longer than a step (a restart that resumed exactly where
+  attempt or the round of in-process restarts (``agents.hooks.inprocess``) changes, or after a gap far longer than a step (a restart that resumed exactly where
   the last one stopped).
 - **lineage**: the steps that survive into the final model. Read in time order, a step ``s``
   discards every step ``>= s`` trained before it: the resume went back to a checkpoint, and what
@@ -37,10 +37,12 @@ class Record:
     rank: int
     attempt: int
     ids: tuple[int, ...]
+    round: int = 0  # of in-process restarts within the attempt
 
     @classmethod
     def parse(cls, seen: float, line: Mapping) -> Record:
-        return cls(seen, int(line["step"]), int(line["rank"]), int(line.get("attempt", 0)), tuple(line["ids"]))
+        return cls(seen, int(line["step"]), int(line["rank"]), int(line.get("attempt", 0)), tuple(line["ids"]),
+                   int(line.get("round", 0)))
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ def by_rank(records: Iterable[Record]) -> dict[int, list[Record]]:
 
 def step_gaps(records: Sequence[Record]) -> list[float | None]:
     """Per record of one rank (in time order): its step time, or None where a segment starts."""
-    follows = [i > 0 and records[i].step == records[i - 1].step + 1 and records[i].attempt == records[i - 1].attempt
+    follows = [i > 0 and records[i].step == records[i - 1].step + 1
+               and (records[i].attempt, records[i].round) == (records[i - 1].attempt, records[i - 1].round)
                for i in range(len(records))]
     plain = [records[i].seen - records[i - 1].seen for i in range(len(records)) if follows[i]]
     limit = max(MIN_GAP_S, GAP_FACTOR * statistics.median(plain)) if plain else MIN_GAP_S

@@ -154,6 +154,8 @@ class Side:
             pid = self.running_rank(fault.rank, deadline)
             if pid is None:
                 return {"applied": False, "note": "no running rank within 30 s"}
+            if fault.kind == F.RANK_KILL:
+                pid = self.worker(pid)
             at = time.time()
             os.kill(pid, signal.SIGKILL if fault.kind == F.RANK_KILL else signal.SIGSTOP)
             return {"applied": True, "at_s": round(at - self.t0, 3), "pid": pid}
@@ -175,6 +177,7 @@ class Side:
             pid = self.running_rank(fault.rank, deadline)
             if pid is None:
                 return {"applied": corrupted is not None, "corrupted": corrupted, "note": "no running rank to kill"}
+            pid = self.worker(pid)
             at = time.time()
             os.kill(pid, signal.SIGKILL)
             return {"applied": True, "at_s": round(at - self.t0, 3), "corrupted": corrupted and
@@ -183,6 +186,11 @@ class Side:
 
     def apply_own(self, fault: F.Fault, end: float) -> dict:
         return {"applied": False, "note": f"not applicable to {self.name}"}
+
+    def worker(self, pid: int) -> int:
+        """The process that trains for the rank ``ranks()`` named (see ``tests.e2e.cluster.worker_of``):
+        a SIGKILL, like the OOM killer's, goes to it, not to a warm client standing for it."""
+        return pid
 
     def records(self) -> list[Record]:
         return [Record.parse(seen, r) for seen, r in self.tail.samples()]
@@ -271,10 +279,12 @@ class NightwatchSide(Side):
         body = {"name": "chaos", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": WORLD_SIZE,
                 "accelerator": "cpu", "rdzv_port": free_port(), "args": train_args(self.work, self.opts.ckpt_every),
                 "checkpoint_policy": {"dir": str(self.work / "ckpt"), "interval": "auto",
-                                      "interval_steps": self.opts.ckpt_every},
+                                      "interval_steps": self.opts.ckpt_every,
+                                      **({"snapshot_every": 1} if self.opts.inprocess else {})},
                 "recovery_policy": {"backoff_seconds": 0, "progress_timeout_s": self.opts.progress_timeout,
                                     # the same restart budget as plain torchrun's --max-restarts
-                                    "max_restarts": self.opts.max_restarts, "window_minutes": 60}}
+                                    "max_restarts": self.opts.max_restarts, "window_minutes": 60,
+                                    **({"inprocess_restarts": self.opts.inprocess} if self.opts.inprocess else {})}}
         status, job = api(self.cluster, self.operator, "POST", "/api/v1/jobs", body)
         if status != 201:
             raise RuntimeError(f"launch refused ({status}): {job}")
@@ -286,7 +296,8 @@ class NightwatchSide(Side):
         now = time.time()
         events = [{"at": f"{max(0.0, self.t0 + f.at - now):.3f}s", "gpu": 0, "xid": F.XID_CODE}
                   for f in self.schedule if f.kind == F.XID and host == F.PRIMARY_NODE and self.t0 + f.at > now]
-        self.cluster.start_agent(host, bootstrap_token=token, scenario={"gpus": 1, "events": events})
+        self.cluster.start_agent(host, bootstrap_token=token, scenario={"gpus": 1, "events": events},
+                                 extra=["--warm-workers", "true"] if self.opts.inprocess else None)
 
     def job(self):
         from jobs.models import Job
@@ -297,6 +308,11 @@ class NightwatchSide(Side):
         from tests.e2e.cluster import rank_pids
 
         return rank_pids(self.job_id, self.job().generation, self.cluster.tmp)
+
+    def worker(self, pid: int) -> int:
+        from tests.e2e.cluster import worker_of
+
+        return worker_of(pid)
 
     def job_node(self) -> str | None:
         from jobs.models import Generation
@@ -602,6 +618,9 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     add("--human-response-s", type=float, default=20.0, help="seconds before on-call answers a paused job")
     add("--agent-restart-s", type=float, default=5.0, help="seconds before a killed agent is restarted")
     add("--outage-s", type=float, help="control-plane outage length (default 10 with --quick, 30 otherwise)")
+    add("--inprocess", type=int, default=0, metavar="N",
+        help="the Nightwatch job's recovery_policy.inprocess_restarts (with snapshots every step and agents with "
+             "warm workers); default 0: every crash restarts the generation")
     add("--progress-timeout", type=int, default=10, help="the Nightwatch job's recovery_policy.progress_timeout_s")
     add("--gpu-mtbf-hours", type=int, default=1, help="NIGHTWATCH_GPU_MTBF_HOURS: the MTBF assumed before history")
     add("--report-dir", default=str(ROOT / "docs" / "benchmarks"), help="where chaos.md and chaos.png go")
@@ -729,7 +748,7 @@ def conditions(opts: argparse.Namespace) -> dict:
             "human_response_s": opts.human_response_s, "agent_restart_s": opts.agent_restart_s,
             "outage_s": opts.outage_s, "warmup_s": opts.warmup, "progress_timeout_s": opts.progress_timeout,
             "gpu_mtbf_hours": opts.gpu_mtbf_hours, "step_s": STEP_S, "world_size": WORLD_SIZE,
-            "batch_size": BATCH_SIZE}
+            "batch_size": BATCH_SIZE, **({"inprocess_restarts": opts.inprocess} if opts.inprocess else {})}
 
 
 class Invocation:

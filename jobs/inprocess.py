@@ -12,19 +12,25 @@ their collective break).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from core.events import EventKind, record_event
 from core.text import clean_json, clip
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
-from jobs.models import Generation, Incident, Job, TrainingEvent
+from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
 from nodes.models import AgentEventRecord
 
 #: Where an in-process restart may still be recorded: the generation is live.
 RECORDED_IN = JobState.ACTIVE
+#: How much later than the round's break (rank 0's clock) a notice of the death that broke it may
+#: be dated: the agent's watcher sees a death at most a watch tick after it
+#: (``agents.supervisor._core.WATCH_TICK_S``, 0.25 s), doubled for the two nodes' clocks. A notice
+#: dated later is of a later death (the replaced rank died again), not of this one.
+NOTICE_LAG = timedelta(seconds=0.5)
 
 
 def in_process_detail(event: TrainingEvent) -> dict | None:
@@ -51,13 +57,13 @@ def record_restart(event_id: int) -> Incident | None:
 
 def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
     now = timezone.now()
-    notice = _notice(job, event)
     failed_at = _epoch(detail.get("failed_at"))
-    fault_at = _epoch((notice.detail or {}).get("at")) if notice else None
+    notice = _notice(job, event, failed_at or event.reported_at)
+    fault_at = _died_at(notice) if notice else None
     fault_at = fault_at or failed_at or event.reported_at
     host = notice.node.hostname if notice else None
     restored = event.step
-    reached = max(job.last_step or 0, restored)
+    reached = max(_reached(job, event) or 0, restored)
     round_number = int(detail.get("round") or 0)
     reason = (f"a rank {'on ' + host + ' ' if host else ''}crashed and was replaced in process: round "
               f"{round_number} of the process group resumed from step {restored}")
@@ -67,7 +73,8 @@ def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
         state=IncidentState.RESOLVED,
         evidence=clean_json({"signal": "in_process_restart", "nodes": [host] if host else [],
                              "resumed_event": event.pk, "in_process": detail,
-                             "rank_gone": notice.detail if notice else None, "reason": reason}),
+                             "rank_gone": notice.detail if notice else None,
+                             "rank_gone_notice": notice.pk if notice else None, "reason": reason}),
         fault_at=fault_at, detected_at=min(failed_at or event.reported_at, event.reported_at),
         quiesced_at=failed_at, relaunched_at=event.reported_at, first_step_at=event.reported_at,
         resolved_at=now, lost_steps=max(0, reached - restored))
@@ -82,12 +89,42 @@ def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
     return incident
 
 
-def _notice(job: Job, event: TrainingEvent) -> AgentEventRecord | None:
-    """The agent's newest ``rank_gone`` notice of the generation from before the resume: the node,
-    and when the agent saw the rank die."""
-    return (AgentEventRecord.objects.filter(job=job, generation=event.generation, kind="rank_gone",
-                                            received_at__lte=event.received_at)
-            .select_related("node").order_by("-received_at", "-pk").first())
+def _notice(job: Job, event: TrainingEvent, broke_at: datetime) -> AgentEventRecord | None:
+    """The agent's ``rank_gone`` notice of the death this restart answered (the node, and when the
+    agent saw the rank die), or None when it has not come in.
+
+    1. Candidates: the generation's notices received before the resume, less those an earlier
+       in-process restart of the generation was dated from. A notice that comes after its round's
+       resume (the agent's batch held up) must not leave the previous death's notice to date
+       the next restart: the time between the two would count as detection.
+    2. Of those, the newest dated no later than the round broke (``broke_at``, + ``NOTICE_LAG``):
+       when one flush carries the resumes of two rounds, the later death's notice is in already
+       when the first round's is recorded. When none is (the nodes' clocks apart), the newest.
+    """
+    told = [pk for pk in Incident.objects.filter(job=job, generation__number=event.generation,
+                                                 decision=Decision.RESTART_IN_PROCESS)
+            .values_list("evidence__rank_gone_notice", flat=True) if isinstance(pk, int)]
+    candidates = list(AgentEventRecord.objects.filter(job=job, generation=event.generation, kind="rank_gone",
+                                                      received_at__lte=event.received_at)
+                      .exclude(pk__in=told).select_related("node").order_by("received_at", "pk"))
+    before = [n for n in candidates if _died_at(n) <= broke_at + NOTICE_LAG]
+    if before:
+        return max(before, key=lambda n: (_died_at(n), n.received_at, n.pk))
+    return candidates[-1] if candidates else None
+
+
+def _died_at(notice: AgentEventRecord) -> datetime:
+    """When the agent saw the rank die (its clock); when it sent the notice, lacking that."""
+    return _epoch((notice.detail or {}).get("at")) or notice.time
+
+
+def _reached(job: Job, event: TrainingEvent) -> int | None:
+    """The newest step rank 0 trained before the restart: its reports stepped before the resume
+    (the hooks' clock, the same as the event's). Not the job's last step: the reporter sends the
+    ``resumed`` event with the next round's first steps, and those were not lost."""
+    return (StepMetric.objects.filter(job=job, generation=event.generation, rank=0,
+                                      reported_at__lt=event.reported_at)
+            .aggregate(m=Max("step"))["m"])
 
 
 def _epoch(value: object) -> datetime | None:

@@ -66,14 +66,14 @@ ORDER = list(range(100, 200))  # the data stream: position p is sample id 100 + 
 POSITIONS = stream_positions(ORDER)
 
 
-def lines(steps, *, start, rank, step_s=1.0, attempt=0, batch=2, world=2, cursor_of=None):
+def lines(steps, *, start, rank, step_s=1.0, attempt=0, batch=2, world=2, cursor_of=None, round=0):
     """Log lines of one rank for ``steps``, one a second from ``start``; each step's ids are the
     stream positions that step consumes (``cursor_of(step)``: positions before it)."""
     out = []
     for i, step in enumerate(steps):
         cursor = cursor_of(step) if cursor_of else (step - 1) * batch * world
         ids = tuple(ORDER[cursor + rank * batch + j] for j in range(batch))
-        out.append(Record(start + i * step_s, step, rank, attempt, ids))
+        out.append(Record(start + i * step_s, step, rank, attempt, ids, round))
     return out
 
 
@@ -132,6 +132,15 @@ def test_a_restart_that_continues_at_the_next_step_still_starts_a_segment():
     # A crash right after the step-5 checkpoint: the resume trains step 6 next, 30 s later.
     records = [*lines(range(1, 6), start=0, rank=0), *lines(range(6, 9), start=34, rank=0)]
     ledger = account(records, wall_s=40.0, position=POSITIONS)
+    assert [s.step for s in ledger.segment_starts] == [1, 6]
+    assert ledger.productive_s == pytest.approx(8.0) and ledger.lost_steps == 0
+
+
+def test_an_in_process_restart_that_continues_at_the_next_step_starts_a_segment_however_quick():
+    # A rank dies after step 5, whose snapshot both copies hold; the round of in-process restarts
+    # trains step 6 next, 1.5 s later: not a step of 1.5 s (the gap limit is 20 x the median), a restart.
+    records = [*lines(range(1, 6), start=0, rank=0), *lines(range(6, 9), start=5.5, rank=0, round=1)]
+    ledger = account(records, wall_s=9.0, position=POSITIONS)
     assert [s.step for s in ledger.segment_starts] == [1, 6]
     assert ledger.productive_s == pytest.approx(8.0) and ledger.lost_steps == 0
 
