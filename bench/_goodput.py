@@ -5,8 +5,8 @@ benchmark notes the wall time it first saw each line. From those lines alone:
 
 - **segments**: a run of consecutive steps of one process group. A new segment starts when the
   step does not follow the previous one (a resume from a checkpoint rewinds it), when torchrun's
-  attempt or the round of in-process restarts (``agents.hooks.inprocess``) changes, or after a gap far longer than a step (a restart that resumed exactly where
-  the last one stopped).
+  attempt or the round of in-process restarts (``agents.hooks.inprocess``) changes, or after a gap
+  far longer than a step (a restart that resumed exactly where the last one stopped).
 - **lineage**: the steps that survive into the final model. Read in time order, a step ``s``
   discards every step ``>= s`` trained before it: the resume went back to a checkpoint, and what
   came after that checkpoint is lost.
