@@ -28,8 +28,8 @@ NCCL 10 min by default): it is watched for ``--hang-window`` seconds and reporte
 detected within W s", never as a number.
 
 The metric is the median over runs of Nightwatch crash recovery / torchrun crash recovery
-(target 1.2). Hang detection is in the details, against issue 20's target for each run: within
-3 x the job's p99 step time + 1 s, at least 2 s (the p99 of rank 0's recent step times, checkpoint
+(target 1.2; 0.5 with ``--inprocess``). Hang detection is in the details, against issue 20's target
+for each run: within 3 x the job's p99 step time + 1 s, at least 2 s (the p99 of rank 0's recent step times, checkpoint
 steps included). Each Nightwatch run also records the incident's fault time against the signal
 (``fault_at_s``: how honest the dashboard's "detect" figure is) and that figure (``detect_shown_s``).
 Both sides report the steps each crash cost (``lost_steps``: trained before the fault and again
@@ -38,9 +38,20 @@ after it); ``--snapshot-every N`` gives the Nightwatch job in-memory snapshots e
 runs the agent with ``warm_workers`` (ranks forked from a zygote that has imported torch);
 ``spawn_to_first_step_s`` is, on both sides, from the start of the ranks' processes to the first step.
 
+``--inprocess N`` submits the Nightwatch job with ``recovery_policy.inprocess_restarts`` = N (issue 20,
+``agents.hooks.inprocess``); it implies ``--warm-workers`` and snapshots (``--snapshot-every 1``
+unless set). The crash then SIGKILLs rank 1's *forked worker* (as the OOM killer would; killing its
+warm client would end the generation): the client has the zygote fork a replacement and the
+surviving rank forms round 1 of the process group with it, in the same generation. Recovery is the
+first sample line written after the fault with ``round`` >= 1; the incident is the one the control
+plane records with decision ``restart_in_process`` (None when it does not come within 15 s), and the
+figures of a relaunch (relaunch, torchrun spawn, the next generation's first step) are None. The
+metric's target becomes issue 20's for in-process recovery, 0.5 x plain torchrun, with at most 1
+lost step per failure. The hang keeps its path (the control plane stops the generation and relaunches).
+
     python -m bench.recovery [--quick] [--runs N] [--hang-window S] [--progress-timeout S]
-                             [--snapshot-every N] [--warm-workers] [--heartbeat-s S] [--sweep-s S]
-                             [--keep-logs]
+                             [--snapshot-every N] [--warm-workers] [--inprocess N] [--heartbeat-s S]
+                             [--sweep-s S] [--keep-logs]
 
 ``--quick`` (3 runs) takes about 5 minutes on 2 cores, the full 5 runs about 7: every run starts
 real torchruns, and a Nightwatch hang recovery alone is a progress timeout plus a stop grace. The
@@ -85,6 +96,10 @@ CKPT_EVERY = 10
 FAULT_STEP = 15  # the fault comes once this step was trained (and the step-10 checkpoint is verified)
 STEPS = 400  # never reached: each run is stopped once the resumed run has trained its first step
 TARGET_RATIO = 1.2
+#: Issue 20's target for a crash absorbed in process (``--inprocess``): recovery at most half of plain
+#: torchrun's, and at most one step trained again per failure.
+TARGET_INPROCESS_RATIO = 0.5
+TARGET_INPROCESS_LOST_STEPS = 1
 #: Issue 20: a hang detected within 3 x the job's p99 step time + 1 s, at least 2 s, after the signal.
 TARGET_HANG_STEPS, TARGET_HANG_SLACK_S, TARGET_HANG_FLOOR_S = 3, 1.0, 2.0
 POLL_S = 0.02
@@ -277,6 +292,7 @@ def plain_run(kind: str, base: Path, window: float, *, keep: bool = False) -> di
         result.update(detected=True, detection_s=round(detected - fault_at, 3),
                       recovery_s=round(first[0] - fault_at, 3), resumed_step=first[1]["step"] - 1,
                       lost_steps=lost_steps(tail, fault_at, first[1]["step"]),
+                      retrained_steps=retrained_steps(tail, first[1], "attempt"),
                       workers_spawned_s=round(restarted["workers"] - fault_at, 3) if restarted else None,
                       spawn_to_first_step_s=round(first[0] - restarted["workers"], 3) if restarted else None)
         return result
@@ -295,6 +311,16 @@ def lost_steps(tail: Tail, fault_at: float, first_step_after: int) -> int | None
     logged before the fault, less the step the resumed run started after."""
     before = [record["step"] for seen, record in tail.samples() if seen <= fault_at]
     return max(before) - (first_step_after - 1) if before else None
+
+
+def retrained_steps(tail: Tail, resumed: dict, key: str) -> int | None:
+    """Steps trained before the restart that the resumed run trains again, counted from the sample
+    lines themselves: the newest step any rank logged in an earlier ``key`` (``attempt`` for
+    torchrun's restarts, ``round`` for in-process ones), at any time, less the step the resumed run
+    started after. Unlike ``lost_steps`` it counts a step that a surviving rank finished just
+    after the signal (the dead rank had already sent its gradients) and trains again on resuming."""
+    before = [r["step"] for _, r in tail.samples() if r.get(key, 0) < resumed.get(key, 0)]
+    return max(0, max(before) - (resumed["step"] - 1)) if before else None
 
 
 def wait_for_or_none(condition: Callable[[], Any], deadline: float) -> Any:
@@ -371,8 +397,24 @@ def bootstrap_token() -> str:
     return ApiToken.issue(name="bench boot", scope="bootstrap", single_use=True)[1]
 
 
+def forked_worker(client_pid: int) -> int | None:
+    """The worker the zygote forked for the warm client ``client_pid`` (``agents.supervisor.zygote``:
+    the client names the zygote's socket on its command line, and the zygote records which worker
+    each client stands for beside it); None for a client that started its rank cold."""
+    from agents.supervisor.zygote import worker_pids
+
+    try:
+        argv = Path(f"/proc/{client_pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    at = next((i for i, arg in enumerate(argv) if arg.endswith(b"warm_client.py")), None)
+    if at is None or at + 1 >= len(argv):
+        return None
+    return worker_pids(Path(argv[at + 1].decode(errors="replace")).parent).get(client_pid)
+
+
 def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None, *, snapshot_every: int = 0,
-                   keep: bool = False) -> dict:
+                   inprocess: int = 0, keep: bool = False) -> dict:
     from checkpoints.models import Checkpoint
     from jobs.choices import JobState
     from jobs.models import Generation, Incident, Job, StepMetric
@@ -380,16 +422,25 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
     from tests.e2e.cluster import api, rank_pids
 
     work = Path(tempfile.mkdtemp(prefix=f"nw-{kind}-", dir=cluster.tmp))
+    recovery_policy = {**({"progress_timeout_s": progress_timeout} if kind == "hang" and progress_timeout else {}),
+                       **({"inprocess_restarts": inprocess} if inprocess else {})}
     body = {"name": f"bench-{kind}", "entrypoint": "examples/train.py", "nnodes": 1, "nproc_per_node": 2,
             "accelerator": "cpu", "rdzv_port": free_port(), "args": train_args(work),
             "checkpoint_policy": {"dir": str(work / "ckpt"), "interval_steps": CKPT_EVERY,
                                   **({"snapshot_every": snapshot_every} if snapshot_every else {})},
-            "recovery_policy": {"progress_timeout_s": progress_timeout} if kind == "hang" and progress_timeout else {}}
+            "recovery_policy": recovery_policy}
+    if inprocess:
+        # Only a generation the agent hands to its warm launcher has a zygote to replace a rank
+        # from: one launched cold (the launcher still starting after the previous run's launch took
+        # it) has none, and its crash goes the whole generation's way.
+        wait_for(lambda: warm_launcher_ready(cluster.tmp), timeout=60, what="the agent's warm launcher")
     status, job = api(cluster, token, "POST", "/api/v1/jobs", body)
     if status != 201:
         raise RuntimeError(f"launch refused ({status}): {job}")
     job_id = job["id"]
     tail = Tail(work, ("samples/rank*.jsonl",))
+    #: Forked workers, pid -> start (their /proc environ is the zygote's: rank_pids misses them).
+    others: dict[int, float] = {}
     try:
         wait_for(lambda: reached(tail, FAULT_STEP), timeout=120, what=f"job {job_id} to train step {FAULT_STEP}")
         # Steady state, as when a fault comes hours into a run: the node has its warm launcher back
@@ -401,6 +452,18 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
         checkpoint = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
                                 .order_by("-step").first(), timeout=60, what="a verified checkpoint")
         victim = wait_for(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
+        if inprocess and kind == "crash":
+            # The crash a warm client replaces is its worker's (the OOM killer's SIGKILL, a segfault):
+            # the client itself, killed, takes its worker down and torchrun the generation.
+            client = victim
+            victim = wait_for(lambda: forked_worker(client), timeout=10,
+                              what=f"rank 1's forked worker (none: job {job_id} was launched cold, see the agent's "
+                                   "'torchrun started (cold)' line; its ranks cannot be replaced in process)")
+            others[victim] = (process_start(victim) or (0.0, 0))[0]
+            fault_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+            return {**inprocess_crash(job_id, tail, fault_at, client, victim, checkpoint.step, others),
+                    "snapshot_every": snapshot_every, "inprocess_restarts": inprocess}
         fault_at = time.time()
         os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
 
@@ -461,6 +524,7 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
         # deadline (a frozen rank, a torchrun waiting for it) is killed here.
         ranks = {pid for g in range(1, 4) for pid in rank_pids(job_id, g, cluster.tmp).values()}
         parents = {start[1] for start in map(process_start, ranks) if start}
+        ranks |= {pid for pid, start in others.items() if (process_start(pid) or (None,))[0] == start}
         try:
             wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks | parents), timeout=30,
                      what="the job's processes to exit")
@@ -469,6 +533,93 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
                 kill(pid)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+#: How long the control plane may take to record an in-process restart's incident after the
+#: resumed round's first step (rank 0's ``resumed`` event rides its reporter's next flush).
+INPROCESS_INCIDENT_WAIT_S = 15.0
+
+
+def inprocess_crash(job_id: int, tail: Tail, fault_at: float, client: int, victim: int, checkpoint_step: int,
+                    others: dict[int, float]) -> dict:
+    """A crash (rank 1's forked worker SIGKILLed at ``fault_at``) that the job's in-process restarts
+    should absorb: its warm client asks the zygote for a replacement and the surviving rank forms
+    round 1 of the process group with it, in generation 1 (``agents.hooks.inprocess``). Recovery is
+    the first sample line written after the fault by a round >= 1; the incident is the one the
+    control plane records as ``restart_in_process`` (None if none came within
+    ``INPROCESS_INCIDENT_WAIT_S`` of that step). Nothing is relaunched: the figures of a relaunch
+    (relaunch, torchrun spawn, the next generation's first step) are None."""
+    from jobs.choices import Decision
+    from jobs.models import Generation, Incident, StepMetric
+
+    def resumed_or_relaunched() -> tuple[float, dict] | str | None:
+        first = first_sample(tail, lambda seen, r: seen > fault_at and r.get("round", 0) >= 1)
+        if first:
+            return first
+        if Generation.objects.filter(job_id=job_id, number__gte=2).exists():
+            return "relaunched"
+        return None
+
+    outcome = wait_for(resumed_or_relaunched, timeout=120, what=f"job {job_id}'s round 1 to train a step")
+    if outcome == "relaunched":
+        incidents = [f"{i.kind}:{i.decision}" for i in Incident.objects.filter(job_id=job_id)]
+        raise RuntimeError(f"job {job_id}: the crash was not absorbed in process; the control plane relaunched "
+                           f"it (generation 2; incidents {incidents}). Is the rank's warm client replacing "
+                           "its worker (torchrun.log: 'nightwatch warm worker: replacing rank')?")
+    first = outcome
+    lost = lost_steps(tail, fault_at, first[1]["step"])
+    replacement = forked_worker(client)
+    replaced = process_start(replacement) if replacement and replacement != victim else None
+    if replaced:
+        others[replacement] = replaced[0]
+    incident = wait_for_or_none(
+        lambda: Incident.objects.filter(job_id=job_id, decision=Decision.RESTART_IN_PROCESS).order_by("detected_at")
+        .first(), first[0] + INPROCESS_INCIDENT_WAIT_S)
+    incidents = [f"{i.kind}:{i.decision}" for i in Incident.objects.filter(job_id=job_id).order_by("detected_at")]
+    trained = max((r["step"] for _, r in tail.samples() if r.get("round", 0) < first[1]["round"]), default=0)
+    # Step reports are unique per (generation, rank, step): a step trained again in the same
+    # generation is a duplicate, so the first step the control plane hears of anew is the first one
+    # no earlier round trained.
+    reported = (StepMetric.objects.filter(job_id=job_id, generation=1, rank=0, step__gt=trained)
+                .order_by("step").values_list("reported_at", "step", "data_cursor").first())
+    step_size = 2 * 4  # global samples a step: 2 ranks x --batch-size 4
+
+    def since_fault(moment: dt.datetime | None) -> float | None:
+        return round(moment.timestamp() - fault_at, 3) if moment else None
+
+    evidence = ((incident.evidence or {}).get("in_process") or {}) if incident else {}
+    failed_at = evidence.get("failed_at") if isinstance(evidence.get("failed_at"), int | float) else None
+    generation = Generation.objects.filter(job_id=job_id).order_by("-number").values_list("number", flat=True).first()
+    return {
+        "system": "nightwatch", "fault": "crash", "mode": "in_process",
+        "incident": incident.kind if incident else None, "decision": incident.decision if incident else None,
+        "incidents": incidents, "incident_waited_s": INPROCESS_INCIDENT_WAIT_S,
+        "checkpoint_step": checkpoint_step, "detected": incident is not None,
+        "generation_after": generation, "round": first[1].get("round"),
+        # The incident's fault time (the agent's rank_gone notice) against the signal, and the
+        # dashboard's "detect" figure (detected - fault time).
+        "fault_at_s": since_fault(incident.fault_at) if incident else None,
+        "detect_shown_s": (round((incident.detected_at - incident.fault_at).total_seconds(), 3)
+                           if incident and incident.fault_at else None),
+        "detection_s": since_fault(incident.detected_at) if incident else None,
+        "recovery_s": round(first[0] - fault_at, 3),
+        # When the surviving rank saw its collective break (the resumed event's failed_at).
+        "survivor_failed_s": round(failed_at - fault_at, 3) if failed_at else None,
+        "quiesced_s": None, "relaunched_s": None, "torchrun_spawned_s": None, "warm_launcher": None,
+        "first_step_received_s": None,
+        # The replacement worker the zygote forked for rank 1's warm client.
+        "workers_spawned_s": round(replaced[0] - fault_at, 3) if replaced else None,
+        "spawn_to_first_step_s": round(first[0] - replaced[0], 3) if replaced else None,
+        # Rank 0's resumed event (the hooks' clock) and the incident's creation.
+        "resumed_reported_s": since_fault(incident.relaunched_at) if incident else None,
+        "incident_recorded_s": since_fault(incident.resolved_at) if incident else None,
+        "first_new_step_reported_s": since_fault(reported[0]) if reported else None,
+        "resumed_step": None, "resumed_from_step": first[1]["step"] - 1, "lost_steps": lost,
+        "retrained_steps": retrained_steps(tail, first[1], "round"),
+        # What the control plane recorded (jobs.inprocess), beside the bench's own count.
+        "incident_lost_steps": incident.lost_steps if incident else None,
+        "data_position_ok": bool(reported and reported[2] == reported[1] * step_size),
+    }
 
 
 def warm_launcher_ready(under: Path) -> bool:
@@ -503,7 +654,9 @@ def hang_rhythm(job) -> dict:
 
 # --- report -----------------------------------------------------------------------------------------
 
-def figure(values: list[float]) -> dict:
+def figure(values: list[float]) -> dict | None:
+    if not values:
+        return None
     return {"median": round(median(values), 3), "spread": [round(v, 3) for v in spread(values)], "runs": values}
 
 
@@ -522,9 +675,11 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
 
     ratios = [round(n["recovery_s"] / t["recovery_s"], 3) for n, t in zip(nw_crash, tr_crash)]
     undetected = [r for r in tr_hang if not r["detected"]]
+    target_ratio = TARGET_INPROCESS_RATIO if opts.inprocess else TARGET_RATIO
+    nw_label = "NW in-proc" if opts.inprocess else "Nightwatch"
     print()
     print(f"{'fault':6} {'system':11} {'detection s: median [min-max]':32} {'recovery s: median [min-max]':32}")
-    print(f"{'crash':6} {'Nightwatch':11} {describe(col(nw_crash, 'detection_s')):32} "
+    print(f"{'crash':6} {nw_label:11} {describe(col(nw_crash, 'detection_s')):32} "
           f"{describe(col(nw_crash, 'recovery_s')):32}")
     print(f"{'crash':6} {'torchrun':11} {describe(col(tr_crash, 'detection_s')):32} "
           f"{describe(col(tr_crash, 'recovery_s')):32}")
@@ -536,8 +691,9 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
         print(f"{'hang':6} {'torchrun':11} {describe(col(tr_hang, 'detection_s')):32} "
               f"{len(tr_hang) - len(undetected)} of {len(tr_hang)} runs detected")
     within = sum(bool(r.get("within_target")) for r in nw_hang)
-    print(f"crash recovery Nightwatch / torchrun: median {median(ratios):.2f} (runs {ratios}; target <= "
-          f"{TARGET_RATIO}); hang detected by Nightwatch in median {median(col(nw_hang, 'detection_s')):.2f} s "
+    print(f"crash recovery Nightwatch{' (in process)' if opts.inprocess else ''} / torchrun: median "
+          f"{median(ratios):.2f} (runs {ratios}; target <= {target_ratio});"
+          f" hang detected by Nightwatch in median {median(col(nw_hang, 'detection_s')):.2f} s "
           f"(target 3 x p99 step + 1 s, at least 2 s: median {median(col(nw_hang, 'target_s')):.2f} s; within it in "
           f"{within} of {len(nw_hang)} runs); {elapsed:.0f} s in all", flush=True)
     print(f"crash, spawn of the ranks' processes -> first step: Nightwatch "
@@ -545,13 +701,32 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
           f"{describe(col(tr_crash, 'spawn_to_first_step_s'))} s", flush=True)
     print(f"lost steps per crash (trained before the fault, trained again after it): Nightwatch "
           f"{col(nw_crash, 'lost_steps')} (snapshot every {opts.snapshot_every or '-'}), torchrun "
-          f"{col(tr_crash, 'lost_steps')} (disk checkpoints every {CKPT_EVERY})", flush=True)
+          f"{col(tr_crash, 'lost_steps')} (disk checkpoints every {CKPT_EVERY})"
+          + (f"; target <= {TARGET_INPROCESS_LOST_STEPS} per failure" if opts.inprocess else ""), flush=True)
+    print(f"steps trained again, counted from the sample lines (a step a surviving rank finished after the signal "
+          f"included): Nightwatch {col(nw_crash, 'retrained_steps')}, torchrun {col(tr_crash, 'retrained_steps')}"
+          + (f"; the control plane's incidents recorded {col(nw_crash, 'incident_lost_steps')}" if opts.inprocess
+             else ""), flush=True)
+    recorded = [r for r in nw_crash if r.get("decision") == "restart_in_process"]
+    if opts.inprocess:
+        print(f"in-process restarts ({opts.inprocess} allowed): round >= 1 trained in {len(nw_crash)} of "
+              f"{len(nw_crash)} runs, generations after the fault {col(nw_crash, 'generation_after')}; incident "
+              f"restart_in_process recorded in {len(recorded)} of {len(nw_crash)} (within "
+              f"{INPROCESS_INCIDENT_WAIT_S:.0f} s of the first step); replacement spawned "
+              f"{describe(col(nw_crash, 'workers_spawned_s'))} s after the signal, survivor saw the break "
+              f"{describe(col(nw_crash, 'survivor_failed_s'))} s after it", flush=True)
 
     def breakdown(rows: list[dict], keys: tuple[str, ...]) -> dict:
         return {k: round(median(col(rows, k)), 3) for k in keys if col(rows, k)}
 
     nw_keys = ("detection_s", "quiesced_s", "relaunched_s", "torchrun_spawned_s", "workers_spawned_s",
                "spawn_to_first_step_s", "first_step_reported_s", "recovery_s", "first_step_received_s")
+    inprocess_keys = ("survivor_failed_s", "detection_s", "workers_spawned_s", "spawn_to_first_step_s", "recovery_s",
+                      "resumed_reported_s", "incident_recorded_s", "first_new_step_reported_s")
+    lost = col(nw_crash, "lost_steps")
+    # Per failure, the larger of the two counts (see retrained_steps) against the target.
+    worst = [max(v for v in (r.get("lost_steps"), r.get("retrained_steps")) if v is not None) for r in nw_crash
+             if r.get("lost_steps") is not None or r.get("retrained_steps") is not None]
     from torch.distributed.constants import default_pg_timeout
 
     from jobs import progress
@@ -562,14 +737,27 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                            "recovery_s": figure(col(nw_crash, "recovery_s")),
                            "fault_at_s": figure(col(nw_crash, "fault_at_s")),
                            "detect_shown_s": figure(col(nw_crash, "detect_shown_s")),
-                           "lost_steps": col(nw_crash, "lost_steps"), "snapshot_every": opts.snapshot_every,
-                           "timeline_median_s": breakdown(nw_crash, nw_keys)},
+                           "lost_steps": lost, "retrained_steps": col(nw_crash, "retrained_steps"),
+                           "snapshot_every": opts.snapshot_every, "inprocess_restarts": opts.inprocess,
+                           **({"incident_lost_steps": col(nw_crash, "incident_lost_steps"),
+                               "lost_steps_target": TARGET_INPROCESS_LOST_STEPS,
+                               "lost_steps_within_target": f"{sum(v <= TARGET_INPROCESS_LOST_STEPS for v in worst)} "
+                                                           f"of {len(nw_crash)} runs (the larger of lost_steps "
+                                                           "and retrained_steps)",
+                               "incident_recorded": f"{len(recorded)} of {len(nw_crash)} runs",
+                               "generations_after_fault": col(nw_crash, "generation_after")}
+                              if opts.inprocess else {}),
+                           "timeline_median_s": breakdown(nw_crash, inprocess_keys if opts.inprocess else nw_keys)},
             "torchrun": {"detection_s": figure(col(tr_crash, "detection_s")),
                          "recovery_s": figure(col(tr_crash, "recovery_s")),
                          "lost_steps": col(tr_crash, "lost_steps"),
+                         "retrained_steps": col(tr_crash, "retrained_steps"),
                          "timeline_median_s": breakdown(tr_crash, ("detection_s", "workers_spawned_s",
                                                                    "spawn_to_first_step_s", "recovery_s"))},
             "ratio_of_medians": round(median(col(nw_crash, "recovery_s")) / median(col(tr_crash, "recovery_s")), 3),
+            "ratio": {"median": round(median(ratios), 3), "spread": [round(v, 3) for v in spread(ratios)],
+                      "runs": ratios, "target": target_ratio, "better": "lower",
+                      "nightwatch_mode": "in_process" if opts.inprocess else "relaunch"},
         },
         "hang": {
             "nightwatch": {"detection_s": figure(col(nw_hang, "detection_s")),
@@ -601,34 +789,58 @@ def summarise(results: dict, window: float, runs: int, opts: argparse.Namespace,
                                 f"(agents receive stop/launch commands on heartbeats), sweep every {opts.sweep_s} s, "
                                 "a stop command's SIGTERM grace 10 s (the orchestrator's default), "
                                 "restart backoff 0 s (the default for a job's first restart); warm workers "
-                                f"(agent setting warm_workers): {opts.warm_workers}",
+                                f"(agent setting warm_workers): {opts.warm_workers}; in-process restarts "
+                                f"(recovery_policy.inprocess_restarts): {opts.inprocess or 'off'}"
+                                + ("; the crash SIGKILLs rank 1's forked worker (its warm client replaces it)"
+                                   if opts.inprocess else ""),
                   "default_progress_timeout": f"max({progress.PROGRESS_TIMEOUT_FLOOR_S} s, "
                                               f"{progress.PROGRESS_TIMEOUT_STEPS} x p99 step time + "
                                               f"{progress.PROGRESS_TIMEOUT_SLACK_S} s), from the newest step's time",
                   "torchrun": "python -m torch.distributed.run --nproc-per-node=2 --standalone --max-restarts=3 "
                               "(monitor interval 0.1 s), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-                  "first_step": "first --log-samples line of the resumed run, seen by a 20 ms poll (both systems)",
+                  "first_step": "first --log-samples line of the resumed run, seen by a 20 ms poll (both systems)"
+                                + ("; in process: the first line after the fault with round >= 1" if opts.inprocess
+                                   else ""),
                   "elapsed_s": round(elapsed)},
     }
-    emit("recovery", metric="recovery_over_torchrun", value=round(median(ratios), 3), target=TARGET_RATIO,
+    emit("recovery", metric="recovery_over_torchrun", value=round(median(ratios), 3), target=target_ratio,
          better="lower", unit="ratio", runs=runs, spread=[round(v, 3) for v in spread(ratios)], details=details)
 
 
 # --- main -------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> None:
+def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """This benchmark's own options, and the rest (``bench._common.arguments``')."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--hang-window", type=float, help="seconds to watch plain torchrun with a hung rank (30)")
     own.add_argument("--progress-timeout", type=int, default=None,
                      help="the hang job's progress_timeout_s (default: none, the rule derives it)")
-    own.add_argument("--snapshot-every", type=int, default=0,
-                     help="the Nightwatch job's checkpoint_policy.snapshot_every (default 0: disk checkpoints only)")
+    own.add_argument("--snapshot-every", type=int, default=None,
+                     help="the Nightwatch job's checkpoint_policy.snapshot_every (default 0: disk checkpoints only; "
+                          "1 with --inprocess)")
     own.add_argument("--warm-workers", action="store_true",
                      help="the agent forks ranks from a zygote (agent setting warm_workers; default: its default)")
+    own.add_argument("--inprocess", type=int, default=0, metavar="N",
+                     help="the Nightwatch job's recovery_policy.inprocess_restarts (default 0: off); implies "
+                          "--warm-workers and snapshots (--snapshot-every 1 unless set)")
     own.add_argument("--heartbeat-s", type=int, default=1, help="control plane's agent heartbeat interval")
     own.add_argument("--sweep-s", type=float, default=0.5, help="control plane's sweep (hang check) interval")
     own.add_argument("--keep-logs", action="store_true", help="keep the temporary directory (logs) and say where")
     opts, rest = own.parse_known_args(argv)
+    if opts.inprocess < 0:
+        own.error("--inprocess must be >= 0")
+    if opts.inprocess:
+        opts.warm_workers = True  # the warm client replaces a crashed rank from the zygote
+        if opts.snapshot_every is None:
+            opts.snapshot_every = 1  # the round restores the newest in-memory snapshot
+        elif opts.snapshot_every <= 0:
+            own.error("--inprocess needs snapshots: --snapshot-every N with N >= 1")
+    opts.snapshot_every = opts.snapshot_every or 0
+    return opts, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, rest = options(argv)
     args = arguments(__doc__.splitlines()[0], rest)
     window = opts.hang_window or 30.0
     url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
@@ -669,7 +881,8 @@ def main(argv: list[str] | None = None) -> None:
                 for system in order:
                     if system == "nightwatch":
                         result = nightwatch_run(cluster, token, kind, opts.progress_timeout,
-                                                snapshot_every=opts.snapshot_every, keep=opts.keep_logs)
+                                                snapshot_every=opts.snapshot_every, inprocess=opts.inprocess,
+                                                keep=opts.keep_logs)
                     else:
                         result = plain_run(kind, base, window, keep=opts.keep_logs)
                     results[system][kind].append(result)

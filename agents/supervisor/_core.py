@@ -41,6 +41,17 @@ from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, thro
 log = logging.getLogger(__package__)
 
 
+def _cold_environment(env: dict[str, str], job: str, generation: int) -> dict[str, str]:
+    """``env`` for a generation that starts cold (no warm launcher ready: two launches on this node
+    within ``WARM_RESPAWN_DELAY_S``): without a zygote no rank can be replaced, so its ranks are told
+    of no in-process restarts and torchrun's store is theirs as for any cold start."""
+    if "NIGHTWATCH_INPROCESS_RESTARTS" not in env:
+        return env
+    log.warning("job %s generation %d starts cold (no warm launcher ready): no in-process restarts in it; "
+                "a crash restarts the whole generation", job, generation)
+    return {**{k: v for k, v in env.items() if k != "NIGHTWATCH_INPROCESS_RESTARTS"}, **_TORCHRUN_ENV}
+
+
 def _hold(zygote_dir: Path | None, reason: str) -> None:
     if zygote_dir is not None:
         try:
@@ -240,6 +251,7 @@ class Supervisor:
                 remove_socket_dir(zygote_dir)
                 zygote_dir = None
             if proc is None:
+                env = _cold_environment(env, job, generation)
                 proc = subprocess.Popen(  # an argument list, never a shell
                     command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                     stderr=subprocess.STDOUT, start_new_session=True)  # own group: stop signals all of it at once

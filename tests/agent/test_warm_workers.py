@@ -427,3 +427,14 @@ def test_the_zygotes_children_are_torchruns_workers_and_the_zygote_is_not() -> N
     # A rank gone while its client has not ended yet (the zygote reports it a moment later).
     assert _worker_gone(seen, [torchrun, *clients, zyg, ranks[0], loader], 100)
     assert not _worker_gone(seen, [torchrun, *clients, zyg, *ranks], 100)  # only the loader ended
+
+
+def test_a_generation_that_starts_cold_is_told_of_no_in_process_restarts() -> None:
+    from agents.supervisor._core import _cold_environment
+
+    warm = {"NIGHTWATCH_INPROCESS_RESTARTS": "3", "RANKS": "2", "PYTHONUNBUFFERED": "1"}
+    cold = _cold_environment(warm, "job", 4)
+    # No zygote to replace a rank: no budget, and torchrun's store is not shared (its restarts' setting).
+    assert cold == {"RANKS": "2", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    plain = {"RANKS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert _cold_environment(plain, "job", 4) is plain
