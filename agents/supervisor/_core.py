@@ -578,9 +578,11 @@ class Supervisor:
         if gen.torchrun_present():
             family = _family(gen.pid, gen.pid)
             if gen.replaced_seen < gen.replaced:
-                # A rank was replaced in process: its death was told; the next one is news again.
+                # A rank was replaced in process: its death was told; the next one is news again. Only
+                # the dead are forgotten: a process of the family that left it (a dead rank's orphaned
+                # child) is still to be killed at the end.
                 gen.replaced_seen = gen.replaced
-                alive = {(p.pid, p.started) for p in family if p.state != "Z"}
+                alive = {(p.pid, p.started) for p in _proc_table().values() if p.state != "Z"}
                 gen.seen = {p for p in gen.seen if (p.pid, p.started) in alive}
                 gen.rank_exited_at = None
             if gen.rank_exited_at is None and not gen.requested_stop and _worker_gone(gen.seen, family, gen.pid):
