@@ -41,6 +41,7 @@ from agents.protocol.agent import (
     DrainAck,
     DrainPayload,
     ExitReport,
+    GpuSample,
     HealthCheckPayload,
     HealthReport,
     Heartbeat,
@@ -88,6 +89,8 @@ class Agent:
         self.samples_taken = 0
         self.credentials: NodeCredentials | None = None
         self.draining = False
+        #: The node failed a health check while sampling: in-process restarts are held for good.
+        self._replacements_held = False
         self._stopping = threading.Event()
         #: Cuts the loop's tick short: an exit report should not wait for the next tick.
         self._wake = threading.Event()
@@ -194,6 +197,7 @@ class Agent:
                 samples = self.collector.sample(creds.node_id)
                 self.outbox.add_samples(samples)
                 self.samples_taken += len(samples)
+                self._hold_replacements_if_unhealthy(samples)
                 samples_due = min(samples_due, now + self.config.telemetry_batch_s)
                 next_sample = now + self.config.telemetry_interval_s
             self.outbox.report_drops()
@@ -281,6 +285,19 @@ class Agent:
         return self._client
 
     # --- commands ------------------------------------------------------------------------------
+
+    def _hold_replacements_if_unhealthy(self, samples: list[GpuSample]) -> None:
+        """In-process restarts need a node that passes its health check: once a sample fails it (an
+        uncorrectable ECC error, a GPU gone, too hot), no rank is replaced here any more
+        (``Supervisor.hold_replacements``, for the agent's life) and a crash ends its generation, so
+        that the control plane moves the job. A node without GPU telemetry has nothing to judge."""
+        if self._replacements_held or not self.source.available or not samples:
+            return
+        report = evaluate(samples, self.thresholds, expected_gpus=len(self.gpus), idle=False)
+        if not report.ok:
+            self._replacements_held = True
+            log.warning("node failed its health check (%s): ranks are no longer replaced in process", report.reason)
+            self.supervisor.hold_replacements(f"health check failed: {report.reason}")
 
     def _check_health(self, *, require_gpu: bool, payload: HealthCheckPayload | None = None) -> HealthReport:
         assert self.credentials is not None

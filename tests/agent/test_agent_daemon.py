@@ -270,9 +270,11 @@ def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, 
                                                             scenario_file: Callable[[str], Path],
                                                             start_agent: Callable[..., Any]) -> None:
     scenario = scenario_file("gpus: 2\nevents: [{at: 200ms, gpu: 1, xid: 79}]\n")
-    start_agent(agent_config(scenario=scenario))
+    running = start_agent(agent_config(scenario=scenario))
     [(event, xid)] = wait_for(lambda: control_plane.events_of("xid"), timeout=20, what="the xid event", interval=POLL_S)
     assert (xid.gpu, xid.code) == (1, 79)
+    # No rank of this node is replaced in process any more: a crash here ends its generation.
+    assert "Xid 79" in (running.agent.supervisor._held or "")
     wait_for(lambda: any(s["gpu"] == 1 and s["recent_xid_codes"] == [79] for s in control_plane.samples),
              timeout=10, what="a sample carrying the Xid", interval=POLL_S)
     port = control_plane.registrations[0].probe_port
@@ -283,6 +285,16 @@ def test_xid_is_reported_at_once_and_fails_the_health_check(control_plane: Any, 
                              timeout=20, what="the health report", interval=POLL_S)
     assert not report.ok and "critical Xid 79" in report.reason
     assert [b.ok for b in report.bandwidth] == [True]
+
+
+def test_a_sample_that_fails_the_health_check_holds_in_process_restarts(
+        control_plane: Any, agent_config: Callable[..., Any], scenario_file: Callable[[str], Path],
+        start_agent: Callable[..., Any]) -> None:
+    scenario = scenario_file("gpus: 2\nevents: [{at: 300ms, gpu: 0, ecc_uncorrected_volatile: 2}]\n")
+    running = start_agent(agent_config(scenario=scenario))
+    wait_for(lambda: control_plane.samples, timeout=20, what="a first sample", interval=POLL_S)
+    held = wait_for(lambda: running.agent.supervisor._held, timeout=20, what="replacements held", interval=POLL_S)
+    assert held.startswith("health check failed") and "GPU 0" in held
 
 
 def test_launch_then_stale_ack_stops_the_generation(control_plane: Any, agent_config: Callable[..., Any],
