@@ -398,19 +398,12 @@ def bootstrap_token() -> str:
 
 
 def forked_worker(client_pid: int) -> int | None:
-    """The worker the zygote forked for the warm client ``client_pid`` (``agents.supervisor.zygote``:
-    the client names the zygote's socket on its command line, and the zygote records which worker
-    each client stands for beside it); None for a client that started its rank cold."""
-    from agents.supervisor.zygote import worker_pids
+    """The worker the zygote forked for the warm client ``client_pid`` (``tests.e2e.cluster.worker_of``);
+    None for a client that started its rank cold (it is the rank itself)."""
+    from tests.e2e.cluster import worker_of
 
-    try:
-        argv = Path(f"/proc/{client_pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    at = next((i for i, arg in enumerate(argv) if arg.endswith(b"warm_client.py")), None)
-    if at is None or at + 1 >= len(argv):
-        return None
-    return worker_pids(Path(argv[at + 1].decode(errors="replace")).parent).get(client_pid)
+    worker = worker_of(client_pid)
+    return worker if worker != client_pid else None
 
 
 def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None, *, snapshot_every: int = 0,
