@@ -89,8 +89,6 @@ class Agent:
         self.samples_taken = 0
         self.credentials: NodeCredentials | None = None
         self.draining = False
-        #: The node failed a health check while sampling: in-process restarts are held for good.
-        self._replacements_held = False
         self._stopping = threading.Event()
         #: Cuts the loop's tick short: an exit report should not wait for the next tick.
         self._wake = threading.Event()
@@ -291,11 +289,10 @@ class Agent:
         uncorrectable ECC error, a GPU gone, too hot), no rank is replaced here any more
         (``Supervisor.hold_replacements``, for the agent's life) and a crash ends its generation, so
         that the control plane moves the job. A node without GPU telemetry has nothing to judge."""
-        if self._replacements_held or not self.source.available or not samples:
+        if self.supervisor.replacements_held or not self.source.available or not samples:
             return
         report = evaluate(samples, self.thresholds, expected_gpus=len(self.gpus), idle=False)
         if not report.ok:
-            self._replacements_held = True
             log.warning("node failed its health check (%s): ranks are no longer replaced in process", report.reason)
             self.supervisor.hold_replacements(f"health check failed: {report.reason}")
 

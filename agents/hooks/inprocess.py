@@ -55,10 +55,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from agents.protocol.agent import INPROCESS_RESTARTS_ENV
+
 log = logging.getLogger("nightwatch.hooks")
 
 #: How many times a rank slot may be replaced in process within one generation (0 or unset: off).
-ENV_RESTARTS = "NIGHTWATCH_INPROCESS_RESTARTS"
+ENV_RESTARTS = INPROCESS_RESTARTS_ENV
 #: Set by the warm client on a replacement: how many replacements this rank slot has had.
 ENV_REPLACEMENT = "NIGHTWATCH_INPROCESS_REPLACEMENT"
 #: How long a round may take to form (every rank arrived) before the ranks give up on it.

@@ -73,6 +73,8 @@ MAX_MODULE = 200
 MAX_SNAPSHOT_EVERY = 10_000
 #: A job's ``restart_policy.inprocess_restarts`` and the launch's: per rank slot and generation.
 MAX_INPROCESS_RESTARTS = 100
+#: The variable that carries it to the ranks (read by ``agents.hooks.inprocess`` and the warm client).
+INPROCESS_RESTARTS_ENV = "NIGHTWATCH_INPROCESS_RESTARTS"
 
 COMMAND_KINDS = ("launch", "stop", "drain", "health_check")
 ACK_STATUSES = ("done", "refused", "failed")
@@ -467,7 +469,7 @@ def inprocess_environment(payload: LaunchPayload) -> dict[str, str]:
     when it dies). Only for a supervisor whose ranks are forked warm, which can replace one."""
     if not payload.inprocess_restarts:
         return {}
-    return {"NIGHTWATCH_INPROCESS_RESTARTS": str(payload.inprocess_restarts)}
+    return {INPROCESS_RESTARTS_ENV: str(payload.inprocess_restarts)}
 
 
 def validate_launch(payload: LaunchPayload) -> None:

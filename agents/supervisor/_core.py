@@ -18,6 +18,7 @@ from typing import Any
 
 from agents.protocol import ProtocolError, dump
 from agents.protocol.agent import (
+    INPROCESS_RESTARTS_ENV,
     MAX_LOG_LINE,
     ExitReport,
     LaunchedDetail,
@@ -45,11 +46,11 @@ def _cold_environment(env: dict[str, str], job: str, generation: int) -> dict[st
     """``env`` for a generation that starts cold (no warm launcher ready: two launches on this node
     within ``WARM_RESPAWN_DELAY_S``): without a zygote no rank can be replaced, so its ranks are told
     of no in-process restarts and torchrun's store is theirs as for any cold start."""
-    if "NIGHTWATCH_INPROCESS_RESTARTS" not in env:
+    if INPROCESS_RESTARTS_ENV not in env:
         return env
     log.warning("job %s generation %d starts cold (no warm launcher ready): no in-process restarts in it; "
                 "a crash restarts the whole generation", job, generation)
-    return {**{k: v for k, v in env.items() if k != "NIGHTWATCH_INPROCESS_RESTARTS"}, **_TORCHRUN_ENV}
+    return {**{k: v for k, v in env.items() if k != INPROCESS_RESTARTS_ENV}, **_TORCHRUN_ENV}
 
 
 def _hold(zygote_dir: Path | None, reason: str) -> None:
@@ -137,6 +138,10 @@ class Supervisor:
         self._records_dir.mkdir(exist_ok=True)
         if self._warm_enabled:
             self._start_warm()
+
+    @property
+    def replacements_held(self) -> bool:
+        return self._held is not None
 
     def hold_replacements(self, reason: str) -> None:
         """No rank of this node is replaced in process from now on (``warm_client``: the hold file

@@ -53,6 +53,8 @@ CRASH_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, 
 HOLD_FILE = "hold"
 #: How the client's line about a replacement begins: the supervisor reads it from torchrun's log.
 REPLACEMENT_LINE = "nightwatch warm worker: replacing rank "
+#: The names ``agents.protocol.agent`` and ``agents.hooks.inprocess`` use: this script imports nothing
+#: of the package (it must start in milliseconds), so it spells them out.
 RESTARTS_ENV = "NIGHTWATCH_INPROCESS_RESTARTS"
 REPLACEMENT_ENV = "NIGHTWATCH_INPROCESS_REPLACEMENT"
 

@@ -438,3 +438,11 @@ def test_a_generation_that_starts_cold_is_told_of_no_in_process_restarts() -> No
     assert cold == {"RANKS": "2", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     plain = {"RANKS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     assert _cold_environment(plain, "job", 4) is plain
+
+
+def test_the_client_spells_the_variables_as_the_package_does() -> None:
+    from agents.hooks import inprocess
+    from agents.protocol.agent import INPROCESS_RESTARTS_ENV
+
+    assert warm_client.RESTARTS_ENV == INPROCESS_RESTARTS_ENV == inprocess.ENV_RESTARTS
+    assert warm_client.REPLACEMENT_ENV == inprocess.ENV_REPLACEMENT
