@@ -38,17 +38,19 @@ class Record:
     attempt: int
     ids: tuple[int, ...]
     round: int = 0  # of in-process restarts within the attempt
+    restored: str | None = None  # on a run's (or round's) first line: the checkpoint or snapshot it resumed from
 
     @classmethod
     def parse(cls, seen: float, line: Mapping) -> Record:
         return cls(seen, int(line["step"]), int(line["rank"]), int(line.get("attempt", 0)), tuple(line["ids"]),
-                   int(line.get("round", 0)))
+                   int(line.get("round", 0)), line.get("restored"))
 
 
 @dataclass(frozen=True)
 class SegmentStart:
     seen: float
     step: int  # its first step: it resumed from the checkpoint of step - 1
+    restored: str | None = None  # the checkpoint or snapshot directory, where the script names it
 
 
 @dataclass
@@ -140,7 +142,7 @@ def account(records: Iterable[Record], *, wall_s: float, position: Mapping[int, 
     steady = [g for g in gaps if g is not None]
     median_step = statistics.median(steady) if steady else None
     productive = sum(gaps[i] if gaps[i] is not None else (median_step or 0.0) for i in kept.get(0, []))
-    starts = [SegmentStart(r.seen, r.step) for r, g in zip(zero, gaps, strict=True) if g is None]
+    starts = [SegmentStart(r.seen, r.step, r.restored) for r, g in zip(zero, gaps, strict=True) if g is None]
     return Ledger(wall_s=wall_s, productive_s=productive, steps_trained=len(zero), steps_surviving=len(kept.get(0, [])),
                   median_step_s=median_step, trained_twice=twice, skipped=skipped, segment_starts=starts)
 

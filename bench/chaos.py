@@ -508,18 +508,17 @@ def summarise_side(side: Side, records: list[Record], duration_s: float) -> dict
     ledger = account(records, wall_s=duration_s, position=positions)
     extra = side.findings()
     starts = [(s.seen - side.t0, s.step) for s in ledger.segment_starts]
+    corrupt_loaded = corrupt_loads(side, ledger.segment_starts)
     detections = sorted(extra["detections"])  # (s after start, what noticed it)
     faults = sorted(side.injected, key=lambda e: e["at_s"])
     for fault in faults:
         fired = fault.get("order", {}).get("fired_at") if fault["kind"] == F.NAN else None
         fault["effective_at_s"] = fired or fault["at_s"]
     attribute(faults, detections, starts, duration_s)
-    corrupt_loaded, naive_loaded = [], []
-    for t, step in starts[1:]:
+    naive_loaded = []
+    for t, _ in starts[1:]:
         seen = side.t0 + t
         earlier = [c for c in side.corrupted if c["at"] < seen]
-        if any(c["step"] == step - 1 for c in earlier):
-            corrupt_loaded.append({"at_s": round(t, 2), "step": step - 1})
         newest = max((c for c in side.commits.items() if c[1]["committed_at"] < seen),
                      key=lambda c: c[1]["committed_at"], default=None)
         if newest and any(c["path"] == newest[0] for c in earlier):
@@ -546,6 +545,26 @@ def summarise_side(side: Side, records: list[Record], duration_s: float) -> dict
             "corrupted": [{k: v for k, v in c.items() if k != "at"} for c in side.corrupted],
             "human_interventions_count": len(extra.get("human_interventions", [])),
             "segment_starts": [[round(t, 2), s] for t, s in starts], "timeline": thin(steps), **extra}
+
+
+def corrupt_loads(side: Side, starts: list) -> list[dict]:
+    """The resumes that loaded a checkpoint directory corrupted before them. The script names what
+    each run or round restored in its first sample line (``restored``): a corrupted directory there
+    is a corrupt load. An in-memory snapshot of the same step is not: it has its own hashes, and an
+    in-process restart, or a pause that saved a checkpoint at the step its snapshot holds, resumes
+    from it with the disk copy of that step corrupted. A start the script named nothing for (a
+    script without the field) is judged by its step, as before: one past a corrupted checkpoint's."""
+    loads = []
+    for start in starts[1:]:
+        earlier = [c for c in side.corrupted if c["at"] < start.seen]
+        if start.restored is not None:
+            hit = any(Path(start.restored).resolve() == Path(c["path"]).resolve() for c in earlier)
+        else:
+            hit = any(c["step"] == start.step - 1 for c in earlier)
+        if hit:
+            loads.append({"at_s": round(start.seen - side.t0, 2), "step": start.step - 1,
+                          "restored": start.restored})
+    return loads
 
 
 #: What each fault should be noticed as: Nightwatch's incident kinds, plain torchrun's failed worker.

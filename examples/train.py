@@ -164,6 +164,7 @@ def train(args: argparse.Namespace) -> None:
                ckpt_dir=args.ckpt_dir, checkpoint_every=args.ckpt_every, config=config, seed=args.seed,
                max_grad_norm=args.max_grad_norm, guards=guards, async_save=not args.sync_save,
                tokens_per_sample=args.seq_len, snapshot_every=args.snapshot_every)
+    restored = nw.resumed_from  # named in the first sample line of the run (or round): what it resumed from
     with nw:
         for batch in nw.batches(max_steps=args.steps):  # hooks 2/3
             step = nw.step_count + 1
@@ -182,6 +183,8 @@ def train(args: argparse.Namespace) -> None:
                 record = {"step": step, "rank": rank, "world_size": nw.topology.world_size,
                           "attempt": nw.topology.restart_count, "round": inprocess.round_number(),
                           "ids": batch["id"].tolist()}
+                if restored is not None:
+                    record["restored"], restored = restored, None
                 sample_log.write(json.dumps(record) + "\n")
                 sample_log.flush()
 

@@ -8,6 +8,7 @@
     a launch not yet acknowledged ─▶ expire_one_progress_deadline: the last ack + start-up allowance
     an agent found a rank gone ─▶ expire_one_progress_deadline: the notice + RANK_GONE_WAIT_S
     the hooks said the loop is done ─▶ expire_one_progress_deadline: the word + RUN_ENDING_WAIT_S
+    none of its nodes heard from either ─▶ expire_one_progress_deadline: their heartbeat deadline
     deadline passed ─▶ expire_one_progress_deadline: a hang, for the orchestrator and the policy
 
 The progress timeout (``progress_timeout_s``) is the one rule for all of them, taken from the job's
@@ -48,6 +49,17 @@ save the final checkpoint and flush, and the ranks exit seconds later; they say 
 (``agents.hooks.api.Hooks``), and the sweep waits for the end (``_await_run_end``). Those two let the
 floor come down from 8 s to 2 s.
 
+No progress is evidence of a hang only while the job's nodes are heard from. When none of the
+generation's nodes has got a heartbeat through for ``silence.QUIET_INTERVALS`` heartbeat intervals
+either, the reports are stuck with the heartbeats: our ingress is down (a redeploy, the API's
+process gone) or the nodes are cut off, and the heartbeat rules own that verdict (the fleet-silence
+hold, or unreachable and the partition policy). The fleet-wide hold cannot cover a small fleet: its
+nodes' heartbeat deadlines (15 s) run out after a fast job's progress deadline (2-10 s), and the
+chaos run's 30 s outage of the API declared a training job hung. So the deadline waits for the
+nodes' newest heartbeat deadline (``_await_node_contact``); by then their heartbeats and the
+buffered steps have arrived, or the heartbeat sweep has spoken. A hung job's agents keep beating,
+and one silent node of several does not defer the verdict.
+
 A generation has not started until every node has its launch: under overload a node's heartbeats,
 which fetch its commands, may be refused for minutes (bench.fleet at 1,024 nodes: 12 of 23 jobs
 declared hung while starting, their launches still pending, then paused when their stops could not
@@ -73,7 +85,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Max, Q, Value
+from django.db.models import Count, Max, Q, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -89,6 +101,7 @@ from jobs.steps import recent_step_seconds
 from nodes.choices import CommandKind, CommandState
 from nodes.models import AgentEventRecord, NodeCommand
 from nodes.services import overload, silence
+from nodes.services.fleet import heartbeat_interval_s
 
 #: A generation whose ranks report no step for this long (when the policy sets no timeout and
 #: there is no step history yet) is considered hung.
@@ -407,6 +420,24 @@ def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
     return moved
 
 
+def _await_node_contact(job: Job, now: datetime) -> bool:
+    """Whether ``job``, past its deadline, is one none of whose generation's nodes got a heartbeat
+    through for ``silence.QUIET_INTERVALS`` heartbeat intervals; if so its deadline moves to the
+    newest of their heartbeat deadlines (at least one interval on): the heartbeat rules speak
+    first. Not deferred: a generation without nodes or never heard from, and one whose nodes the
+    heartbeat sweep has already judged (marked unreachable, so no deadline is left to wait for)."""
+    interval = timedelta(seconds=heartbeat_interval_s())
+    heard = (Generation.objects.filter(job=job, number=job.generation)
+             .aggregate(count=Count("nodes"), last=Max("nodes__last_heartbeat_at"),
+                        deadline=Max("nodes__heartbeat_deadline")))
+    if (not heard["count"] or heard["last"] is None or heard["deadline"] is None
+            or now - heard["last"] < silence.QUIET_INTERVALS * interval):
+        return False
+    waited_until = max(heard["deadline"], now + interval)
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    return True
+
+
 def expire_one_progress_deadline() -> bool:
     """The first job past its progress deadline is reported as hung; returns whether one was.
     Nothing is while the fleet is silent or the control plane answers heartbeats late: the reports
@@ -421,7 +452,7 @@ def expire_one_progress_deadline() -> bool:
     if job is None:
         return False
     if (_spare_refused(job, now) or _await_launches(job, now) or _await_exit_report(job, now)
-            or _await_run_end(job, now)):
+            or _await_run_end(job, now) or _await_node_contact(job, now)):
         return True
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
                             fault_at=hang_fault_time(job),

@@ -189,3 +189,35 @@ def test_a_crash_after_a_later_kill_belongs_to_the_kill_not_to_an_unnoticed_earl
     attribute(faults, [(91.8, "crash")], [(20.0, 1)], 180.0)
     assert "detection_s" not in faults[0]
     assert faults[1]["detection_s"] == 0.3
+
+
+# --- corrupt loads -------------------------------------------------------------------------------
+
+def test_a_corrupt_load_is_judged_by_what_the_run_restored_not_by_its_step():
+    """The 30-minute in-process run counted a corrupt load: most likely a snapshot of the step whose
+    disk checkpoint the fault had corrupted (a pause saves a checkpoint at the step its snapshot
+    holds). The script names what it restored; only the corrupted directory is a corrupt load."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from bench._goodput import SegmentStart
+    from bench.chaos import corrupt_loads
+
+    side = SimpleNamespace(t0=1000.0, corrupted=[{"path": "/ckpt/step-00000500-g1-ab", "step": 500, "at": 1010.0}])
+    first = SegmentStart(1001.0, 1, None)
+    snapshot = SegmentStart(1020.0, 501, "/dev/shm/nightwatch/job/own/step-00000500-g1")
+    disk = dataclasses.replace(snapshot, restored="/ckpt/step-00000500-g1-ab")
+    unnamed = dataclasses.replace(snapshot, restored=None)
+    assert corrupt_loads(side, [first, snapshot]) == []
+    assert corrupt_loads(side, [first, disk]) == [{"at_s": 20.0, "step": 500, "restored": disk.restored}]
+    assert [c["step"] for c in corrupt_loads(side, [first, unnamed])] == [500]  # a script that names nothing
+    before = dataclasses.replace(disk, seen=1005.0)  # loaded before the fault corrupted it
+    assert corrupt_loads(side, [first, before]) == []
+
+
+def test_the_first_line_of_a_round_carries_what_it_restored_into_the_ledger():
+    rows = [Record(float(i), i, 0, 0, (100 + i,), 0) for i in range(1, 5)]
+    rows += [Record(20.0, 4, 0, 0, (104,), 1, "/snap/step-3"), Record(21.0, 5, 0, 0, (105,), 1)]
+    ledger = account(rows, wall_s=30.0, position={100 + i: i for i in range(10)})
+    assert [(s.step, s.restored) for s in ledger.segment_starts] == [(1, None), (4, "/snap/step-3")]
+    assert Record.parse(1.0, {"step": 2, "rank": 0, "ids": [1], "restored": "/x"}).restored == "/x"

@@ -22,6 +22,7 @@ from jobs import ingest, progress
 from jobs.api.serializers import RecoveryPolicySerializer
 from jobs.choices import JobState
 from jobs.models import Generation, Incident, Job
+from nodes.models import Node
 from nodes.services import ingest as node_ingest
 
 #: A day ahead of the real clock, in whole seconds: the ``job`` fixture's generation starts at the real
@@ -364,3 +365,77 @@ def test_a_generation_whose_launch_has_not_reached_every_node_is_not_hung_while_
         clock.shift(30)
         assert progress.expire_one_progress_deadline()
         assert Incident.objects.get(job=job).evidence["signal"] == "hang"  # no first step after all
+
+
+# --- no progress while the job's nodes are silent too: the heartbeat rules speak first ----------
+
+def beat(node, seq):
+    """``node``'s agent heartbeats now, through the real service."""
+    from nodes.services import fleet
+
+    fleet.record_heartbeat(node, wire.Heartbeat(node_id=node.hostname, seq=seq, time=timezone.now().timestamp()))
+
+
+@pytest.mark.django_db
+def test_steps_that_stop_with_the_nodes_heartbeats_wait_for_the_heartbeat_verdict(cast, job):
+    """The chaos run's 30 s outage of the API: a 2-node fleet is too small for the fleet-silence hold
+    to engage before a fast job's progress deadline, and the job was declared hung. While none of
+    its nodes gets a heartbeat through either, the deadline waits for theirs; the buffered steps that
+    arrive with contact move it on, and no incident is opened."""
+    from nodes.services import sweeper
+    from nodes.services.fleet import heartbeat_interval_s
+
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(cast.node1, 1)
+        train(job, clock, 30)
+        outage = timezone.now()
+        heartbeat_deadline = Node.objects.get(pk=cast.node1.pk).heartbeat_deadline
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S)
+        # Past the progress deadline, but the node was heard from within 1.5 intervals: not deferred yet.
+        # (The ingress is down for the agent too, so neither the node nor the job is heard of.)
+        assert timezone.now() - outage < timedelta(seconds=1.5 * heartbeat_interval_s())
+        clock.shift(1.5 * heartbeat_interval_s())
+        assert progress.expire_one_progress_deadline()  # handled: deferred
+        assert not Incident.objects.exists()
+        deferred_to = Job.objects.get(pk=job.pk).progress_deadline
+        assert deferred_to == max(heartbeat_deadline, timezone.now() + timedelta(seconds=heartbeat_interval_s()))
+        assert not sweeper.expire_heartbeats()  # the node's own deadline has not passed either
+
+        clock.shift(3)  # contact: the agent's heartbeat and the hooks' buffered steps arrive
+        beat(cast.node1, 2)
+        train(job, clock, 5, first=31)
+        assert not progress.expire_one_progress_deadline()
+        assert not Incident.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_job_whose_agents_keep_beating_is_hung_on_time(cast, job):
+    """Heard-from nodes: no progress is a hang, within the timeout of the last step as before."""
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(cast.node1, 1)
+        train(job, clock, 30)
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S)
+        beat(cast.node1, 2)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+@pytest.mark.django_db
+def test_once_the_heartbeat_sweep_has_judged_the_silent_node_the_hang_rules_apply_again(cast, job):
+    """The deferral lasts until the node's own heartbeat deadline, not for ever: a node marked
+    unreachable has none left to wait for."""
+    from nodes.services import sweeper
+
+    with time_machine.travel(T0, tick=False) as clock:
+        beat(cast.node1, 1)
+        train(job, clock, 30)
+        heartbeat_deadline = Node.objects.get(pk=cast.node1.pk).heartbeat_deadline
+        clock.shift(10)
+        assert progress.expire_one_progress_deadline() and not Incident.objects.exists()
+        clock.move_to(heartbeat_deadline + timedelta(seconds=0.5))
+        assert sweeper.expire_heartbeats() == 1
+        assert Node.objects.get(pk=cast.node1.pk).health == "unreachable"
+        # (The partition policy's task would act on the job too; the hang sweep no longer waits for it.)
+        clock.move_to(Job.objects.get(pk=job.pk).progress_deadline + timedelta(seconds=0.1))
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
