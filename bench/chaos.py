@@ -154,8 +154,7 @@ class Side:
             pid = self.running_rank(fault.rank, deadline)
             if pid is None:
                 return {"applied": False, "note": "no running rank within 30 s"}
-            if fault.kind == F.RANK_KILL:
-                pid = self.worker(pid)
+            pid = self.worker(pid)  # a hang stops the process that trains, as a kill kills it
             at = time.time()
             os.kill(pid, signal.SIGKILL if fault.kind == F.RANK_KILL else signal.SIGSTOP)
             return {"applied": True, "at_s": round(at - self.t0, 3), "pid": pid}
@@ -189,7 +188,8 @@ class Side:
 
     def worker(self, pid: int) -> int:
         """The process that trains for the rank ``ranks()`` named (see ``tests.e2e.cluster.worker_of``):
-        a SIGKILL, like the OOM killer's, goes to it, not to a warm client standing for it."""
+        a SIGKILL, like the OOM killer's, or a SIGSTOP goes to it, not to a warm client standing for
+        it (stopping a client, which only waits, hangs nothing)."""
         return pid
 
     def records(self) -> list[Record]:

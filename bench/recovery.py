@@ -47,7 +47,9 @@ first sample line written after the fault with ``round`` >= 1; the incident is t
 plane records with decision ``restart_in_process`` (None when it does not come within 15 s), and the
 figures of a relaunch (relaunch, torchrun spawn, the next generation's first step) are None. The
 metric's target becomes issue 20's for in-process recovery, 0.5 x plain torchrun, with at most 1
-lost step per failure. The hang keeps its path (the control plane stops the generation and relaunches).
+lost step per failure. The hang SIGSTOPs that forked worker too: the agent kills a worker stopped for
+``STOPPED_WORKER_KILL_S`` (1 s) and it is replaced the same way (a hang incident, ``restart_in_process``);
+its detection is the incident's, when the agent killed it.
 
     python -m bench.recovery [--quick] [--runs N] [--hang-window S] [--progress-timeout S]
                              [--snapshot-every N] [--warm-workers] [--inprocess N] [--heartbeat-s S]
@@ -445,18 +447,24 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
         checkpoint = wait_for(lambda: Checkpoint.objects.filter(job_id=job_id, state="verified", step__gte=CKPT_EVERY)
                                 .order_by("-step").first(), timeout=60, what="a verified checkpoint")
         victim = wait_for(lambda: rank_pids(job_id, 1, cluster.tmp).get(1), timeout=10, what="rank 1")
-        if inprocess and kind == "crash":
+        if inprocess:
             # The crash a warm client replaces is its worker's (the OOM killer's SIGKILL, a segfault):
-            # the client itself, killed, takes its worker down and torchrun the generation.
+            # the client itself, killed, takes its worker down and torchrun the generation. A hang
+            # stops the worker too (a stopped client, which only waits, hangs nothing); the agent
+            # kills a worker stopped for STOPPED_WORKER_KILL_S and it is replaced the same way.
             client = victim
             victim = wait_for(lambda: forked_worker(client), timeout=10,
                               what=f"rank 1's forked worker (none: job {job_id} was launched cold, see the agent's "
                                    "'torchrun started (cold)' line; its ranks cannot be replaced in process)")
             others[victim] = (process_start(victim) or (0.0, 0))[0]
             fault_at = time.time()
-            os.kill(victim, signal.SIGKILL)
-            return {**inprocess_crash(job_id, tail, fault_at, client, victim, checkpoint.step, others),
-                    "snapshot_every": snapshot_every, "inprocess_restarts": inprocess}
+            os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
+            measured = inprocess_recovery(kind, job_id, tail, fault_at, client, victim, checkpoint.step, others)
+            rhythm = hang_rhythm(Job.objects.get(pk=job_id)) if kind == "hang" else {}
+            within = (measured["detection_s"] is not None and measured["detection_s"] <= rhythm["target_s"]
+                      if rhythm else None)
+            return {**rhythm, **measured, "within_target": within, "snapshot_every": snapshot_every,
+                    "inprocess_restarts": inprocess}
         fault_at = time.time()
         os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
 
@@ -533,10 +541,11 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
 INPROCESS_INCIDENT_WAIT_S = 15.0
 
 
-def inprocess_crash(job_id: int, tail: Tail, fault_at: float, client: int, victim: int, checkpoint_step: int,
-                    others: dict[int, float]) -> dict:
-    """A crash (rank 1's forked worker SIGKILLed at ``fault_at``) that the job's in-process restarts
-    should absorb: its warm client asks the zygote for a replacement and the surviving rank forms
+def inprocess_recovery(kind: str, job_id: int, tail: Tail, fault_at: float, client: int, victim: int,
+                       checkpoint_step: int, others: dict[int, float]) -> dict:
+    """A crash (rank 1's forked worker SIGKILLed at ``fault_at``), or a hang (that worker SIGSTOPped,
+    which the agent kills after ``agents.supervisor.STOPPED_WORKER_KILL_S``), that the job's in-process
+    restarts should absorb: its warm client asks the zygote for a replacement and the surviving rank forms
     round 1 of the process group with it, in generation 1 (``agents.hooks.inprocess``). Recovery is
     the first sample line written after the fault by a round >= 1; the incident is the one the
     control plane records as ``restart_in_process`` (None if none came within
@@ -556,7 +565,7 @@ def inprocess_crash(job_id: int, tail: Tail, fault_at: float, client: int, victi
     outcome = wait_for(resumed_or_relaunched, timeout=120, what=f"job {job_id}'s round 1 to train a step")
     if outcome == "relaunched":
         incidents = [f"{i.kind}:{i.decision}" for i in Incident.objects.filter(job_id=job_id)]
-        raise RuntimeError(f"job {job_id}: the crash was not absorbed in process; the control plane relaunched "
+        raise RuntimeError(f"job {job_id}: the {kind} was not absorbed in process; the control plane relaunched "
                            f"it (generation 2; incidents {incidents}). Is the rank's warm client replacing "
                            "its worker (torchrun.log: 'nightwatch warm worker: replacing rank')?")
     first = outcome
@@ -584,7 +593,7 @@ def inprocess_crash(job_id: int, tail: Tail, fault_at: float, client: int, victi
     failed_at = evidence.get("failed_at") if isinstance(evidence.get("failed_at"), int | float) else None
     generation = Generation.objects.filter(job_id=job_id).order_by("-number").values_list("number", flat=True).first()
     return {
-        "system": "nightwatch", "fault": "crash", "mode": "in_process",
+        "system": "nightwatch", "fault": kind, "mode": "in_process",
         "incident": incident.kind if incident else None, "decision": incident.decision if incident else None,
         "incidents": incidents, "incident_waited_s": INPROCESS_INCIDENT_WAIT_S,
         "checkpoint_step": checkpoint_step, "detected": incident is not None,

@@ -8,6 +8,11 @@ from (``jobs.goodput``), and the node blamed like any crash's. Its evidence come
 witnesses: the agent's ``rank_gone`` notice (the node, and when the agent saw the rank die) and the
 hooks' ``resumed`` event of the next round (the step restored, the round, when the survivors saw
 their collective break).
+
+A rank the agent found stopped (state T) and killed so that it would be replaced
+(``agents.supervisor.STOPPED_WORKER_KILL_S``; its notice carries ``stopped_s``) was hung, not
+crashed: a hang incident, dated from when the agent first saw it stopped and detected when it
+killed it.
 """
 
 from __future__ import annotations
@@ -65,17 +70,25 @@ def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
     restored = event.step
     reached = max(_reached(job, event) or 0, restored)
     round_number = int(detail.get("round") or 0)
-    reason = (f"a rank {'on ' + host + ' ' if host else ''}crashed and was replaced in process: round "
-              f"{round_number} of the process group resumed from step {restored}")
+    stopped_s = _stopped_s(notice)
+    where = f"on {host} " if host else ""
+    what = (f"was stopped (hung) for {stopped_s:.1f} s, killed by its agent," if stopped_s is not None
+            else "crashed and")
+    reason = (f"a rank {where}{what} was replaced in process: round {round_number} of the process group "
+              f"resumed from step {restored}")
+    detected_at = min(failed_at or event.reported_at, event.reported_at)
+    if stopped_s is not None and fault_at is not None:  # found when the agent gave up on it
+        detected_at = min(fault_at + timedelta(seconds=stopped_s), event.reported_at)
     incident = Incident.objects.create(
         job=job, generation=Generation.objects.filter(job=job, number=event.generation).first(),
-        kind=IncidentKind.CRASH, classification=clip(reason, 200), decision=Decision.RESTART_IN_PROCESS,
+        kind=IncidentKind.HANG if stopped_s is not None else IncidentKind.CRASH, classification=clip(reason, 200),
+        decision=Decision.RESTART_IN_PROCESS,
         state=IncidentState.RESOLVED,
         evidence=clean_json({"signal": "in_process_restart", "nodes": [host] if host else [],
                              "resumed_event": event.pk, "in_process": detail,
                              "rank_gone": notice.detail if notice else None,
                              "rank_gone_notice": notice.pk if notice else None, "reason": reason}),
-        fault_at=fault_at, detected_at=min(failed_at or event.reported_at, event.reported_at),
+        fault_at=fault_at, detected_at=detected_at,
         quiesced_at=failed_at, relaunched_at=event.reported_at, first_step_at=event.reported_at,
         resolved_at=now, lost_steps=max(0, reached - restored))
     if notice is not None:
@@ -116,6 +129,12 @@ def _notice(job: Job, event: TrainingEvent, broke_at: datetime) -> AgentEventRec
 def _died_at(notice: AgentEventRecord) -> datetime:
     """When the agent saw the rank die (its clock); when it sent the notice, lacking that."""
     return _epoch((notice.detail or {}).get("at")) or notice.time
+
+
+def _stopped_s(notice: AgentEventRecord | None) -> float | None:
+    """How long the rank had been stopped when its agent killed it (``RankGone.stopped_s``); None: it died."""
+    value = (notice.detail or {}).get("stopped_s") if notice is not None else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _reached(job: Job, event: TrainingEvent) -> int | None:

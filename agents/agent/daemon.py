@@ -384,14 +384,14 @@ class Agent:
             self._decision_expected_until = time.monotonic() + DECISION_WINDOW_S
         self._wake.set()
 
-    def _on_rank_gone(self, job: str, generation: int, at: float, error_line: str | None) -> None:
+    def _on_rank_gone(self, job: str, generation: int, notice: RankGone) -> None:
         """A rank of a running generation is going down (gone, or its uncaught exception printed):
         tell the control plane now, not only in the exit report that follows once torchrun has
         closed the rest of the group (seconds later), so that it waits for that report instead of
         taking the silence for a hang. Keyed per death (the supervisor tells of one once; a rank
         replaced in process may die again in the same generation)."""
-        self.outbox.add_event("rank_gone", RankGone(at=at, error_line=error_line), job=job, generation=generation,
-                              key=f"rank_gone:{job}:{generation}:{at:.3f}")
+        self.outbox.add_event("rank_gone", notice, job=job, generation=generation,
+                              key=f"rank_gone:{job}:{generation}:{notice.at:.3f}")
         self._wake.set()
 
     # --- shutdown ------------------------------------------------------------------------------

@@ -654,6 +654,10 @@ class RankGone:
     at: float = field(min=0, max=MAX_TIME)
     #: That line (``[rank0]: RuntimeError: ...`` without the prefix); None: a worker found gone.
     error_line: str | None = field(default=None, max_len=MAX_LOG_LINE)
+    #: The agent killed the rank's worker because it had been stopped (state T) this many seconds: a
+    #: hung rank, replaced in process (``agents.supervisor``, ``STOPPED_WORKER_KILL_S``); ``at`` is
+    #: when it was first seen stopped. None: the rank died on its own.
+    stopped_s: float | None = field(default=None, min=0, max=MAX_TIME)
 
 
 @dataclass(frozen=True)

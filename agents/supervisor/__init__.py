@@ -33,11 +33,12 @@ The package, along its seams: ``output`` reads torchrun's output and classifies 
 on-disk record, ``launch`` what a launch runs, and ``_core`` the ``Supervisor`` itself.
 """
 
-from agents.supervisor._core import WARM_RESPAWN_DELAY_S, StaleGeneration, Supervisor
+from agents.supervisor._core import STOPPED_WORKER_KILL_S, WARM_RESPAWN_DELAY_S, StaleGeneration, Supervisor
 from agents.supervisor.launch import DEFAULT_TORCHRUN
 from agents.supervisor.output import OutputScan, attach_xids, classify_exit
 
 __all__ = [
+    "STOPPED_WORKER_KILL_S",
     "DEFAULT_TORCHRUN",
     "WARM_RESPAWN_DELAY_S",
     "OutputScan",

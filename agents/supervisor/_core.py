@@ -24,6 +24,7 @@ from agents.protocol.agent import (
     LaunchedDetail,
     LaunchPayload,
     LaunchSpecError,
+    RankGone,
     RunningGeneration,
     inprocess_environment,
     module_files,
@@ -93,6 +94,13 @@ WATCH_TICK_S = 0.25
 LOG_POLL_S = 0.05
 ADOPTED_POLL_S = 0.2
 _READ_CHUNK = 65536
+#: A rank's worker stopped (state T: SIGSTOP, SIGTSTP, a frozen cgroup's old freezer) this long is
+#: hung: it holds its peers in their next collective for as long as it stays stopped. With in-process
+#: restarts it is killed, and its warm client replaces it like a crashed one (the survivors' broken
+#: collective starts the next round), in about a second instead of a progress timeout and a whole
+#: restart. One second: four watch ticks, and no training process stops itself. A process stopped by
+#: a debugger (state t, ptrace) is left alone.
+STOPPED_WORKER_KILL_S = 1.0
 
 
 class Supervisor:
@@ -101,19 +109,20 @@ class Supervisor:
                  log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
                  warm_workers: bool = False,
                  on_output: Callable[[str, int, str], None] | None = None,
-                 on_rank_gone: Callable[[str, int, float, str | None], None] | None = None):
+                 on_rank_gone: Callable[[str, int, RankGone], None] | None = None):
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._on_exit = on_exit
         #: Every line of a generation's output, as it is read: (job, generation, line). The agent
         #: ships them (``agents.agent.logship``); it must not block.
         self._on_output = on_output
-        #: A rank of a running generation is going down: (job, generation, when, error_line). Called
+        #: A rank of a running generation is going down: (job, generation, RankGone). Called
         #: at the first sign, once per generation (twice if two threads see it at that moment:
         #: harmless, the agent keys the notice), from the thread that saw it; it must not block.
         #: The signs: a worker found gone (``rank_exited_at``), or a rank's uncaught exception in the
         #: output (its last line), which can come seconds before the rank exits (atexit handlers,
-        #: threads) and torchrun closes the group.
+        #: threads) and torchrun closes the group; or a stopped worker this supervisor killed
+        #: (``STOPPED_WORKER_KILL_S``).
         self._on_rank_gone = on_rank_gone
         #: Deaths told of (job, generation, ranks replaced in process before it); a few bytes each.
         self._told: set[tuple[str, int, int]] = set()
@@ -268,7 +277,8 @@ class Supervisor:
         launched = LaunchedDetail(pid=proc.pid, log_path=str(log_path), command=command, warm=warm)
         gen = _Generation(job=job, generation=generation, pid=proc.pid, pid_started=started.started, proc=proc,
                           log_path=log_path, launched=launched, started_at=time.time(),
-                          started_monotonic=time.monotonic(), zygote_dir=zygote_dir)
+                          started_monotonic=time.monotonic(), zygote_dir=zygote_dir,
+                          inprocess=bool(payload.inprocess_restarts) and zygote_dir is not None)
         with self._lock:
             self._running[job] = gen
             self._newest[job] = generation
@@ -431,6 +441,7 @@ class Supervisor:
         while not gen.over.wait(WATCH_TICK_S):
             self._refresh_family(gen)
             self._end_doomed_workers(gen)
+            self._kill_stopped_workers(gen)
         if not gen.torchrun_exited():
             log.info("job %s generation %d: torchrun printed its failure table; not waiting for it to exit",
                      gen.job, gen.generation)
@@ -595,7 +606,42 @@ class Supervisor:
                 self._rank_gone(gen, gen.rank_exited_at, None)
             gen.seen |= family
 
-    def _rank_gone(self, gen: _Generation, at: float, error_line: str | None) -> None:
+    def _kill_stopped_workers(self, gen: _Generation) -> None:
+        """Kill the workers of ``gen`` stopped (state T) for ``STOPPED_WORKER_KILL_S``, so that their
+        warm clients replace them in process; told first, as a rank gone with ``stopped_s``. Only
+        for a generation whose ranks are replaced in process, not being stopped, on a node not held:
+        elsewhere a kill would only turn the hang into a crash of the whole generation, which the
+        control plane's hang verdict already restarts."""
+        if not gen.inprocess or gen.zygote_dir is None or gen.requested_stop or self._held is not None:
+            return
+        now = time.time()
+        stopped = {}
+        for pid in worker_pids(gen.zygote_dir).values():
+            proc = _stat(pid)
+            if proc is not None and proc.state == "T":
+                stopped[(pid, proc.started)] = gen.stopped_since.get((pid, proc.started), now)
+        gen.stopped_since = stopped
+        for (pid, started), since in list(stopped.items()):
+            if now - since < STOPPED_WORKER_KILL_S:
+                continue
+            del gen.stopped_since[(pid, started)]
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                proc = _stat(pid)  # the pidfd holds the process: is it still the stopped worker?
+                if proc is None or proc.started != started or proc.state != "T":
+                    continue
+                log.warning("job %s generation %d: rank worker pid %d has been stopped for %.1f s: killing it, "
+                            "to be replaced in process", gen.job, gen.generation, pid, now - since)
+                self._rank_gone(gen, since, None, stopped_s=round(now - since, 3))
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            finally:
+                os.close(pidfd)
+
+    def _rank_gone(self, gen: _Generation, at: float, error_line: str | None, *,
+                   stopped_s: float | None = None) -> None:
         """Say at once that a rank of ``gen`` is going down: torchrun reports it seconds later, once
         it has closed the rest of the group, and a hang sweep must not take that silence for a hang."""
         told = (gen.job, gen.generation, gen.replaced)
@@ -603,7 +649,7 @@ class Supervisor:
             return
         self._told.add(told)
         try:
-            self._on_rank_gone(gen.job, gen.generation, at, error_line)
+            self._on_rank_gone(gen.job, gen.generation, RankGone(at=at, error_line=error_line, stopped_s=stopped_s))
         except Exception:  # the notice is a hint; the exit report still follows
             log.exception("job %s generation %d: the rank-gone callback failed", gen.job, gen.generation)
 

@@ -64,6 +64,10 @@ class _Generation:
     errors_told: int = 0
     #: The private directory of the zygote's socket (warm workers); removed when the generation ends.
     zygote_dir: Path | None = None
+    #: Its ranks are replaced in process (warm workers and a budget): a stopped worker is killed.
+    inprocess: bool = False
+    #: Workers (pid, start time) found stopped (state T), with the wall time each was first seen so.
+    stopped_since: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def torchrun_present(self) -> bool:
         """Whether ``pid`` still names torchrun (running, or a zombie not yet reaped): only then

@@ -225,7 +225,7 @@ def test_a_worker_gone_is_told_at_once_while_torchrun_still_runs(
     launched: list[LaunchedDetail] = []
     sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report),
                      torchrun=[sys.executable, str(fake)],
-                     on_rank_gone=lambda job, gen, at, error: notices.put((job, gen, at, pid_alive(launched[0].pid))))
+                     on_rank_gone=lambda job, gen, gone: notices.put((job, gen, gone.at, pid_alive(launched[0].pid))))
     try:
         launched.append(sup.launch("job", 4, LaunchPayload(script="train.py", workdir=str(tmp_path), nnodes=1,
                                                           nproc_per_node=2, node_rank=0,

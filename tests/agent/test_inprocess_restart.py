@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 
 from agents.hooks.snapshot_store import default_root, job_key
 from agents.protocol.agent import ExitReport, LaunchPayload
-from agents.supervisor import Supervisor, warm_client
+from agents.supervisor import STOPPED_WORKER_KILL_S, Supervisor, warm_client
 from tests.agent.conftest import free_port
 from tests.hooks.conftest import REPO, torchrun
 from tests.hooks.test_exact_resume import assert_same_run
@@ -109,6 +110,27 @@ def test_ranks_restart_in_process_after_a_torn_copy_a_lost_memory_and_a_killed_h
     # generation, maybe one more when the first rank exits at the end of the run).
     assert len(run.notices) in (3, 4) and all(notice[:2] == ("job", 1) for notice in run.notices)
 
+    assert_same_run(tmp_path, uninterrupted, STEPS)
+
+
+def test_a_stopped_rank_is_killed_by_the_agent_and_replaced_in_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: Path) -> None:
+    """A hung rank (SIGSTOPped at step 9) holds its peer in the next collective for ever. The
+    supervisor finds it stopped, tells of it (``stopped_s``), kills it after STOPPED_WORKER_KILL_S,
+    and the replacement resumes the group from the newest whole snapshot, as for a crash; the run
+    ends bit-identical to an uninterrupted one."""
+    started = time.monotonic()
+    run = supervised(tmp_path, monkeypatch, restarts=2, faults="0:stop:1:9")
+    assert run.report.exit_code == 0 and run.report.signature is None, run.log[-4000:]
+    assert "rank 1 stopped at step 9" in run.log
+    assert run.log.count(warm_client.REPLACEMENT_LINE) == 1 and "killed by signal 9" in run.log, run.log[-4000:]
+    resumed = sorted(int(step) for step in re.findall(r"resumed from step (\d+) \(snapshot ", run.log))
+    # The step it stopped in is lost, and the snapshot of step 8 if its copy was in flight (a
+    # stopped rank's snapshot thread stops too): never a torn one.
+    assert resumed in ([8, 8], [7, 7]), run.log[-4000:]
+    stopped = [notice[2] for notice in run.notices if notice[2].stopped_s is not None]
+    assert len(stopped) == 1 and STOPPED_WORKER_KILL_S <= stopped[0].stopped_s < STOPPED_WORKER_KILL_S + 1.0
+    assert time.monotonic() - started < 120
     assert_same_run(tmp_path, uninterrupted, STEPS)
 
 

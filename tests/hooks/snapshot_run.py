@@ -13,6 +13,8 @@ faults drive a run restarted by ``torchrun --max-restarts`` and one whose ranks 
   must fetch its copy from the partner.
 - ``kill``: rank RANK SIGKILLs itself mid-step at step STEP (after backward, before the update),
   whatever the snapshot thread is doing.
+- ``stop``: rank RANK SIGSTOPs itself mid-step at step STEP: a hung rank, which stays stopped until
+  someone kills it (the agent's supervisor does, with in-process restarts on).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def main() -> None:
         if due("kill") == coming:
             print(f"rank {rank} killed at step {coming}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if due("stop") == coming:
+            print(f"rank {rank} stopped at step {coming}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         return original_step(self, loss)
 
     original_replicate = snapshot.Snapshotter._replicate

@@ -87,10 +87,11 @@ def trained(job, clock, first, last):
     return reports
 
 
-def rank_gone(job, node, at):
+def rank_gone(job, node, at, stopped_s=None):
     """The agent of ``node`` says a rank of generation 1 died at ``at`` (keyed per death, as
-    ``Agent._rank_gone`` does), through the agent events' ingest."""
-    notice = wire.RankGone(at=at.timestamp())
+    ``Agent._rank_gone`` does), through the agent events' ingest; with ``stopped_s``, that it found
+    the rank stopped at ``at`` and killed it that much later."""
+    notice = wire.RankGone(at=at.timestamp(), stopped_s=stopped_s)
     batch = parse(wire.EventBatch, {"events": [{"key": f"rank_gone:{job.pk}:1:{notice.at:.3f}", "kind": "rank_gone",
                                                 "time": timezone.now().timestamp(), "job": str(job.pk),
                                                 "generation": 1, "detail": dump(notice)}]})
@@ -171,6 +172,24 @@ def test_an_in_process_restart_is_one_resolved_crash_dated_from_the_rank_gone_no
     assert (second.fault_at, second.first_step_at, second.lost_steps) == (died2, resumed_at2, 20 - 18)
     assert second.decision == Decision.RESTART_IN_PROCESS and second.state == IncidentState.RESOLVED
     assert len(audit(job, EventKind.INCIDENT_OPEN)) == len(audit(job, EventKind.INCIDENT_RESOLVED)) == 2
+
+
+@pytest.mark.django_db
+def test_a_stopped_rank_its_agent_killed_is_a_hang_detected_when_it_was_killed(cast, job, hooks, clock):
+    train(hooks, job, clock, 1, 12)
+    clock.shift(0.05)
+    stopped = timezone.now()  # the agent first saw it stopped
+    clock.shift(1.0)
+    killed = timezone.now()
+    rank_gone(job, cast.node1, stopped, stopped_s=1.0)
+    clock.shift(0.6)
+    hooks(events=[resumed(job, 11, 1, failed_at=killed + timedelta(seconds=0.02))])
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision, incident.state) == (
+        IncidentKind.HANG, Decision.RESTART_IN_PROCESS, IncidentState.RESOLVED)
+    assert (incident.fault_at, incident.detected_at) == (stopped, killed)
+    assert "stopped (hung) for 1.0 s, killed by its agent" in incident.classification
+    assert incident.evidence["rank_gone"]["stopped_s"] == 1.0 and incident.lost_steps == 1
 
 
 @pytest.mark.django_db
