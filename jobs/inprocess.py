@@ -4,7 +4,9 @@ A rank that crashed on a healthy node and was replaced inside its generation
 (``agents.hooks.inprocess``) needs no decision here: the node did the restart before any verdict
 could come, and the generation, the fencing token, is unchanged. What the control plane owes it is
 the record: an incident, resolved at once, with the times and the lost steps goodput is computed
-from (``jobs.goodput``), and the node blamed like any crash's. Its evidence comes from two
+from (``jobs.goodput``), and the node blamed like any crash's: by the crash-lemon rule
+(``jobs.orchestrator.blame_crashes``: crashes of several different jobs on one node), not as
+hardware (``Incident.nodes``), which an exit report's crash does not name either. Its evidence comes from two
 witnesses: the agent's ``rank_gone`` notice (the node, and when the agent saw the rank die) and the
 hooks' ``resumed`` event of the next round (the step restored, the round, when the survivors saw
 their collective break).
@@ -25,8 +27,10 @@ from django.utils import timezone
 
 from core.events import EventKind, record_event
 from core.text import clean_json, clip
+from jobs import policy
 from jobs.choices import Decision, IncidentKind, IncidentState, JobState
 from jobs.models import Generation, Incident, Job, StepMetric, TrainingEvent
+from jobs.orchestrator import blame_crashes
 from nodes.models import AgentEventRecord
 
 #: Where an in-process restart may still be recorded: the generation is live.
@@ -84,21 +88,21 @@ def _open_and_resolve(job: Job, event: TrainingEvent, detail: dict) -> Incident:
         kind=IncidentKind.HANG if stopped_s is not None else IncidentKind.CRASH, classification=clip(reason, 200),
         decision=Decision.RESTART_IN_PROCESS,
         state=IncidentState.RESOLVED,
-        evidence=clean_json({"signal": "in_process_restart", "nodes": [host] if host else [],
+        evidence=clean_json({"signal": policy.IN_PROCESS_RESTART, "nodes": [host] if host else [],
                              "resumed_event": event.pk, "in_process": detail,
                              "rank_gone": notice.detail if notice else None,
                              "rank_gone_notice": notice.pk if notice else None, "reason": reason}),
         fault_at=fault_at, detected_at=detected_at,
         quiesced_at=failed_at, relaunched_at=event.reported_at, first_step_at=event.reported_at,
         resolved_at=now, lost_steps=max(0, reached - restored))
-    if notice is not None:
-        incident.nodes.set([notice.node])
     evidence = {"incident": incident.pk, "decision": incident.decision}
     record_event(EventKind.INCIDENT_OPEN, actor=f"node:{host}" if host else "system", job=job,
                  generation=event.generation, reason=reason, evidence=evidence)
     record_event(EventKind.INCIDENT_RESOLVED, actor="system", job=job, generation=event.generation,
                  reason=f"round {round_number} resumed in process",
                  evidence={**evidence, "lost_steps": incident.lost_steps, "restored_step": restored})
+    if host and incident.kind == IncidentKind.CRASH:  # a stopped rank's hang is no crash of the node's
+        blame_crashes(incident, [host], actor=f"node:{host}")
     return incident
 
 

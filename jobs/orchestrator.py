@@ -109,7 +109,7 @@ def report_fault(job_id: int, signal: str, *, generation: int, nodes: tuple[str,
         _drain(decision.drain, incident, actor=actor)
         _blame_lemons(incident, actor=actor)
         if signal == policy.EXIT and decision.classification != "hardware":
-            _blame_crashes(incident, nodes, actor=actor)
+            blame_crashes(incident, nodes, actor=actor)
         _quiesce(job, incident, decision, actor=actor)
     transaction.on_commit(lambda: _advance_later(job_id))
     return incident
@@ -185,7 +185,7 @@ def _hang_was_a_crash(job: Job, incident: Incident, signal: str, nodes: tuple[st
         _drain(decision.drain, incident, actor=actor)
         _blame_lemons(incident, actor=actor)
     elif decision.classification != "hardware":
-        _blame_crashes(incident, nodes, actor=actor)
+        blame_crashes(incident, nodes, actor=actor)
     if not decision.restarts:
         Job.objects.filter(pk=job.pk).update(relaunch_after=None)
         if job.state == JobState.RECOVERING:  # quiesced already: a quiescing job pauses once all confirm
@@ -304,18 +304,21 @@ def _blame_lemons(incident: Incident, *, actor: str) -> None:
             )
 
 
-def _blame_crashes(incident: Incident, hostnames, *, actor: str) -> None:
+def blame_crashes(incident: Incident, hostnames, *, actor: str) -> None:
     """Crashes of several *different* jobs on one node within the window point at the node, not at
     the programs (``nodes.policies.LemonPolicy``): from the ``crash_jobs``-th job on, each further
     job that crashes there blames it once, and it is drained as suspect.
 
     The node named is the one whose exit report opened the incident (for a multi-node job, the
-    first to report). Crash incidents do not name nodes in ``Incident.nodes`` (that is hardware
-    blame, which the lemon page counts), so they are found by the hostnames in their evidence; a
-    day's crash incidents of the whole fleet are few."""
+    first to report), or whose agent told of the rank a crash replaced in process (``jobs.inprocess``:
+    those count too, or a node that kills a rank of every job now and then would never be found
+    once the jobs restart in process). Crash incidents do not name nodes in ``Incident.nodes`` (that
+    is hardware blame, which the lemon page counts), so they are found by the hostnames in their
+    evidence; a day's crash incidents of the whole fleet are few."""
     lemons = LemonPolicy.current()
     since = timezone.now() - timedelta(seconds=lemons.crash_window_s)
-    crashes = list(Incident.objects.filter(evidence__signal=policy.EXIT, detected_at__gte=since)
+    crashed = Q(evidence__signal=policy.EXIT) | Q(evidence__signal=policy.IN_PROCESS_RESTART, kind=IncidentKind.CRASH)
+    crashes = list(Incident.objects.filter(crashed, detected_at__gte=since)
                    .exclude(kind="hardware").exclude(pk=incident.pk)
                    .values_list("job_id", "evidence__nodes")[:10_000])
     for node in Node.objects.filter(hostname__in=set(hostnames)):

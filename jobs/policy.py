@@ -38,6 +38,9 @@ HANG = "hang"
 NODE_UNHEALTHY = "node_unhealthy"
 NODE_UNREACHABLE = "node_unreachable"
 NAN = "nan"
+#: Not a signal ``decide`` judges: a rank already replaced inside its generation (``jobs.inprocess``
+#: records it; the crash-lemon rule counts it).
+IN_PROCESS_RESTART = "in_process_restart"
 SPIKE = "spike"
 INCONSISTENCY = "inconsistency"
 STRAGGLER = "straggler"

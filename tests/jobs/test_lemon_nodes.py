@@ -1,6 +1,7 @@
 """Lemon nodes are kept out by placement (issue 24, item 2): an undrain alone does not put one back
 (it warns, in the answer and the audit log), an explicit, audited clear-lemon does; crashes of
-several different jobs on one node blame the node and drain it as suspect."""
+several different jobs on one node blame the node and drain it as suspect, whether each was
+relaunched or replaced in process (issue 20)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import orchestrator, services
+from agents.protocol import agent as wire
+from agents.protocol import dump, parse
+from jobs import inprocess, orchestrator, services
 from jobs.launching import candidates
-from jobs.models import Event, Generation, Incident, Job
+from jobs.models import Event, Generation, Incident, Job, TrainingEvent
 from nodes.models import Node
 from nodes.policies import LemonPolicy
+from nodes.services import ingest as node_ingest
 
 
 def test_the_policy_defaults_are_the_settings_defaults_and_each_key_overrides() -> None:
@@ -92,6 +96,47 @@ def test_crashes_of_three_different_jobs_on_one_node_blame_it_and_drain_it_as_su
     blame = Event.objects.get(kind="node.blame", node=cast.node1)
     assert blame.evidence == {"incident": incident.pk, "jobs": [a.pk, b.pk, c.pk]}
     assert Node.objects.get(hostname="gpu-03").lemon_count == 0
+
+
+def crash_in_process(job: Job, node: Node):
+    """A rank of ``job`` dies on ``node`` and is replaced in process: the agent's ``rank_gone``
+    notice, then rank 0's ``resumed`` event of the next round, recorded as ``jobs.inprocess`` does."""
+    round_number = TrainingEvent.objects.filter(job=job, kind="resumed").count() + 1
+    died = timezone.now() - timedelta(seconds=1)
+    notice = wire.RankGone(at=died.timestamp())
+    batch = parse(wire.EventBatch, {"events": [{"key": f"rank_gone:{job.pk}:1:{notice.at:.3f}", "kind": "rank_gone",
+                                                "time": died.timestamp(), "job": str(job.pk), "generation": 1,
+                                                "detail": dump(notice)}]})
+    node_ingest.record_agent_events(node, wire.parse_event_details(batch))
+    event = TrainingEvent.objects.create(
+        job=job, generation=1, rank=0, step=10, kind="resumed", key=f"0.{round_number}:0:10:resumed:0",
+        reported_at=timezone.now(), detail={"step": 10, "in_process": {"round": round_number, "restarts": round_number,
+                                                                       "failed_at": died.timestamp() + 0.02}})
+    incident = inprocess.record_restart(event.pk)
+    assert incident is not None and incident.evidence["nodes"] == [node.hostname]
+    return incident
+
+
+@pytest.mark.django_db
+def test_crashes_replaced_in_process_count_like_relaunched_ones_a_stopped_rank_does_not(cast):
+    """A node that kills a rank of every job now and then is found though each job restarts in
+    process: two such crashes and one relaunched crash are three jobs. A rank the agent found
+    stopped and killed is a hang, the program's as likely as the node's: not counted."""
+    a, b, c, d = (running_job(name, cast.node1) for name in "abcd")
+    crash_in_process(a, cast.node1)
+    crash_in_process(a, cast.node1)  # the same job again: still one job
+    stopped = crash_in_process(b, cast.node1)
+    stopped.kind = "hang"
+    stopped.save(update_fields=["kind"])
+    crash_in_process(c, cast.node1)
+    cast.node1.refresh_from_db()
+    assert (cast.node1.lemon_count, cast.node1.schedulability) == (0, "active")  # jobs a and c
+
+    incident = crash(d, "gpu-01", "RuntimeError: d")
+    cast.node1.refresh_from_db()
+    assert cast.node1.lemon_count == 1 and cast.node1.schedulability in ("draining", "drained")
+    blame = Event.objects.get(kind="node.blame", node=cast.node1)
+    assert blame.evidence == {"incident": incident.pk, "jobs": [a.pk, c.pk, d.pk]}
 
 
 @pytest.mark.django_db
