@@ -44,7 +44,7 @@ from agents.hooks.data import GlobalCursorSampler, epoch_aware, is_stateful, pip
 from agents.hooks.guards import GradientGuard, GuardSettings, LossWatch
 from agents.hooks.settings import Environment
 from agents.hooks.snapshot import Lineage, SnapshotCommit, Snapshotter
-from agents.hooks.snapshot_store import COPY, OWN, SnapshotStore, default_root, job_key
+from agents.hooks.snapshot_store import SnapshotStore, default_root, job_key
 from agents.hooks.staging import stable_tensors
 from agents.hooks.telemetry import Exchange, Telemetry
 from agents.hooks.topology import discover, side_group
@@ -620,8 +620,7 @@ class Hooks:
         for path, reason in found.rejected:  # logged as each was turned down
             self.telemetry.event(0, "checkpoint_rejected", f"not restoring snapshot {path}: {reason}",
                                  {"path": path, "reason": reason}, level=None, local=True)
-        store.keep_only(rank, OWN, found.key)
-        store.keep_only(self.topology.snapshot_source, COPY, found.key)
+        store.keep_places(snapshot.node_places(self.topology), found.key)
         if found.snapshot is None or found.key is None:
             return False
         progress, parts = state.apply_state(snapshot.load(found.snapshot), self.model, self.optimizer,

@@ -22,6 +22,10 @@ Taking one (``Snapshotter.take``), as the checkpoints' overlapped staging does (
    both copies are complete, and a rank killed in the middle of the copy leaves a snapshot that
    is never restored.
 
+A lost node's ranks restart on a spare, and the ranks are numbered anew (the survivors first): a
+node therefore looks for a rank's snapshot under both copies it may hold (``node_holds``), and
+keeps only the places its ranks now write once they chose (``node_places``).
+
 Every rank takes a snapshot at the same steps and the exchange is lockstep, so a snapshot starts
 only when the previous one is finished (waiting, if it is not, counts as blocking time).
 
@@ -298,31 +302,39 @@ class Choice:
 def choose_snapshot(store: SnapshotStore, topology: Topology, group: Any, lineage: Lineage) -> Choice:
     """Agree with every rank on the newest snapshot all of them can restore, and read this rank's.
 
-    1. Each rank lists its own committed snapshots and the copies it holds for its source that
-       fit the lineage; the lists are gathered on every rank.
-    2. Candidates, newest first: a snapshot (step, generation, run) that every rank committed
-       (its own marker: both copies were complete), or whose copy its partner holds committed
-       while the rank has no trace of it at all (its node's memory is gone). A rank that holds
-       its own copy *uncommitted* was stopped in the middle of that snapshot: it is torn, never
-       restored, whatever the partner holds. For the newest, each rank reads and hashes what it has; the verdicts are
-       gathered. If every rank has a verified copy (its own, or its partner's), that snapshot is
-       taken: a rank without its own receives the partner's over the snapshot group. Otherwise
-       the next candidate, and at last none (the disk checkpoint stands).
+    1. Each rank lists the committed snapshots of its own rank and of its source rank that this
+       node's memory holds and that fit the lineage, as either copy (``node_holds``: when a node
+       was lost, the ranks are numbered anew, and the node that held rank 1's own copy and rank 0's
+       partner copy may now run rank 0), and the snapshots whose owner's copy on this node is
+       uncommitted (torn); the lists are gathered on every rank.
+    2. Candidates, newest first: a snapshot (step, generation, run) that every rank's node holds
+       committed, or whose copy its partner's node holds, unless the owner's own copy is torn
+       somewhere: the owner was stopped in the middle of that snapshot, and it is never restored,
+       whatever the partner holds. An owner's marker proves that both copies were complete; a
+       partner's copy marker, that the owner had written its own (``snapshot_store``). For the
+       newest, each rank reads and hashes what it has; the verdicts are gathered. If every rank
+       has a verified copy (on its node, or its partner's), that snapshot is taken: a rank without
+       one receives the partner's over the snapshot group. Otherwise the next candidate, and at
+       last none (the disk checkpoint stands).
 
     A collective on every rank; every rank decides from the same gathered data.
     """
     rank, world = topology.rank, topology.world_size
     rejected: list[tuple[str, str]] = []
-    own = _eligible(store, rank, OWN, lineage, rejected)
-    held = _eligible(store, topology.snapshot_source, COPY, lineage, rejected) if world > 1 else {}
-    torn = sorted(store.uncommitted(rank, OWN), key=_order)
-    for key in torn:
-        log.info("not restoring snapshot %s: this rank stopped before it was committed on both copies", key.dirname)
+    own = node_holds(store, rank, lineage, rejected)
+    held = node_holds(store, topology.snapshot_source, lineage, rejected) if world > 1 else {}
+    torn = sorted({(owner, key) for owner in store.owners() for key in store.uncommitted(owner, OWN)},
+                  key=lambda pair: (pair[0], _order(pair[1])))
+    for owner, key in torn:
+        if owner == rank:
+            log.info("not restoring snapshot %s: this rank stopped before it was committed on both copies",
+                     key.dirname)
     rows = _gather((sorted(own, key=_order), sorted(held, key=_order), torn), topology)
+    torn_anywhere = {pair for row in rows for pair in row[2]}
     partner_of = [(r + topology.snapshot_shift) % world for r in range(world)]
 
     def whole(key: SnapshotKey, r: int) -> bool:
-        return key in rows[r][0] or (key in rows[partner_of[r]][1] and key not in rows[r][2])
+        return (r, key) not in torn_anywhere and (key in rows[r][0] or key in rows[partner_of[r]][1])
 
     common = [key for key in {k for row in rows for k in row[0]} | {k for row in rows for k in row[1]}
               if all(whole(key, r) for r in range(world))]
@@ -339,6 +351,25 @@ def choose_snapshot(store: SnapshotStore, topology: Topology, group: Any, lineag
         mine = _transfer(copy if send else None, mine, receive, topology, group)
         return Choice(mine, key, rejected, from_partner=receive)
     return Choice(None, None, rejected)
+
+
+def node_holds(store: SnapshotStore, owner: int, lineage: Lineage,
+               rejected: list[tuple[str, str]]) -> dict[SnapshotKey, Path]:
+    """The committed snapshots of rank ``owner`` in this node's memory that fit the lineage: its
+    own copies, and the partner copies the node holds (those where the own copy is missing)."""
+    return {**_eligible(store, owner, COPY, lineage, rejected), **_eligible(store, owner, OWN, lineage, rejected)}
+
+
+def node_places(topology: Topology) -> set[tuple[int, str]]:
+    """Where this node's ranks keep snapshots now: each rank's own copies and the copies it holds
+    for its source. The ranks of a node are consecutive (torchrun numbers them node by node)."""
+    first = topology.rank - topology.local_rank
+    places = set()
+    for rank in range(first, first + topology.local_world_size):
+        places.add((rank, OWN))
+        if topology.world_size > 1:
+            places.add(((rank - topology.snapshot_shift) % topology.world_size, COPY))
+    return places
 
 
 def _order(key: SnapshotKey) -> tuple[int, int, str]:

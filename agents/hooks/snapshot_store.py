@@ -174,6 +174,19 @@ class SnapshotStore:
         with contextlib.suppress(OSError):
             self.directory.rmdir()
 
+    def owners(self) -> list[int]:
+        """The ranks whose snapshots (either copy) this node holds for the job."""
+        return sorted(int(entry.name[4:]) for entry in _entries(self.directory)
+                      if entry.name.startswith("rank") and entry.name[4:].isdigit())
+
+    def keep_places(self, places: set[tuple[int, str]], keep: SnapshotKey | None) -> None:
+        """Keep ``keep`` in each of ``places`` ((owner, kind), where this node's ranks now write)
+        and nothing else: a snapshot in any other place is an earlier numbering's (the ranks were
+        numbered anew after a node was lost), and never restored again once this run chose."""
+        for owner in self.owners():
+            for kind in (OWN, COPY):
+                self.keep_only(owner, kind, keep if (owner, kind) in places else None)
+
     def uncommitted(self, owner: int, kind: str) -> list[SnapshotKey]:
         """Snapshots of ``owner`` and ``kind`` begun here and never committed (torn)."""
         keys = (SnapshotKey.parse(entry.name) for entry in _entries(self.place(owner, kind))

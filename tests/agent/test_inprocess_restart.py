@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from agents.hooks.snapshot_store import default_root, job_key
 from agents.protocol.agent import ExitReport, LaunchPayload
 from agents.supervisor import STOPPED_WORKER_KILL_S, Supervisor, warm_client
 from tests.agent.conftest import free_port
@@ -35,6 +34,8 @@ COMMON = ["--steps", str(STEPS), "--ckpt-every", "8", "--check-every", "5", "--s
 #: dies copying snapshot 5; in round 1 its replacement loses its snapshots and dies at step 11; in
 #: round 2 rank 0, which holds rank 1's copies, dies at step 15.
 FAULTS = "0:copy:1:5,1:lose:1:11,2:kill:0:15"
+#: Each rank's node memory apart (``SNAPSHOT_NODES``): rank 1's loss leaves rank 0's copy of it.
+NODES = "0:a,b"
 
 
 @dataclass
@@ -46,10 +47,12 @@ class Generation:
 
 
 def supervised(directory: Path, monkeypatch: pytest.MonkeyPatch, *, restarts: int | None, faults: str = "",
-               extra: tuple[str, ...] = (), hold: str | None = None) -> Generation:
+               extra: tuple[str, ...] = (), hold: str | None = None, nodes: str = "") -> Generation:
     """One generation of ``tests.hooks.snapshot_run`` (examples/train.py with planted faults) on
     two ranks, launched as the agent launches it, with ``restarts`` in-process restarts a rank."""
     monkeypatch.setenv("SNAPSHOT_FAULTS", faults)
+    monkeypatch.setenv("SNAPSHOT_NODES", nodes)
+    monkeypatch.setenv("NIGHTWATCH_SNAPSHOT_DIR", str(directory / "memory"))
     exits: queue.Queue[ExitReport] = queue.Queue()
     notices: list[tuple[Any, ...]] = []
     supervisor = Supervisor(directory / "agent", on_exit=lambda job, gen, report: exits.put(report),
@@ -69,7 +72,7 @@ def supervised(directory: Path, monkeypatch: pytest.MonkeyPatch, *, restarts: in
     finally:
         supervisor.shutdown(grace_s=2.0)
         # A run that ends without its final checkpoint keeps its snapshots in node memory.
-        shutil.rmtree(default_root(None) / job_key("job", str(ckpt)), ignore_errors=True)
+        shutil.rmtree(directory / "memory", ignore_errors=True)
     log = (directory / "agent" / "jobs" / "job" / "generation-1" / "torchrun.log").read_text()
     return Generation(report, log, notices, directory)
 
@@ -85,7 +88,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_ranks_restart_in_process_after_a_torn_copy_a_lost_memory_and_a_killed_holder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: Path) -> None:
-    run = supervised(tmp_path, monkeypatch, restarts=3, faults=FAULTS)
+    run = supervised(tmp_path, monkeypatch, restarts=3, faults=FAULTS, nodes=NODES)
     assert run.report.exit_code == 0 and run.report.signature is None, run.log[-4000:]
     assert run.log.count(warm_client.REPLACEMENT_LINE) == 3, run.log[-4000:]
     for line in ("rank 1 killed in the middle of the snapshot copy of step 5",

@@ -20,6 +20,8 @@ COMMON = ["--steps", str(STEPS), "--ckpt-every", "8", "--check-every", "5", "--s
 # attempt:kind:rank:step (tests/hooks/snapshot_run.py): rank 1 dies copying snapshot 5; then rank 1
 # loses its snapshots and dies at step 11; then rank 0, which holds rank 1's copies, dies at step 15.
 FAULTS = "0:copy:1:5,1:lose:1:11,2:kill:0:15"
+# Each rank on a node of its own, on every attempt: rank 1's lost memory leaves rank 0's copy.
+NODES = "0:a,b;1:a,b;2:a,b;3:a,b"
 
 
 def test_snapshot_resumes_after_torn_copy_lost_memory_and_killed_holder(tmp_path):
@@ -35,7 +37,7 @@ def test_snapshot_resumes_after_torn_copy_lost_memory_and_killed_holder(tmp_path
         return directory, result
 
     reference, _ = run("uninterrupted")
-    faulted, result = run("faulted", max_restarts=3, env={"SNAPSHOT_FAULTS": FAULTS})
+    faulted, result = run("faulted", max_restarts=3, env={"SNAPSHOT_FAULTS": FAULTS, "SNAPSHOT_NODES": NODES})
     output = result.output
     assert "rank 1 killed in the middle of the snapshot copy of step 5" in output
     assert "rank 1 lost its snapshots and is killed at step 11" in output
@@ -54,3 +56,34 @@ def test_snapshot_resumes_after_torn_copy_lost_memory_and_killed_holder(tmp_path
     assert killed[0] == killed[1] and killed[0] in (13, 14), "lost work: one step (and the one in flight)"
 
     assert_same_run(faulted, reference, STEPS)
+
+
+def test_a_lost_node_s_rank_resumes_on_a_spare_from_its_partner_s_copy_after_the_ranks_are_renumbered(tmp_path):
+    """Node a (rank 0) is lost at step 11; the next attempt runs on the survivor b, now rank 0, and
+    the spare c, rank 1, whose memory is empty (``SNAPSHOT_NODES``). b holds rank 1's own copies and
+    rank 0's partner copies: it restores rank 0's from its memory and sends rank 1's to c. One step
+    lost, not the steps back to the disk checkpoint, and bit-identical to an uninterrupted run."""
+    steps = 16
+
+    def run(name, **options):
+        directory = tmp_path / name
+        result = torchrun(["--steps", str(steps), "--ckpt-every", "8", "--check-every", "5", "--snapshot-every", "1",
+                           "--ckpt-dir", str(directory / "ckpt"), "--log-samples", str(directory / "samples"),
+                           "--final-state", str(directory / "final")],
+                          env={"NIGHTWATCH_SNAPSHOT_DIR": str(directory / "memory"), "SNAPSHOT_NODES": "0:a,b;1:b,c",
+                               **options.pop("env", {})},
+                          module="tests.hooks.snapshot_run", timeout=120, **options)
+        assert result.returncode == 0, result.output[-4000:]
+        return directory, result
+
+    reference, _ = run("uninterrupted")
+    faulted, result = run("faulted", max_restarts=1, env={"SNAPSHOT_FAULTS": "0:kill:0:11"})
+    output = result.output
+    assert "rank 0 killed at step 11" in output
+    resumes = re.findall(r"resumed from step (\d+) \(snapshot \S+, ([^;]+);", output)
+    assert sorted(resumes) == [("10", "rank 0's copy"), ("10", "this node's memory")], output[-4000:]
+    # The survivor and the spare finished with the final checkpoint on disk: nothing left in their
+    # memory, the earlier numbering's copies included. Node a's memory went with it.
+    for node in ("b", "c"):
+        assert not [p for p in (faulted / "memory" / node).rglob("*") if p.is_file()], f"snapshots left on {node}"
+    assert_same_run(faulted, reference, steps)
