@@ -139,6 +139,7 @@ class NodeHealthEvidence(TypedDict, total=False):
     gpus: dict[str, str]  # GPU index -> its own health
     gpu_telemetry: bool
     xid: dict[str, Any]
+    fault_at: float  # when the node says the fault happened (a critical Xid's time, epoch seconds)
     command: list[str]  # the Slurm command that failed
     last_heartbeat_at: str
     deadline: str

@@ -671,22 +671,34 @@ def exit_fault_time(job: Job, generation: int, detail: dict):
     return min(max([at, *floors]), now)
 
 
-def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
+def handle_node_health(hostname: str, new_health: str, reasons: list, *, fault_at: float | None = None) -> None:
     """A node turned unhealthy or unreachable: every live generation on it is affected. An
     unreachable node's fault dates from its last heartbeat (the last sign of life), not from the
-    verdict a heartbeat timeout later."""
+    verdict a heartbeat timeout later; an unhealthy one's from ``fault_at`` when the node's report
+    dated it (a critical Xid, by the node's clock), else from the verdict."""
     signal = {Health.UNHEALTHY: policy.NODE_UNHEALTHY, Health.UNREACHABLE: policy.NODE_UNREACHABLE}.get(new_health)
     if signal is None:
         return
-    fault_at = None
+    last_heard = None
     if new_health == Health.UNREACHABLE:
-        fault_at = Node.objects.filter(hostname=hostname).values_list("last_heartbeat_at", flat=True).first()
+        last_heard = Node.objects.filter(hostname=hostname).values_list("last_heartbeat_at", flat=True).first()
     affected = Generation.objects.filter(nodes__hostname=hostname, ended_at__isnull=True,
                                          job__state__in=HEALTH_WATCHED).select_related("job")
     for generation in affected:
         if generation.number == generation.job.generation:
+            at = last_heard or (_node_dated(generation, fault_at) if fault_at is not None else None)
             report_fault(generation.job_id, signal, generation=generation.number, nodes=(hostname,),
-                         detail={"health": new_health, "reasons": reasons}, fault_at=fault_at)
+                         detail={"health": new_health, "reasons": reasons}, fault_at=at)
+
+
+def _node_dated(generation: Generation, at: float):
+    """A node's own time of its fault, never before the generation started nor after now (its clock
+    apart from ours). Unlike an exit's, not floored at the ranks' last step: a node's ranks may
+    report steps after its GPU failed (the ones in flight)."""
+    moment = datetime.fromtimestamp(at, tz=UTC)
+    if generation.started_at is not None:
+        moment = max(moment, generation.started_at)
+    return min(moment, timezone.now())
 
 
 def handle_hook_flags(job: Job, generation: int, *, nan: bool, spikes: int, inconsistent: dict | None,

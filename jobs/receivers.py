@@ -54,7 +54,11 @@ def on_launch_refused(sender, node, job_id, generation, reason, **kwargs):
 
 @receiver(signals.node_health_changed, dispatch_uid="jobs.node_health_changed")
 def on_node_health_changed(sender, node, old, new, reasons, **kwargs):
-    handle_node_health.delay(node.hostname, new, list(reasons))
+    """``evidence["fault_at"]``: when the node's own report says the fault happened (a critical
+    Xid's time, by the node's clock), the incident's fault time."""
+    fault_at = (kwargs.get("evidence") or {}).get("fault_at")
+    handle_node_health.delay(node.hostname, new, list(reasons),
+                             fault_at=fault_at if isinstance(fault_at, int | float) else None)
 
 
 @receiver(signals.nodes_health_changed, dispatch_uid="jobs.nodes_health_changed")

@@ -56,8 +56,8 @@ def handle_exit(job_id: int, generation: int, hostname: str, detail: dict) -> No
 
 
 @shared_task(ignore_result=True)
-def handle_node_health(hostname: str, new_health: str, reasons: list) -> None:
-    orchestrator.handle_node_health(hostname, new_health, reasons)
+def handle_node_health(hostname: str, new_health: str, reasons: list, fault_at: float | None = None) -> None:
+    orchestrator.handle_node_health(hostname, new_health, reasons, fault_at=fault_at)
 
 
 @shared_task(ignore_result=True)

@@ -471,7 +471,8 @@ def _critical_xid(node: Node, detail: wire.XidDetail, at: datetime, now: datetim
     if node.health in (Health.UNHEALTHY, Health.UNREACHABLE):
         return
     set_health(node, Health.UNHEALTHY, actor=actor, reason=f"GPU {detail.gpu}: critical Xid {detail.code}",
-               evidence={"reasons": [f"GPU {detail.gpu}: critical Xid {detail.code}"], "xid": dump(detail)})
+               evidence={"reasons": [f"GPU {detail.gpu}: critical Xid {detail.code}"], "xid": dump(detail),
+                         "fault_at": at.timestamp()})
 
 
 def _store_bandwidth(node: Node, results: list[wire.BandwidthResult], at: datetime) -> None:

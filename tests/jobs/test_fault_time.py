@@ -163,3 +163,42 @@ def test_a_stamp_that_is_not_a_time_is_ignored(cast, job):
     seen = timezone.now() - timedelta(seconds=1)
     assert orchestrator.exit_fault_time(job, 1, {"rank_exited_at": True, "torchrun_failed_at": "yesterday",
                                                  "ended_at": seen.timestamp()}) == seen
+
+
+@pytest.mark.django_db
+def test_a_critical_xid_dates_the_hardware_incident_from_the_xid_not_from_its_receipt(
+        cast, job, eager_celery, django_capture_on_commit_callbacks):
+    """Issue 20's honest fault times: the agent's Xid event carries when the GPU failed (its clock);
+    the incident that moves the job to a spare dates from then. Clamped to the generation's start
+    (a node clock behind ours), but not to the ranks' last step (steps in flight still report)."""
+    from agents.protocol import agent as wire
+    from agents.protocol import parse
+    from nodes.services import ingest as node_ingest
+
+    StepMetric.objects.create(job=job, generation=1, rank=0, step=5, loss=1.0, world_size=2, data_cursor=40,
+                              reported_at=timezone.now())
+
+    def xid(key, at):
+        batch = parse(wire.EventBatch, {"events": [{"key": key, "kind": "xid", "time": at.timestamp(),
+                                                    "detail": {"gpu": 0, "code": 79}}]})
+        with django_capture_on_commit_callbacks(execute=True):
+            node_ingest.record_agent_events(cast.node1, wire.parse_event_details(batch))
+
+    failed = timezone.now() - timedelta(seconds=0.8)
+    xid("x1", failed)
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("hardware", "restart_on_spare")
+    assert incident.fault_at == failed and incident.detected_at > failed
+
+
+@pytest.mark.django_db
+def test_an_xid_dated_before_the_generation_started_dates_from_its_start(cast, job, eager_celery,
+                                                                        django_capture_on_commit_callbacks):
+    from nodes.services import set_health
+
+    started = Generation.objects.get(job=job, number=1).started_at
+    with django_capture_on_commit_callbacks(execute=True):
+        set_health(cast.node1, Health.UNHEALTHY, reason="GPU 0: critical Xid 79",
+                   evidence={"reasons": ["GPU 0: critical Xid 79"],
+                             "fault_at": (started - timedelta(minutes=5)).timestamp()})
+    assert Incident.objects.get(job=job).fault_at == started
