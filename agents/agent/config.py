@@ -67,6 +67,10 @@ class AgentConfig:
     #: ranks skip ≈ 1-2 s of start-up. Needs ``warm_launcher``; a generation it cannot serve
     #: warm starts cold.
     warm_workers: bool = False
+    #: This node's memory for the ranks' in-memory snapshots (``NIGHTWATCH_SNAPSHOT_DIR`` of the
+    #: hooks); default: theirs, ``/dev/shm/nightwatch``. Set it when several agents share one
+    #: machine's memory (a demo, a benchmark), or the tmpfs is mounted elsewhere.
+    snapshot_dir: Path | None = None
     stop_grace_s: float = 30.0
     #: Stop the jobs this agent runs when it is stopped cleanly (SIGTERM: node maintenance). With
     #: False they keep running and the next agent on the node adopts them (``Supervisor.adopt``), as
@@ -190,6 +194,8 @@ def _validated(values: dict[str, Any]) -> AgentConfig:
         raise ConfigError("telemetry_batch_s must not be negative")
     if config.spool_max_records < 100:
         raise ConfigError("spool_max_records must be at least 100")
+    if config.snapshot_dir is not None and not config.snapshot_dir.is_absolute():
+        raise ConfigError(f"snapshot_dir must be an absolute path, got {str(config.snapshot_dir)!r}")
     if not 0 <= config.probe_port <= 65535:
         raise ConfigError("probe_port must be 0..65535 (0: any free port)")
     try:

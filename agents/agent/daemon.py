@@ -83,7 +83,7 @@ class Agent:
                                      torchrun=config.torchrun or DEFAULT_TORCHRUN,
                                      log_max_bytes=config.log_max_bytes, log_backups=config.log_backups,
                                      default_grace_s=config.stop_grace_s, warm_launcher=config.warm_launcher,
-                                     warm_workers=config.warm_workers,
+                                     warm_workers=config.warm_workers, snapshot_dir=config.snapshot_dir,
                                      on_output=self.logs.add, on_rank_gone=self._on_rank_gone)
         self.outbox = Outbox(config.work_dir / "spool.sqlite3", max_records=config.spool_max_records)
         self.samples_taken = 0

@@ -207,7 +207,8 @@ class LaunchPayload:
     #: Validated by ``validate_nccl_profile`` (names and values).
     nccl_env: dict[str, str] = field(default_factory=dict, max_len=64)
     #: ``--rdzv-conf=is_host=1``: needed on the node hosting the store when its name resolves
-    #: to loopback, as in single-machine demos.
+    #: to loopback, as in single-machine demos; the other nodes of a multi-node job get
+    #: ``is_host=0``, so that nodes sharing an address do not all try to host it.
     rdzv_is_host: bool = False
     hooks_url: str | None = field(default=None, max_len=1024)
     hooks_token: str | None = field(default=None, max_len=256)

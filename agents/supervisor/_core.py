@@ -107,7 +107,7 @@ class Supervisor:
     def __init__(self, work_dir: Path, *, on_exit: Callable[[str, int, ExitReport], None],
                  torchrun: Sequence[str] = DEFAULT_TORCHRUN, log_max_bytes: int = 20 * 2**20,
                  log_backups: int = 5, default_grace_s: float = 30.0, warm_launcher: bool = True,
-                 warm_workers: bool = False,
+                 warm_workers: bool = False, snapshot_dir: Path | None = None,
                  on_output: Callable[[str, int, str], None] | None = None,
                  on_rank_gone: Callable[[str, int, RankGone], None] | None = None):
         self.work_dir = Path(work_dir)
@@ -130,6 +130,8 @@ class Supervisor:
         self._warm_enabled = warm_launcher and tuple(torchrun) == DEFAULT_TORCHRUN
         #: Ranks forked from a zygote of the warm launcher (``agents.supervisor.zygote``), not cold.
         self._warm_workers = warm_workers and self._warm_enabled
+        #: The node memory the ranks keep snapshots in (the hooks' default when None).
+        self._snapshot_dir = snapshot_dir
         self._warm: subprocess.Popen[bytes] | None = None
         self._warm_timer: threading.Timer | None = None
         self._closed = False
@@ -409,6 +411,11 @@ class Supervisor:
                    f"--node-rank={p.node_rank}", "--max-restarts=0"]
         if p.rdzv_is_host:
             command.append("--rdzv-conf=is_host=1")
+        elif p.nnodes > 1:
+            # Said, not guessed: torchrun takes itself for the host when the endpoint's address is
+            # one of its own, and two nodes sharing an address (one machine, host networking) would
+            # both try to listen on the store's port.
+            command.append("--rdzv-conf=is_host=0")
         root = code_dir.resolve()
         if p.module is not None:
             if not any(all(_file_of(root, name) for name in files) for files in module_files(p.module)):
@@ -420,8 +427,7 @@ class Supervisor:
             raise LaunchSpecError("script", f"{p.script!r} is not a file inside the code directory {root}")
         return [*command, p.script, *p.args]
 
-    @staticmethod
-    def _environment(job: str, generation: int, p: LaunchPayload, nccl_env: dict[str, str],
+    def _environment(self, job: str, generation: int, p: LaunchPayload, nccl_env: dict[str, str],
                      gen_dir: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTWATCH_")}
         env.update(nccl_env)
@@ -429,7 +435,8 @@ class Supervisor:
                  "NIGHTWATCH_GENERATION": str(generation), "NIGHTWATCH_CKPT_DIR": p.ckpt_dir,
                  "NIGHTWATCH_RESUME_FROM": p.resume_from, "NIGHTWATCH_SPOOL_DIR": str(gen_dir / "spool"),
                  "NIGHTWATCH_SKIP_DATA": ",".join(f"{a}-{b}" for a, b in p.skip_data) or None,
-                 **snapshot_environment(p)}
+                 **snapshot_environment(p),
+                 "NIGHTWATCH_SNAPSHOT_DIR": str(self._snapshot_dir) if self._snapshot_dir else None}
         env.update({k: v for k, v in hooks.items() if v is not None})
         env.update(_TORCHRUN_ENV)
         return env

@@ -365,6 +365,24 @@ def test_config_layers_file_then_environment_then_flags(tmp_path: Path) -> None:
     assert config.labels == {"rack": "r1"} and config.token_path == config.work_dir / "node-token.json"
 
 
+def test_the_node_memory_for_snapshots_reaches_the_ranks_environment(tmp_path: Path) -> None:
+    """An agent's ``snapshot_dir`` is the node memory its ranks keep snapshots in; the agent's own
+    ``NIGHTWATCH_*`` environment never reaches them (a variable of the agent's is not the job's)."""
+    from agents.supervisor import Supervisor
+
+    config = load_config(["--control-plane-url", "http://a", "--snapshot-dir", str(tmp_path / "shm")], {})
+    payload = LaunchPayload(script="examples/train.py", nnodes=1, nproc_per_node=1, node_rank=0,
+                            rdzv_endpoint="127.0.0.1:29999", rdzv_id="j-1", snapshot_every=1)
+    for snapshot_dir, expected in ((config.snapshot_dir, str(tmp_path / "shm")), (None, None)):
+        supervisor = Supervisor(tmp_path / "agent", on_exit=lambda *exit: None, warm_launcher=False,
+                                snapshot_dir=snapshot_dir)
+        try:
+            env = supervisor._environment("j", 1, payload, {}, tmp_path)
+        finally:
+            supervisor.shutdown(grace_s=1.0)
+        assert env.get("NIGHTWATCH_SNAPSHOT_DIR") == expected and env["NIGHTWATCH_SNAPSHOT_EVERY"] == "1"
+
+
 def test_the_example_deployment_config_loads() -> None:
     example = Path(__file__).parents[2] / "deploy" / "agent.yaml"
     config = load_config(["--config", str(example)], {})
@@ -378,6 +396,7 @@ def test_the_example_deployment_config_loads() -> None:
     ("control_plane_url: http://a\ntelemetry_source: scripted\n", "needs a scenario file"),
     ("control_plane_url: http://a\ntelemetry_source: dcgm\n", "telemetry_source must be one of"),
     ("control_plane_url: http://a\nhealth: {max_temp: 90}\n", "unknown threshold 'max_temp'"),
+    ("control_plane_url: http://a\nsnapshot_dir: shm/nw\n", "snapshot_dir must be an absolute path"),
 ])
 def test_config_mistakes_are_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "agent.yaml"

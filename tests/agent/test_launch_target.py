@@ -100,3 +100,22 @@ def test_nccl_files_are_placed_in_the_log_directory() -> None:
                    "NCCL_TOPO_DUMP_FILE": "/var/lib/nw/jobs/1/generation-2/topo.xml"}
     assert nccl_environment({"NCCL_DEBUG_FILE": "d.log"}, "/logs", prefix="generation-3-") == {
         "NCCL_DEBUG_FILE": "/logs/generation-3-d.log"}
+
+
+@pytest.mark.parametrize(("nnodes", "node_rank", "conf"), [
+    (1, 0, ["--rdzv-conf=is_host=1"]),
+    (2, 0, ["--rdzv-conf=is_host=1"]),
+    (2, 1, ["--rdzv-conf=is_host=0"]),  # not left to torchrun: nodes sharing an address would all host
+])
+def test_the_control_plane_names_the_one_node_that_hosts_the_rendezvous(tmp_path, nnodes, node_rank, conf) -> None:
+    from pathlib import Path
+
+    from agents.supervisor import Supervisor
+
+    payload = parse_command_payload(launch_command(nnodes=nnodes, node_rank=node_rank, rdzv_is_host=node_rank == 0))
+    supervisor = Supervisor(tmp_path, on_exit=lambda *exit: None, warm_launcher=False)
+    try:
+        command = supervisor._command(payload, Path(__file__).resolve().parents[2])
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+    assert [option for option in command if option.startswith("--rdzv-conf")] == conf
