@@ -227,7 +227,11 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], excluding: Incid
         for i in earlier.filter(evidence__signal=policy.EXIT).order_by("detected_at")
     )
     lost_window = timezone.now() - timedelta(seconds=settings.NIGHTWATCH["PARTITION_WINDOW_S"])
-    lost = Event.objects.filter(kind=EventKind.NODE_HEALTH, new_state=Health.UNREACHABLE, created_at__gte=lost_window)
+    # A node already found unhealthy (and so drained) that then goes silent is being repaired or
+    # powered off, as expected: its silence says nothing of the network, and two such nodes in the
+    # window would otherwise pause every job that loses a node next as a partition.
+    lost = (Event.objects.filter(kind=EventKind.NODE_HEALTH, new_state=Health.UNREACHABLE, created_at__gte=lost_window)
+            .exclude(old_state=Health.UNHEALTHY))
     gen_nodes = set(Generation.objects.filter(job=job, number=job.generation).values_list("nodes__hostname",
                                                                                            flat=True))
     unhealthy = tuple(sorted(Node.objects.filter(hostname__in=set(nodes) | gen_nodes, health=Health.UNHEALTHY)

@@ -177,8 +177,8 @@ def _classify(ev: Evidence) -> Decision:
         return _straggler(ev)
     if ev.signal == NODE_UNREACHABLE or ev.nodes_lost_in_window >= ev.partition_threshold:
         return Decision("partition", "escalate", page=True,
-                        reason=f"{max(ev.nodes_lost_in_window, 1)} node(s) of the job lost contact: a restart could "
-                               "run beside ranks that are still alive (split brain)")
+                        reason=f"{max(ev.nodes_lost_in_window, 1)} node(s) lost contact in the partition window: a "
+                               "restart could run beside ranks that are still alive (split brain)")
     if ev.signal == HANG:
         return Decision("hang", "restart", "no step progress past the progress timeout")
     if ev.signal in (EXIT, NODE_UNHEALTHY):

@@ -364,3 +364,28 @@ def test_a_node_lost_after_it_confirmed_its_stop_leaves_the_hang_a_hang(cast, jo
     incident = Incident.objects.get(job=job)
     assert (incident.kind, incident.decision) == ("hang", "restart")
     assert incident.evidence["further"][0]["signal"] == "node_unreachable"
+
+
+@pytest.mark.django_db
+def test_unhealthy_nodes_going_silent_are_no_partition_for_the_next_node_lost(cast, job):
+    """Two nodes already drained for an Xid whose agents then stop (taken away for repair) do not
+    make the next unhealthy node a partition that pauses its job: it still moves to the spare. Two
+    healthy nodes lost in the window do."""
+    from nodes.models import Node
+    from nodes.services import set_health
+
+    def lose(hostname, before):
+        node = Node.objects.create(hostname=hostname, address="10.0.1.1", health=before)
+        Event.objects.create(kind="node.health", node=node, old_state=before, new_state="unreachable",
+                             reason="no heartbeat", created_at=timezone.now())
+
+    lose("repaired-1", "unhealthy")
+    lose("repaired-2", "unhealthy")
+    set_health(cast.node1, "unhealthy", reason="Xid 79 on GPU 0")
+    orchestrator.handle_node_health("gpu-01", "unhealthy", ["Xid 79 on GPU 0"])
+    incident = Incident.objects.get(job=job)
+    assert (incident.kind, incident.decision) == ("hardware", "restart_on_spare")
+
+    lose("cut-1", "healthy")
+    lose("cut-2", "healthy")
+    assert orchestrator._evidence(job, "node_unhealthy", nodes=("gpu-01",)).nodes_lost_in_window == 2
