@@ -206,9 +206,9 @@ class LaunchPayload:
     args: list[str] = field(default_factory=list, max_len=256)
     #: Validated by ``validate_nccl_profile`` (names and values).
     nccl_env: dict[str, str] = field(default_factory=dict, max_len=64)
-    #: ``--rdzv-conf=is_host=1``: needed on the node hosting the store when its name resolves
-    #: to loopback, as in single-machine demos; the other nodes of a multi-node job get
-    #: ``is_host=0``, so that nodes sharing an address do not all try to host it.
+    #: Whether this node hosts the rendezvous store: node rank 0 (the endpoint's address). The
+    #: agent's static rendezvous follows the node rank; agents that used c10d's rendezvous took it
+    #: as ``--rdzv-conf=is_host``, and the control plane still sends it for them.
     rdzv_is_host: bool = False
     hooks_url: str | None = field(default=None, max_len=1024)
     hooks_token: str | None = field(default=None, max_len=256)

@@ -406,16 +406,16 @@ class Supervisor:
         built the payload: it must not read as a torchrun option and must be a file of
         ``code_dir`` (``LaunchSpecError`` otherwise)."""
         validate_launch(p)
+        # The static rendezvous: the control plane placed the generation, so every node knows its
+        # node rank and node rank 0 (the endpoint's address) hosts the store. c10d's dynamic
+        # rendezvous numbered the nodes by the order they joined (it ignores --node-rank), left the
+        # host to be guessed from addresses (two nodes of one machine both tried to host), and polls
+        # its state once a second: the node that joined first waited up to a second after the last
+        # one came, in every relaunch. Torchrun's own restarts are off (Nightwatch relaunches a
+        # generation), which is all c10d would add.
         command = [*self._torchrun, f"--nnodes={p.nnodes}", f"--nproc-per-node={p.nproc_per_node}",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}",
+                   "--rdzv-backend=static", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}",
                    f"--node-rank={p.node_rank}", "--max-restarts=0"]
-        if p.rdzv_is_host:
-            command.append("--rdzv-conf=is_host=1")
-        elif p.nnodes > 1:
-            # Said, not guessed: torchrun takes itself for the host when the endpoint's address is
-            # one of its own, and two nodes sharing an address (one machine, host networking) would
-            # both try to listen on the store's port.
-            command.append("--rdzv-conf=is_host=0")
         root = code_dir.resolve()
         if p.module is not None:
             if not any(all(_file_of(root, name) for name in files) for files in module_files(p.module)):

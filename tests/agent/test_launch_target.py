@@ -102,12 +102,10 @@ def test_nccl_files_are_placed_in_the_log_directory() -> None:
         "NCCL_DEBUG_FILE": "/logs/generation-3-d.log"}
 
 
-@pytest.mark.parametrize(("nnodes", "node_rank", "conf"), [
-    (1, 0, ["--rdzv-conf=is_host=1"]),
-    (2, 0, ["--rdzv-conf=is_host=1"]),
-    (2, 1, ["--rdzv-conf=is_host=0"]),  # not left to torchrun: nodes sharing an address would all host
-])
-def test_the_control_plane_names_the_one_node_that_hosts_the_rendezvous(tmp_path, nnodes, node_rank, conf) -> None:
+@pytest.mark.parametrize(("nnodes", "node_rank"), [(1, 0), (2, 0), (2, 1), (4, 3)])
+def test_the_nodes_meet_in_the_static_rendezvous_at_the_rank_the_control_plane_gave(tmp_path, nnodes,
+                                                                                    node_rank) -> None:
+    """Node rank 0 hosts the store; no node's rank is left to the order the nodes joined in."""
     from pathlib import Path
 
     from agents.supervisor import Supervisor
@@ -118,4 +116,6 @@ def test_the_control_plane_names_the_one_node_that_hosts_the_rendezvous(tmp_path
         command = supervisor._command(payload, Path(__file__).resolve().parents[2])
     finally:
         supervisor.shutdown(grace_s=1.0)
-    assert [option for option in command if option.startswith("--rdzv-conf")] == conf
+    rendezvous = [option for option in command if option.startswith(("--rdzv", "--node-rank", "--nnodes"))]
+    assert rendezvous == [f"--nnodes={nnodes}", "--rdzv-backend=static", f"--rdzv-endpoint={payload.rdzv_endpoint}",
+                          f"--rdzv-id={payload.rdzv_id}", f"--node-rank={node_rank}"]
