@@ -35,7 +35,17 @@ from agents.protocol.agent import (
 from agents.supervisor.generation import _Generation, _read_record, _record_path
 from agents.supervisor.launch import _TORCHRUN_ENV, DEFAULT_TORCHRUN, WARM_LAUNCHER, _file_of
 from agents.supervisor.output import _derived_exit_code, classify_exit, decode_line
-from agents.supervisor.procs import _alive, _dismiss, _family, _proc_table, _signal_all, _stat, _worker_gone
+from agents.supervisor.procs import (
+    _alive,
+    _as_now,
+    _dismiss,
+    _family,
+    _is_zygote,
+    _proc_table,
+    _signal_all,
+    _stat,
+    _worker_gone,
+)
 from agents.supervisor.warm_client import HOLD_FILE, REPLACEMENT_LINE
 from agents.supervisor.zygote import private_socket_dir, remove_socket_dir, through_client, worker_pids
 
@@ -669,6 +679,13 @@ class Supervisor:
         # SIGSTOP, a job-control accident) only acts on the pending SIGTERM once it runs again;
         # otherwise it would sit out the whole grace period and torchrun's own wait with it.
         _signal_all(family, signal.SIGCONT)
+        if self._wait_gone(gen, grace_s, but_torchrun=True) and gen.torchrun_present() and not gen.torchrun_exited():
+            # Every rank (and every process of theirs) is gone: nothing of the generation can write
+            # any more, and what torchrun does next (close an empty worker group, print its
+            # traceback, tear an interpreter with torch loaded down) took 0.3 s alone and 0.55-0.7 s
+            # on a busy node, before the stop could be acknowledged and the next generation
+            # launched (bench.node_loss). Its zygote dies with it.
+            _signal_all(_alive([p for p in gen.seen if p.pid == gen.pid]), signal.SIGKILL)
         if not self._wait_gone(gen, grace_s):
             log.warning("job %s generation %d: still running %.0f s after SIGTERM; sending SIGKILL",
                         gen.job, gen.generation, grace_s)
@@ -679,11 +696,16 @@ class Supervisor:
         gen.ended.wait(timeout=30)
         return gen.report
 
-    def _wait_gone(self, gen: _Generation, timeout: float) -> bool:
+    def _wait_gone(self, gen: _Generation, timeout: float, *, but_torchrun: bool = False) -> bool:
+        """Whether the whole family is gone within ``timeout``; ``but_torchrun``: all of it but
+        torchrun and its zygote (which dies with it)."""
         deadline = time.monotonic() + timeout
         while True:
             self._refresh_family(gen)
-            if gen.torchrun_exited() and not _alive(gen.seen):
+            if but_torchrun:
+                if not [p for p in _as_now(gen.seen) if p.pid != gen.pid and not _is_zygote(p, gen.pid)]:
+                    return True
+            elif gen.torchrun_exited() and not _alive(gen.seen):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -58,6 +58,17 @@ def _alive(procs: Iterable[_Proc]) -> list[_Proc]:
     return [p for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
 
 
+def _as_now(procs: Iterable[_Proc]) -> list[_Proc]:
+    """Those of ``procs`` still running, as /proc shows them now (their current name and parent)."""
+    table = _proc_table()
+    return [now for p in procs if (now := table.get(p.pid)) and now.started == p.started and now.state != "Z"]
+
+
+def _is_zygote(proc: _Proc, torchrun_pid: int) -> bool:
+    """Whether ``proc`` is torchrun's zygote (warm workers; it dies with torchrun)."""
+    return proc.ppid == torchrun_pid and proc.comm == ZYGOTE_COMM
+
+
 def _workers(procs: Iterable[_Proc], torchrun_pid: int, also: Iterable[_Proc] = ()) -> list[_Proc]:
     """torchrun's workers among ``procs``: its children, and with warm workers the children of its
     zygote (``agents.supervisor.zygote``: the child named ``ZYGOTE_COMM``), which are the ranks
@@ -65,7 +76,7 @@ def _workers(procs: Iterable[_Proc], torchrun_pid: int, also: Iterable[_Proc] = 
     children (data-loader workers). ``also``: more sightings of the same processes (a zygote seen
     in the instant between its fork and its renaming is known by a later sighting)."""
     procs = list(procs)
-    zygotes = {p.pid for p in [*procs, *also] if p.ppid == torchrun_pid and p.comm == ZYGOTE_COMM}
+    zygotes = {p.pid for p in [*procs, *also] if _is_zygote(p, torchrun_pid)}
     return [p for p in procs if p.pid != torchrun_pid and p.pid not in zygotes
             and (p.ppid == torchrun_pid or p.ppid in zygotes)]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,49 @@ def test_a_worker_gone_is_told_at_once_while_torchrun_still_runs(
     assert (job, generation) == ("job", 4) and torchrun_running
     assert at == report.rank_exited_at and at < report.ended_at - 1.0  # seconds before torchrun's exit
     assert notices.empty()  # once per generation
+
+
+SLOW_TO_STOP_TORCHRUN = """\
+import signal, subprocess, sys, time
+# A rank that finishes what it writes on SIGTERM (0.5 s), then says so on its way out.
+RANK = (
+    "import pathlib, signal, sys, time\\n"
+    "def done(*_):\\n    time.sleep(0.5); pathlib.Path(sys.argv[1]).write_text('done'); sys.exit(0)\\n"
+    "signal.signal(signal.SIGTERM, done)\\n"
+    "while True: time.sleep(0.05)\\n"
+)
+rank = subprocess.Popen([sys.executable, "-c", RANK, sys.argv[-1]])
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(60))  # torchrun's teardown, made long
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_stop_waits_for_the_ranks_not_for_torchrun_s_own_teardown(
+        tmp_path: Path, exits: queue.Queue[Any], pid_alive: Callable[[int], bool]) -> None:
+    """Once every rank is gone nothing of the generation can write: torchrun is killed then, not
+    waited for until the grace period ends (its teardown took 0.3-0.7 s of every relaunch). A rank
+    still finishing its write on SIGTERM is waited for."""
+    fake = tmp_path / "torchrun.py"
+    fake.write_text(SLOW_TO_STOP_TORCHRUN)
+    (tmp_path / "train.py").write_text("")
+    marker = tmp_path / "rank-finished"
+    sup = Supervisor(tmp_path / "work", on_exit=lambda job, gen, report: exits.put(report),
+                     torchrun=[sys.executable, str(fake)], default_grace_s=20.0)
+    try:
+        detail = sup.launch("job", 1, LaunchPayload(script="train.py", workdir=str(tmp_path), nnodes=1,
+                                                    nproc_per_node=1, node_rank=0, rdzv_endpoint="127.0.0.1:1",
+                                                    rdzv_id="x", args=[str(marker)]))
+        wait_for(lambda: len(supervisor_module._family(detail.pid, detail.pid)) == 2, timeout=10,
+                 what="the fake torchrun's rank", interval=POLL_S)
+        asked = time.monotonic()
+        report = sup.stop("job", 1)
+        took = time.monotonic() - asked
+    finally:
+        sup.shutdown(grace_s=1.0)
+    assert marker.read_text() == "done"  # the rank finished before torchrun was killed
+    assert 0.5 <= took < 5.0 and report is not None and report.requested_stop
+    assert not pid_alive(detail.pid)
 
 
 # --- reading the output, without processes -------------------------------------------------------
