@@ -41,6 +41,8 @@ EXEMPT_URLS = ("healthz", "readyz")
 #: bench.fleet (2026-12-02, 1,024 nodes) saw 21 of 23 jobs declared hung at a checkpoint step that way.
 #: URL names whose answer carries the caller's commands: an agent with open commands is urgent there.
 CARRIER_URLS = ("agent-heartbeat",)
+#: URL names of long polls: admitted as bulk, their slot given back once they wait (core.admission.RELEASE).
+LONG_POLL_URLS = ("agent-command-wait",)
 WITNESS_URLS = ("agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports", "job-checkpoints")
 
 
@@ -50,7 +52,7 @@ def admission(app) -> Admission:
                      urgent_reserve=knobs["URGENT_RESERVE"], retry_after_s=knobs["RETRY_AFTER_S"],
                      retry_after_max_s=knobs["RETRY_AFTER_MAX_S"],
                      urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
-                     witnesses=WITNESS_URLS, carriers=CARRIER_URLS,
+                     witnesses=WITNESS_URLS, carriers=CARRIER_URLS, long_polls=LONG_POLL_URLS,
                      awaited_within_s=command_ttl().total_seconds(), width=knobs["ADMISSION_WIDTH"],
                      share=knobs["ADMISSION_SHARE"])
 

@@ -293,6 +293,34 @@ class Gate:
         return None
 
 
+#: The ASGI scope key of a long poll's ``release()``: called once its caller is authorised and it
+#: starts waiting, it gives back the request's slot (in flight, and the gate's), so that waiting
+#: requests never fill the bound. ``nodes.services.wake``'s command wait calls it.
+RELEASE = "nightwatch.admission.release"
+
+
+class _Slot:
+    """One admitted request's place: in flight until released, and in the gate once entered."""
+
+    def __init__(self, counters: Counters, gate: Gate | None):
+        self.counters, self.gate = counters, gate
+        self.entered = self.released = False
+
+    async def enter(self, kind: str) -> None:
+        if self.gate is not None:
+            await self.gate.enter(kind)
+            self.entered = True
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.counters.in_flight -= 1
+        if self.entered:
+            assert self.gate is not None
+            self.gate.leave()
+
+
 class Admission:
     """Wraps an ASGI HTTP application; ``limit`` 0 turns admission control off, ``width`` 0 the gate
     (admitted requests then all go in at once, served in the order they reach Django's thread)."""
@@ -301,6 +329,7 @@ class Admission:
                  urgent_reserve: int = 0,
                  urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
                  exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
+                 long_polls: Collection[str] = (),
                  late_s: float | None = None, awaited_within_s: float = 600.0, width: int = 0, share: int = 3):
         if limit < 0 or not 0 <= urgent_reserve <= reserve or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= urgent_reserve <= reserve < limit (or limit 0: off), got "
@@ -326,6 +355,7 @@ class Admission:
         self.exempt = frozenset(exempt)
         self.witnesses = frozenset(witnesses)
         self.carriers = frozenset(carriers)
+        self.long_polls = frozenset(long_polls)
         self.awaited = AwaitedHeartbeats(awaited_within_s)
         self.counters = Counters()
         self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
@@ -387,17 +417,14 @@ class Admission:
         counters.in_flight += 1
         counters.peak = max(counters.peak, counters.in_flight)
         arrived = time.monotonic()
-        gate = self.gate if kind != EXEMPT else None
+        slot = _Slot(counters, self.gate if kind != EXEMPT else None)
+        if name in self.long_polls:
+            scope = {**scope, RELEASE: slot.release}
         try:
-            if gate is not None:
-                await gate.enter(kind)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                if gate is not None:
-                    gate.leave()
+            await slot.enter(kind)
+            await self.app(scope, receive, send)
         finally:
-            counters.in_flight -= 1
+            slot.release()
             if kind == PRIORITY and 0 < self.late_s <= time.monotonic() - arrived:
                 self.shared.add("late:priority")
             else:

@@ -6,7 +6,7 @@ a pause the worker commits would never reach a browser. The API that takes step 
 to the jobs app, which should not know about browsers either. So the web process that holds the
 WebSockets follows the two append-only tables every state change and every report lands in —
 ``core.models.Event`` (every transition, operator action, verification, drain …) and
-``jobs.models.StepMetric`` — by primary key (``dashboard.tail``), and sends what it finds to the
+``jobs.models.StepMetric`` — by primary key (``core.tail``), and sends what it finds to the
 ``job.<id>`` and ``cluster`` groups. Only committed rows are visible to it, so pushes always
 follow the commit; a dashboard action also wakes it up on commit (``poke``).
 
@@ -39,8 +39,8 @@ from django.db.models import Max, Q
 from core import degraded
 from core.events import CHART_KINDS
 from core.models import Event
+from core.tail import Tail
 from dashboard import events, sections
-from dashboard.tail import Tail
 from jobs.models import StepMetric
 
 log = logging.getLogger(__name__)

@@ -69,6 +69,19 @@ def fleet_counted_afresh():
 
 
 @pytest.fixture(autouse=True)
+def command_watch_stopped():
+    """A test that reached the command wait endpoint started the process's watch, whose thread
+    holds a database connection: stopped after the test, so that the test database can go."""
+    yield
+    from nodes.services import wake
+
+    if wake.WATCH.started:
+        from asgiref.sync import async_to_sync
+
+        async_to_sync(wake.WATCH.stop)()
+
+
+@pytest.fixture(autouse=True)
 def redis_not_skipped():
     """A test that made Redis fail must not leave it skipped (``core.degraded``'s short circuit) for
     the next test in the same process."""

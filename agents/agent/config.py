@@ -71,6 +71,9 @@ class AgentConfig:
     #: hooks); default: theirs, ``/dev/shm/nightwatch``. Set it when several agents share one
     #: machine's memory (a demo, a benchmark), or the tmpfs is mounted elsewhere.
     snapshot_dir: Path | None = None
+    #: Keep a long poll open for commands (``agents.agent.wake``), so that a stop or a launch is
+    #: taken at once instead of with the next heartbeat. Off: commands come with heartbeats only.
+    command_wait: bool = True
     stop_grace_s: float = 30.0
     #: Stop the jobs this agent runs when it is stopped cleanly (SIGTERM: node maintenance). With
     #: False they keep running and the next agent on the node adopts them (``Supervisor.adopt``), as

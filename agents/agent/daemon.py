@@ -29,6 +29,7 @@ from agents.agent.registration import (
     register,
     save_credentials,
 )
+from agents.agent.wake import CommandWait
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.preflight import check_launch
@@ -92,6 +93,9 @@ class Agent:
         self._stopping = threading.Event()
         #: Cuts the loop's tick short: an exit report should not wait for the next tick.
         self._wake = threading.Event()
+        #: Set by the command wait (``agents.agent.wake``): heartbeat now, commands are queued.
+        self._commands_waiting = threading.Event()
+        self._command_wait: CommandWait | None = None
         self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._seq = 0
         #: The interval the control plane asked for (heartbeat pacing); registration's until it answers.
@@ -133,6 +137,12 @@ class Agent:
                 {"launch": self._launch, "stop": self._stop_generation, "drain": self._drain,
                  "health_check": self._health_check},
                 self.outbox.add_ack, refusals=(StaleGeneration, LaunchSpecError))
+            if self.config.command_wait:
+                self._command_wait = CommandWait(
+                    self.config.control_plane_url, creds.node_token, creds.node_id,
+                    on_commands=self._on_commands_waiting, stopping=self._stopping,
+                    interval_s=lambda: self.heartbeat_interval_s or self.config.heartbeat_interval_s)
+                self._command_wait.start()
             self.outbox.add_event("agent_started", AgentStarted(
                 agent_version=__version__, gpu_telemetry=self.source.available,
                 gpu_telemetry_reason=self.source.reason))
@@ -200,6 +210,9 @@ class Agent:
                 next_sample = now + self.config.telemetry_interval_s
             self.outbox.report_drops()
             urgent = now < self._decision_expected_until and now - last_heartbeat >= DECISION_POLL_S
+            if self._commands_waiting.is_set():
+                self._commands_waiting.clear()
+                urgent = True
             if now >= next_heartbeat or urgent:
                 self._heartbeat(creds)
                 last_heartbeat = now
@@ -232,6 +245,11 @@ class Agent:
                     self._set_reachable(False, str(exc))
             if self._wake.wait(TICK_S):
                 self._wake.clear()
+
+    def _on_commands_waiting(self) -> None:
+        """The command wait's thread: commands are queued for this node; heartbeat to take them."""
+        self._commands_waiting.set()
+        self._wake.set()
 
     def _heartbeat(self, creds: NodeCredentials) -> None:
         self._seq += 1

@@ -57,6 +57,9 @@ HEARTBEAT_PATH = "/api/v1/nodes/{node_id}/heartbeat"
 TELEMETRY_PATH = "/api/v1/nodes/{node_id}/telemetry"
 EVENTS_PATH = "/api/v1/nodes/{node_id}/events"
 ACK_PATH = "/api/v1/nodes/{node_id}/commands/{command_id}/ack"
+#: The agent's long poll (GET, ``?timeout=S``): answered CommandWaitResponse as soon as a command
+#: waits for the node, or when the timeout passes (``nodes.services.wake``).
+COMMAND_WAIT_PATH = "/api/v1/nodes/{node_id}/commands/wait"
 
 #: Identifiers that end up in URL paths and file names: no slashes, no spaces, no dot-dot.
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}"
@@ -168,6 +171,12 @@ class HeartbeatResponse:
     #: When to heartbeat next, in seconds: the fleet's paced interval. Only to an agent whose
     #: heartbeat gave ``interval_s`` (left out otherwise, so an older agent parses the answer).
     heartbeat_interval_s: float | None = field(default=None, min=0.05, max=3600)
+
+
+@dataclass(frozen=True)
+class CommandWaitResponse:
+    #: True: a command waits for the node (heartbeat now to take it); False: the timeout passed.
+    commands: bool
 
 
 @dataclass(frozen=True)

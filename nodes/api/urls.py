@@ -17,5 +17,7 @@ urlpatterns = [
     path("nodes/<int:node_id>/heartbeat", views.AgentHeartbeat.as_view(), name="agent-heartbeat"),
     path("nodes/<int:node_id>/telemetry", views.AgentTelemetry.as_view(), name="agent-telemetry"),
     path("nodes/<int:node_id>/events", views.AgentEvents.as_view(), name="agent-events"),
+    # The long poll (an async view: a waiting agent holds no thread); AgentCommandWait documents it.
+    path("nodes/<int:node_id>/commands/wait", views.command_wait, name="agent-command-wait"),
     path("nodes/<int:node_id>/commands/<int:command_id>/ack", views.AgentCommandAck.as_view(), name="agent-ack"),
 ]

@@ -8,7 +8,9 @@ the protocol's own classes, each for the token's own node only; a bad message is
 
 from __future__ import annotations
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.http import JsonResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
@@ -18,7 +20,7 @@ from rest_framework.views import APIView
 
 from agents.protocol import ProtocolError, dump
 from agents.protocol import agent as wire
-from core import roles
+from core import admission, roles
 from core.api import choices_param, parse_wire
 from core.auth import AgentThrottle, RegisterThrottle, actor_label, calling_node
 from core.problems import Conflict
@@ -36,6 +38,7 @@ from nodes.api.serializers import (
 )
 from nodes.choices import CommandState, Health, Schedulability
 from nodes.models import GPU, Node, NodeCommand
+from nodes.services import wake
 from nodes.services.ingest import ForeignGeneration
 
 _HEALTH = OpenApiParameter("health", str, description="Comma-separated: " + ", ".join(Health.values))
@@ -331,3 +334,62 @@ class AgentCommandAck(AgentEndpoint):
         except (services.StaleCommand, services.AckMismatch) as exc:
             raise Conflict(str(exc)) from exc
         return Response(NodeCommandSerializer(command).data)
+
+
+class AgentCommandWait(AgentEndpoint):
+    """``GET nodes/<id>/commands/wait?timeout=S``: the agent's long poll (``nodes.services.wake``).
+
+    Authorised like every agent call (an agent token of the node in the URL, its throttle); the
+    wait itself is ``command_wait``, an async view, so that a waiting agent holds no thread. DRF
+    has no async views: ``authorise`` runs this view's checks alone and answers their refusals."""
+
+    DEFAULT_WAIT_S = 25.0
+
+    @extend_schema(parameters=[OpenApiParameter("timeout", float, description=(
+                       f"Seconds to wait, above 0 and at most {wake.MAX_WAIT_S:g} (default {DEFAULT_WAIT_S:g})."))],
+                   responses={200: protocol_schema(wire.CommandWaitResponse)},
+                   description="Answers agents.protocol.agent.CommandWaitResponse: commands true as soon as a "
+                               "command waits for the node (heartbeat to take it), false when the timeout passed.")
+    def get(self, request, node_id):  # the schema's; command_wait serves the request
+        raise exceptions.MethodNotAllowed("GET")
+
+    @classmethod
+    def authorise(cls, request, node_id: int) -> tuple[float | None, Response | None]:
+        """(the wait asked for, None) or (None, the rendered refusal)."""
+        view = cls()
+        view.args, view.kwargs = (), {"node_id": node_id}
+        drf_request = view.initialize_request(request, node_id=node_id)
+        view.request, view.headers = drf_request, view.default_response_headers
+        try:
+            if request.method != "GET":
+                raise exceptions.MethodNotAllowed(request.method)
+            view.initial(drf_request, node_id=node_id)
+            return cls._timeout(drf_request.query_params.get("timeout")), None
+        except Exception as exc:
+            response = view.finalize_response(drf_request, view.handle_exception(exc), node_id=node_id)
+            return None, response.render()
+
+    @classmethod
+    def _timeout(cls, raw: str | None) -> float:
+        if raw is None:
+            return cls.DEFAULT_WAIT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= wake.MAX_WAIT_S:  # NaN fails too
+            raise exceptions.ValidationError({"timeout": [f"must be a number of seconds above 0 and at most "
+                                                          f"{wake.MAX_WAIT_S:g}, got {raw!r}"]})
+        return value
+
+
+async def command_wait(request, node_id: int):
+    timeout_s, refused = await sync_to_async(AgentCommandWait.authorise)(request, node_id)
+    if refused is not None:
+        return refused
+    assert timeout_s is not None
+    release = getattr(request, "scope", {}).get(admission.RELEASE)  # ASGI only: see core.admission
+    if release is not None:
+        release()
+    waiting = await wake.WATCH.wait(node_id, timeout_s)
+    return JsonResponse(dump(wire.CommandWaitResponse(commands=waiting)))

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -98,6 +99,10 @@ class ControlPlane:
         #: A shedding control plane: telemetry is answered 503 with this Retry-After (None: taken).
         self.telemetry_retry_after: int | None = None
         self.telemetry_refusals = 0
+        #: The command wait (GET commands/wait): answered as soon as a command is pending.
+        self.knows_command_wait = True
+        self.command_waits = 0
+        self.changed = threading.Condition(self.lock)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -111,15 +116,33 @@ class ControlPlane:
     def down(self) -> None:
         """Close the listening socket: connections are refused until ``up()``."""
         if self._server is not None:
+            with self.changed:
+                self.changed.notify_all()  # the waits answer now (self._server is None then)
             self._server.shutdown()
             self._server.server_close()
             assert self._thread is not None
             self._thread.join()
             self._server = None
+            with self.changed:
+                self.changed.notify_all()
 
     def send(self, command: Any) -> None:
-        with self.lock:
+        with self.changed:
             self.pending.append(dump(command))
+            self.changed.notify_all()
+
+    def _wait(self, path: str, auth: str | None) -> tuple[int, dict[str, Any]]:
+        url = urllib.parse.urlsplit(path)
+        if auth != f"Bearer {self.node_token}":
+            return 401, {"error": "bad node token"}
+        if not self.knows_command_wait or url.path != f"/api/v1/nodes/{self.node_id}/commands/wait":
+            return 404, {"error": f"no route {path}"}
+        timeout = float(urllib.parse.parse_qs(url.query)["timeout"][0])
+        with self.changed:
+            self.command_waits += 1
+            server = self._server
+            waiting = self.changed.wait_for(lambda: self.pending or self._server is not server, timeout=timeout)
+        return 200, {"commands": bool(waiting and self.pending)}
 
     def events_of(self, kind: str) -> list[tuple[Any, Any]]:
         with self.lock:
@@ -189,6 +212,15 @@ class ControlPlane:
                 self.send_header("Content-Length", str(len(data)))
                 if status == 503 and plane.telemetry_retry_after is not None:
                     self.send_header("Retry-After", str(plane.telemetry_retry_after))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                status, answer = plane._wait(self.path, self.headers.get("Authorization"))
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 

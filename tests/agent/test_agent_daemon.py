@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,29 @@ def test_a_command_runs_once_however_often_it_arrives(control_plane: Any, agent_
     assert agent.commands is not None and agent.commands.executed["drain"] == 1
     assert len(control_plane.events_of("drain_ack")) == 1
     assert {a.status for a in control_plane.acks} == {"done"}
+
+
+@pytest.mark.parametrize("command_wait", [True, False])
+def test_a_command_is_taken_as_it_is_queued_not_with_the_next_heartbeat(
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
+        command_wait: bool) -> None:
+    """Heartbeats 30 s apart (a paced fleet): with the command wait a drain is acked within a
+    second of being queued; without it, it waits for the next heartbeat."""
+    control_plane.heartbeat_interval_s = 30.0
+    running = start_agent(agent_config(command_wait=command_wait))
+    wait_for(lambda: control_plane.heartbeats, timeout=20, what="the first heartbeat", interval=POLL_S)
+    if command_wait:
+        wait_for(lambda: control_plane.command_waits, timeout=5, what="the agent's command wait", interval=POLL_S)
+    queued = time.monotonic()
+    control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c1"))
+    if command_wait:
+        wait_for(lambda: control_plane.acks, timeout=5, what="the drain ack", interval=POLL_S)
+        assert time.monotonic() - queued < 1.0
+        assert len(control_plane.heartbeats) >= 2  # taken by a heartbeat made at once
+    else:
+        time.sleep(2.0)  # the claim is that nothing happens: there is no event to wait for
+        assert not control_plane.acks and len(control_plane.heartbeats) == 1
+    assert running.stop() == 0
 
 
 def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent_config: Callable[..., Any],

@@ -75,6 +75,7 @@ GRANTS = {
     ("api/v1/nodes/<int:node_id>/telemetry", "POST"): "agent",
     ("api/v1/nodes/<int:node_id>/events", "POST"): "agent",
     ("api/v1/nodes/<int:node_id>/commands/<int:command_id>/ack", "POST"): "agent",
+    ("api/v1/nodes/<int:node_id>/commands/wait", "GET"): "agent",
     # checkpoints
     ("api/v1/checkpoints", "GET"): "view",
     ("api/v1/checkpoints/<int:pk>", "GET"): "view",

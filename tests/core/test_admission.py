@@ -353,3 +353,39 @@ def test_a_gate_that_cannot_work_is_refused_at_start(width, share):
 
     with pytest.raises(ValueError):
         Gate(width, share)
+
+
+def test_a_long_poll_gives_its_slot_back_once_it_waits_and_only_a_long_poll_can():
+    """An agent's command wait is admitted as bulk and holds its place while it is authorised; once
+    it waits (``RELEASE``) it is neither in flight nor in the gate, so a fleet of waiting agents never
+    fills the bound. A request of another URL finds no ``RELEASE`` in its scope."""
+    from core.admission import RELEASE
+
+    class Polls:
+        def __init__(self):
+            self.waiting, self.answer, self.scopes = 0, asyncio.Event(), []
+
+        async def __call__(self, scope, receive, send):
+            self.scopes.append(scope)
+            if RELEASE in scope:
+                scope[RELEASE]()
+                scope[RELEASE]()  # twice is once
+                self.waiting += 1
+                await self.answer.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+    async def scenario():
+        polls = Polls()
+        app = Admission(polls, limit=3, reserve=1, retry_after_s=1, priority=PRIORITY_URLS, width=1,
+                        long_polls=controlplane_asgi.LONG_POLL_URLS)
+        waits = [asyncio.create_task(call(app, f"/api/v1/nodes/{n}/commands/wait", method="GET")) for n in range(8)]
+        await until(lambda: polls.waiting == 8)
+        assert app.counters.in_flight == 0 and app.gate.inside == 0
+        assert (await call(app, REPORTS))["status"] == 200  # bulk still finds its slots and the gate open
+        assert RELEASE not in polls.scopes[-1]
+        polls.answer.set()
+        assert [a["status"] for a in await asyncio.gather(*waits)] == [200] * 8
+        assert app.counters.in_flight == 0 and app.counters.admitted["other"] == 9
+
+    asyncio.run(scenario())

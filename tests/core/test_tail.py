@@ -1,10 +1,10 @@
-"""``dashboard.tail.Tail``: following a table by id when transactions commit out of order."""
+"""``core.tail.Tail``: following a table by id when transactions commit out of order."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dashboard.tail import HOLE_TTL_S, Tail
+from core.tail import HOLE_TTL_S, Tail
 
 
 class Table:

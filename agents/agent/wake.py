@@ -1,0 +1,81 @@
+"""The agent's long poll for commands: heartbeat as soon as a command waits, not an interval later.
+
+Commands ride on heartbeat answers, once an interval (5 s by default, up to 30 s when the control
+plane paces a large fleet). A stop that fences a failed generation and the launch of the next one
+are what a recovery waits for, so a thread keeps one ``GET nodes/<id>/commands/wait`` open
+(``nodes.services.wake`` on the control plane); when it answers ``commands: true`` the agent's loop
+heartbeats at once and takes them as always. Everything else is unchanged: a lost poll, a refused
+one, or a control plane that predates it only means the commands come with the next heartbeat.
+
+Bounded both ways: after a wake-up that did not empty the queue (the heartbeat that should take the
+commands was refused, say) the next poll waits, doubling from ``MIN_GAP_S`` up to the heartbeat
+interval, so the poll never heartbeats faster than that; an unreachable control plane backs off as
+the spool's replay does, and a refusal's ``Retry-After`` is honoured.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from agents.http import ControlPlaneClient, Unreachable, retry_delay
+from agents.protocol import ProtocolError, parse
+from agents.protocol.agent import COMMAND_WAIT_PATH, CommandWaitResponse
+
+log = logging.getLogger(__name__)
+
+#: How long each poll asks the control plane to wait; below the usual 60 s idle timeout of proxies.
+WAIT_S = 50.0
+#: Added to the request's own timeout: the answer at ``WAIT_S`` still has to travel.
+TRANSIT_S = 10.0
+#: The least time between two wake-ups (doubling while the queue stays non-empty after them).
+MIN_GAP_S = 0.05
+#: A control plane without the long poll (404, 405) is asked again after this long (an upgrade).
+ABSENT_RETRY_S = 600.0
+
+
+class CommandWait(threading.Thread):
+    """Calls ``on_commands`` whenever the control plane says a command waits for ``node_id``."""
+
+    def __init__(self, base_url: str, token: str, node_id: str, *, on_commands: Callable[[], None],
+                 interval_s: Callable[[], float], stopping: threading.Event, wait_s: float = WAIT_S):
+        super().__init__(name="command-wait", daemon=True)
+        self.client = ControlPlaneClient(base_url, token, timeout=wait_s + TRANSIT_S)
+        self.node_id, self.wait_s = node_id, wait_s
+        self.on_commands, self.interval_s, self.stopping = on_commands, interval_s, stopping
+        self.wakeups = 0
+
+    def run(self) -> None:
+        path = f"{COMMAND_WAIT_PATH.format(node_id=self.node_id)}?timeout={self.wait_s:g}"
+        failures, gap = 0, 0.0
+        while not self.stopping.is_set():
+            try:
+                status, body = self.client.request("GET", path)
+            except Unreachable as exc:
+                failures += 1
+                self.stopping.wait(retry_delay(failures, cap=max(self.interval_s(), 1.0), retry_after=exc.retry_after))
+                continue
+            failures = 0
+            if status in (404, 405):
+                log.info("the control plane has no command wait (HTTP %d): commands come with heartbeats; asking "
+                         "again in %.0f s", status, ABSENT_RETRY_S)
+                self.stopping.wait(ABSENT_RETRY_S)
+                continue
+            try:
+                answer = parse(CommandWaitResponse, body) if status == 200 else None
+            except ProtocolError as exc:
+                log.warning("malformed command wait answer (%s); commands come with heartbeats", exc)
+                answer = None
+            if answer is None:
+                if status != 200:
+                    log.warning("command wait refused (HTTP %d: %s); commands come with heartbeats", status, body)
+                self.stopping.wait(max(self.interval_s(), 1.0))
+                continue
+            if not answer.commands:
+                gap = 0.0  # the queue was empty for a whole wait: the last wake-up was taken
+                continue
+            self.wakeups += 1
+            self.on_commands()
+            gap = min(max(gap * 2, MIN_GAP_S), max(self.interval_s(), MIN_GAP_S))
+            self.stopping.wait(gap)
