@@ -29,7 +29,7 @@ from agents.agent.registration import (
     register,
     save_credentials,
 )
-from agents.agent.wake import CommandWait
+from agents.agent.wake import CommandWait, HeartbeatCount
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.preflight import check_launch
@@ -95,6 +95,7 @@ class Agent:
         self._wake = threading.Event()
         #: Set by the command wait (``agents.agent.wake``): heartbeat now, commands are queued.
         self._commands_waiting = threading.Event()
+        self._heartbeats = HeartbeatCount()
         self._command_wait: CommandWait | None = None
         self._xids: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._seq = 0
@@ -140,7 +141,7 @@ class Agent:
             if self.config.command_wait:
                 self._command_wait = CommandWait(
                     self.config.control_plane_url, creds.node_token, creds.node_id,
-                    on_commands=self._on_commands_waiting, stopping=self._stopping,
+                    on_commands=self._on_commands_waiting, heartbeats=self._heartbeats, stopping=self._stopping,
                     interval_s=lambda: self.heartbeat_interval_s or self.config.heartbeat_interval_s)
                 self._command_wait.start()
             self.outbox.add_event("agent_started", AgentStarted(
@@ -280,6 +281,7 @@ class Agent:
         except ProtocolError as exc:
             log.error("malformed heartbeat answer: %s", exc)
             return
+        self._heartbeats.got_through()
         if answer.heartbeat_interval_s is not None and answer.heartbeat_interval_s != self.heartbeat_interval_s:
             log.info("heartbeat interval %.1f s, as the control plane asks (was %.1f s)", answer.heartbeat_interval_s,
                      self.heartbeat_interval_s)

@@ -7,10 +7,13 @@ are what a recovery waits for, so a thread keeps one ``GET nodes/<id>/commands/w
 heartbeats at once and takes them as always. Everything else is unchanged: a lost poll, a refused
 one, or a control plane that predates it only means the commands come with the next heartbeat.
 
-Bounded both ways: after a wake-up that did not empty the queue (the heartbeat that should take the
-commands was refused, say) the next poll waits, doubling from ``MIN_GAP_S`` up to the heartbeat
-interval, so the poll never heartbeats faster than that; an unreachable control plane backs off as
-the spool's replay does, and a refusal's ``Retry-After`` is honoured.
+Bounded: after a wake-up the next poll waits until a heartbeat has got through (the one it asked
+for, or, when that one was refused, the next one the loop makes on its own schedule), so a queue that
+a refused heartbeat left full never makes the agent heartbeat faster than it would anyway; an
+unreachable control plane backs off as the spool's replay does, and a refusal's ``Retry-After`` is
+honoured. (A gap that doubled with each wake-up, reset only by a whole wait without one, grew to the
+heartbeat interval on a node whose commands come less than ``WAIT_S`` apart: the launch after a stop
+then waited 0.7 s in bench.node_loss.)
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ log = logging.getLogger(__name__)
 WAIT_S = 50.0
 #: Added to the request's own timeout: the answer at ``WAIT_S`` still has to travel.
 TRANSIT_S = 10.0
-#: The least time between two wake-ups (doubling while the queue stays non-empty after them).
-MIN_GAP_S = 0.05
 #: A control plane without the long poll (404, 405) is asked again after this long (an upgrade).
 ABSENT_RETRY_S = 600.0
 
@@ -39,16 +40,19 @@ class CommandWait(threading.Thread):
     """Calls ``on_commands`` whenever the control plane says a command waits for ``node_id``."""
 
     def __init__(self, base_url: str, token: str, node_id: str, *, on_commands: Callable[[], None],
-                 interval_s: Callable[[], float], stopping: threading.Event, wait_s: float = WAIT_S):
+                 heartbeats: HeartbeatCount, interval_s: Callable[[], float], stopping: threading.Event,
+                 wait_s: float = WAIT_S):
+        """``on_commands``: heartbeat now; ``heartbeats``: the heartbeats that got through."""
         super().__init__(name="command-wait", daemon=True)
         self.client = ControlPlaneClient(base_url, token, timeout=wait_s + TRANSIT_S)
         self.node_id, self.wait_s = node_id, wait_s
-        self.on_commands, self.interval_s, self.stopping = on_commands, interval_s, stopping
+        self.on_commands, self.heartbeats = on_commands, heartbeats
+        self.interval_s, self.stopping = interval_s, stopping
         self.wakeups = 0
 
     def run(self) -> None:
         path = f"{COMMAND_WAIT_PATH.format(node_id=self.node_id)}?timeout={self.wait_s:g}"
-        failures, gap = 0, 0.0
+        failures = 0
         while not self.stopping.is_set():
             try:
                 status, body = self.client.request("GET", path)
@@ -73,9 +77,27 @@ class CommandWait(threading.Thread):
                 self.stopping.wait(max(self.interval_s(), 1.0))
                 continue
             if not answer.commands:
-                gap = 0.0  # the queue was empty for a whole wait: the last wake-up was taken
                 continue
             self.wakeups += 1
+            through = self.heartbeats.count
             self.on_commands()
-            gap = min(max(gap * 2, MIN_GAP_S), max(self.interval_s(), MIN_GAP_S))
-            self.stopping.wait(gap)
+            self.heartbeats.wait_past(through, self.stopping)
+
+
+class HeartbeatCount:
+    """How many heartbeats got through, and a wait for the next one (from another thread)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self.count = 0
+
+    def got_through(self) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
+
+    def wait_past(self, count: int, stopping: threading.Event) -> None:
+        """Until more than ``count`` got through, or ``stopping`` is set."""
+        with self._changed:
+            while self.count <= count and not stopping.is_set():
+                self._changed.wait(timeout=0.5)  # stopping has no way to notify: look at it twice a second
