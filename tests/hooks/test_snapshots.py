@@ -80,8 +80,11 @@ def test_a_lost_node_s_rank_resumes_on_a_spare_from_its_partner_s_copy_after_the
     faulted, result = run("faulted", max_restarts=1, env={"SNAPSHOT_FAULTS": "0:kill:0:11"})
     output = result.output
     assert "rank 0 killed at step 11" in output
-    resumes = re.findall(r"resumed from step (\d+) \(snapshot \S+, ([^;]+);", output)
-    assert sorted(resumes) == [("10", "rank 0's copy"), ("10", "this node's memory")], output[-4000:]
+    resumes = sorted(re.findall(r"resumed from step (\d+) \(snapshot \S+, ([^;]+);", output))
+    # Step 10's, or step 9's when rank 0 died before its copy of step 10 was whole on b (the copy
+    # runs in the background): one step lost, and the step in flight.
+    assert [source for _, source in resumes] == ["rank 0's copy", "this node's memory"], output[-4000:]
+    assert resumes[0][0] == resumes[1][0] in ("9", "10"), output[-4000:]
     # The survivor and the spare finished with the final checkpoint on disk: nothing left in their
     # memory, the earlier numbering's copies included. Node a's memory went with it.
     for node in ("b", "c"):
