@@ -75,10 +75,7 @@ def command_watch_stopped():
     yield
     from nodes.services import wake
 
-    if wake.WATCH.started:
-        from asgiref.sync import async_to_sync
-
-        async_to_sync(wake.WATCH.stop)()
+    wake.WATCH.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -13,20 +13,20 @@ its commands as before, so delivery, acknowledgement and fencing are unchanged, 
 control plane without the long poll still gets every command on the next heartbeat.
 
 One ``CommandWatch`` per web process follows the command table by primary key (``core.tail.Tail``,
-which also catches rows committed out of order) every ``WATCH_INTERVAL_S`` while anyone waits: one
-indexed query a turn for the whole fleet, however many agents wait. A waiting request is an asyncio
-future, not a thread or a database connection, and admission control does not count it in flight
-(``core.admission``'s long polls).
+which also catches rows committed out of order) every ``WATCH_INTERVAL_S`` while anyone waits, from a
+thread of its own with one database connection: one indexed query a turn for the whole fleet,
+however many agents wait. A waiting request is an asyncio future, not a thread or a database
+connection (it gives its connection back before it waits), and admission control does not count it
+in flight (``core.admission``'s long polls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
 from django.db import connection
@@ -49,28 +49,32 @@ BATCH = 5000
 
 
 class CommandWatch:
+    """Waiting requests (futures of any event loop) by node, and the thread that wakes them.
+
+    The thread is no asyncio task: one web process serves from one loop under daphne, but Django's
+    WSGI servers (its live test server) run each request's async view in a loop of its own."""
+
     def __init__(self, *, interval_s: float = WATCH_INTERVAL_S, idle_stop_s: float = IDLE_STOP_S):
         self.interval_s, self.idle_stop_s = interval_s, idle_stop_s
         self.tail = Tail()
         self.waiters: dict[int, set[asyncio.Future]] = {}
-        self._task: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started: asyncio.Future | None = None
-        # One thread of its own, with its own database connection kept open while the watch runs
-        # (request handling closes connections at each request's end), as dashboard.relay does.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="command-watch")
-        self._context = contextvars.Context()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
 
     async def wait(self, node_id: int, timeout_s: float) -> bool:
         """True as soon as a command for ``node_id`` is pending (at once if one already is), False
         after ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        await self._running(loop)
-        woken: asyncio.Future = loop.create_future()
-        self.waiters.setdefault(node_id, set()).add(woken)
+        woken: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self.waiters.setdefault(node_id, set()).add(woken)
+            ready = self._running()
         try:
             # After the watch's starting point and after joining the waiters: a command committed
             # from here on is seen by the watch, one committed before by this read.
+            if not ready.is_set():
+                await asyncio.to_thread(ready.wait, 10.0)
             if await sync_to_async(_has_pending)(node_id):
                 return True
             try:
@@ -78,69 +82,70 @@ class CommandWatch:
             except TimeoutError:
                 return False
         finally:
-            waiting = self.waiters.get(node_id)
-            if waiting is not None:
-                waiting.discard(woken)
-                if not waiting:
-                    del self.waiters[node_id]
+            with self._lock:
+                waiting = self.waiters.get(node_id)
+                if waiting is not None:
+                    waiting.discard(woken)
+                    if not waiting:
+                        del self.waiters[node_id]
 
     def wake(self, node_ids) -> int:
-        """Answer the agents of ``node_ids`` that wait; how many requests were answered."""
-        answered = 0
-        for node_id in set(node_ids):
-            for woken in self.waiters.get(node_id, ()):
-                if not woken.done():
-                    woken.set_result(True)
-                    answered += 1
-        return answered
+        """Answer the requests waiting for ``node_ids`` (from any thread); how many there were."""
+        with self._lock:
+            woken = [future for node_id in set(node_ids) for future in self.waiters.get(node_id, ())]
+        for future in woken:
+            with contextlib.suppress(RuntimeError):  # its loop closed: the request is gone
+                future.get_loop().call_soon_threadsafe(_answer, future)
+        return len(woken)
 
     @property
     def started(self) -> bool:
-        """Whether the watch ran since it was made or last stopped (its thread may hold a connection)."""
-        return self._loop is not None
+        """Whether the watch's thread runs (it holds a database connection)."""
+        return self._thread is not None
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         """Stop watching now (tests; a server lets the watch idle out)."""
-        if self._task is not None and not self._task.done() and self._loop is asyncio.get_running_loop():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._task = self._loop = None
-        await self._in_thread(_close_connection)
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            self._stopping.set()
+            thread.join(timeout=10)
+            self._stopping.clear()
 
-    async def _running(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._task is None or self._task.done() or self._loop is not loop:
-            self._loop = loop
-            self._started = loop.create_future()
-            self._task = loop.create_task(self._run())
-        assert self._started is not None
-        await asyncio.shield(self._started)
+    def _running(self) -> threading.Event:
+        """Start the thread unless it runs (under ``_lock``); the event it sets once it has its start."""
+        if self._thread is None:
+            self._ready = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(self._ready,), name="command-watch", daemon=True)
+            self._thread.start()
+        return self._ready
 
-    async def _run(self) -> None:
-        assert self._started is not None
+    def _run(self, ready: threading.Event) -> None:
         try:
-            await self._in_thread(self._mark_now)
-        except BaseException as error:
-            self._started.set_exception(error)
-            raise
-        self._started.set_result(None)
+            self._mark_now()
+        except Exception:  # no database: the waits still end by their timeouts
+            log.exception("command watch cannot start")
+        ready.set()
         idle_since: float | None = None
-        while True:
-            if not self.waiters:
-                idle_since = idle_since or time.monotonic()
-                if time.monotonic() - idle_since > self.idle_stop_s:
-                    await self._in_thread(_close_connection)
-                    return
-            else:
-                idle_since = None
-            try:
-                self.wake(await self._in_thread(self._collect))
-            except Exception:  # a failed read must not end the watch: agents fall back on heartbeats
-                log.exception("command watch turn failed")
-            await asyncio.sleep(self.interval_s)
-
-    async def _in_thread(self, fn):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._context.run, fn)
+        try:
+            while not self._stopping.wait(self.interval_s):
+                with self._lock:
+                    if self.waiters:
+                        idle_since = None
+                    else:
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since > self.idle_stop_s:
+                            self._thread = None
+                            return
+                try:
+                    self.wake(self._collect())
+                except Exception:  # a failed read must not end the watch: agents fall back on heartbeats
+                    log.exception("command watch turn failed")
+        finally:
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+            connection.close()
 
     # --- in the watch's thread, with the ORM ---------------------------------------------------------
     def _mark_now(self) -> None:
@@ -156,12 +161,20 @@ class CommandWatch:
         return [row.node_id for row in rows if row.state == CommandState.PENDING]
 
 
-def _close_connection() -> None:
-    connection.close()  # looked up in the thread that runs it: each thread has its own
+def _answer(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(True)
 
 
 def _has_pending(node_id: int) -> bool:
-    return NodeCommand.objects.filter(node_id=node_id, state=CommandState.PENDING).exists()
+    """In the request's own thread, after its authorisation; then its connection is given back (to
+    the pool, or closed): a thousand waiting agents must not hold a thousand connections until their
+    answers, which a pool of DB_POOL_MAX_SIZE would run out of. Not inside a transaction (a test's)."""
+    try:
+        return NodeCommand.objects.filter(node_id=node_id, state=CommandState.PENDING).exists()
+    finally:
+        if not connection.in_atomic_block:
+            connection.close()
 
 
 #: The web process's watch (one per process).

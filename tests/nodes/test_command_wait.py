@@ -13,6 +13,7 @@ import time
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 
+from nodes.services import wake
 from nodes.services.commands import enqueue_command, pending_commands_for
 from nodes.services.wake import CommandWatch
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def watch():
     watch = CommandWatch(interval_s=0.02, idle_stop_s=0.5)
     yield watch
-    async_to_sync(watch.stop)()
+    watch.stop()
 
 
 def drain(node):
@@ -104,3 +105,39 @@ def test_the_endpoint_refuses_with_problem_details(cast, api, who, query, status
 def test_only_get_waits(cast, api):
     response = api(cast.tokens["agent"]).post(f"/api/v1/nodes/{cast.node1.pk}/commands/wait", {}, format="json")
     assert response.status_code == 405 and response["Content-Type"] == "application/problem+json"
+
+
+def test_a_waiting_request_holds_no_database_connection(cast, live_server):
+    """A thousand waiting agents must not hold a thousand connections (a pool of DB_POOL_MAX_SIZE
+    would run dry): the request's connection is given back before it waits."""
+    import threading
+    import urllib.request
+
+    from django.db import connection
+
+    def sessions() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+            return cursor.fetchone()[0]
+
+    def wait() -> None:
+        request = urllib.request.Request(  # noqa: S310 - the test's own server
+            f"{live_server.url}/api/v1/nodes/{cast.node1.pk}/commands/wait?timeout=3",
+            headers={"Authorization": f"Bearer {cast.tokens['agent']}"})
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - the test's own server
+            answers.append(response.read())
+
+    before, answers = sessions(), []
+    waiting = [threading.Thread(target=wait) for _ in range(6)]
+    for thread in waiting:
+        thread.start()
+
+    async def registered() -> None:
+        await until(lambda: len(wake.WATCH.waiters.get(cast.node1.pk, ())) == 6)
+
+    async_to_sync(registered)()
+    during = sessions()
+    for thread in waiting:
+        thread.join(timeout=10)
+    assert answers == [b'{"commands": false}'] * 6
+    assert during <= before + 2  # the watch's own connection, and slack for one request finishing
