@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.05
 #: With no agent waiting for this long the watch stops (and starts again with the next wait).
 IDLE_STOP_S = 5.0
+#: After a failed read (the database away) the watch tries again this much later, not every turn.
+FAILED_PAUSE_S = 1.0
 #: The longest wait an agent may ask for; a proxy's idle timeout is usually 60 s or more.
 MAX_WAIT_S = 55.0
 #: Rows read a turn at most (a burst of commands: a 512-node relaunch is 512 rows).
@@ -98,11 +100,6 @@ class CommandWatch:
                 future.get_loop().call_soon_threadsafe(_answer, future)
         return len(woken)
 
-    @property
-    def started(self) -> bool:
-        """Whether the watch's thread runs (it holds a database connection)."""
-        return self._thread is not None
-
     def stop(self) -> None:
         """Stop watching now (tests; a server lets the watch idle out)."""
         with self._lock:
@@ -121,14 +118,12 @@ class CommandWatch:
         return self._ready
 
     def _run(self, ready: threading.Event) -> None:
-        try:
-            self._mark_now()
-        except Exception:  # no database: the waits still end by their timeouts
-            log.exception("command watch cannot start")
+        marked = self._mark_now()
         ready.set()
         idle_since: float | None = None
+        pause = self.interval_s
         try:
-            while not self._stopping.wait(self.interval_s):
+            while not self._stopping.wait(pause):
                 with self._lock:
                     if self.waiters:
                         idle_since = None
@@ -138,9 +133,15 @@ class CommandWatch:
                             self._thread = None
                             return
                 try:
-                    self.wake(self._collect())
+                    # Without its starting point (the database was away) it tries again before
+                    # reading anything: never the whole table from the first row.
+                    marked = marked or self._mark_now()
+                    if marked:
+                        self.wake(self._collect())
+                    pause = self.interval_s if marked else FAILED_PAUSE_S
                 except Exception:  # a failed read must not end the watch: agents fall back on heartbeats
                     log.exception("command watch turn failed")
+                    pause = FAILED_PAUSE_S
         finally:
             with self._lock:
                 if self._thread is threading.current_thread():
@@ -148,8 +149,15 @@ class CommandWatch:
             connection.close()
 
     # --- in the watch's thread, with the ORM ---------------------------------------------------------
-    def _mark_now(self) -> None:
-        self.tail.start_at(NodeCommand.objects.aggregate(m=Max("pk"))["m"] or 0)
+    def _mark_now(self) -> bool:
+        """Follow the table from its end; False when the database did not answer."""
+        try:
+            self.tail.start_at(NodeCommand.objects.aggregate(m=Max("pk"))["m"] or 0)
+        except Exception:  # the waits still end by their timeouts, and heartbeats bring the commands
+            log.exception("command watch cannot read the command table")
+            connection.close()
+            return False
+        return True
 
     def _collect(self) -> list[int]:
         """The nodes that got a pending command since the last turn."""
