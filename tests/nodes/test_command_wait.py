@@ -16,6 +16,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from nodes.services import wake
 from nodes.services.commands import enqueue_command, pending_commands_for
 from nodes.services.wake import CommandWatch
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -122,7 +123,7 @@ def test_a_waiting_request_holds_no_database_connection(cast, live_server):
 
     def wait() -> None:
         request = urllib.request.Request(  # noqa: S310 - the test's own server
-            f"{live_server.url}/api/v1/nodes/{cast.node1.pk}/commands/wait?timeout=3",
+            f"{live_server.url}/api/v1/nodes/{cast.node1.pk}/commands/wait?timeout=8",
             headers={"Authorization": f"Bearer {cast.tokens['agent']}"})
         with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - the test's own server
             answers.append(response.read())
@@ -136,8 +137,10 @@ def test_a_waiting_request_holds_no_database_connection(cast, live_server):
         await until(lambda: len(wake.WATCH.waiters.get(cast.node1.pk, ())) == 6)
 
     async_to_sync(registered)()
-    during = sessions()
+    # Each request authorised itself and read the queue first: its connection is given back once
+    # it starts waiting (plus the watch's own connection, and slack for one request finishing).
+    wait_for(lambda: sessions() <= before + 2, timeout=4, what="the waiting requests' connections to go back")
+    assert not answers  # still waiting
     for thread in waiting:
-        thread.join(timeout=10)
+        thread.join(timeout=15)
     assert answers == [b'{"commands": false}'] * 6
-    assert during <= before + 2  # the watch's own connection, and slack for one request finishing
