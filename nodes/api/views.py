@@ -341,17 +341,10 @@ class AgentCommandWait(AgentEndpoint):
 
     Authorised like every agent call (an agent token of the node in the URL, its throttle); the
     wait itself is ``command_wait``, an async view, so that a waiting agent holds no thread. DRF
-    has no async views: ``authorise`` runs this view's checks alone and answers their refusals."""
+    has no async views: ``authorise`` runs this view's checks alone and answers their refusals. Not
+    routed, so not in the OpenAPI schema: docs/api.md describes the endpoint."""
 
     DEFAULT_WAIT_S = 25.0
-
-    @extend_schema(parameters=[OpenApiParameter("timeout", float, description=(
-                       f"Seconds to wait, above 0 and at most {wake.MAX_WAIT_S:g} (default {DEFAULT_WAIT_S:g})."))],
-                   responses={200: protocol_schema(wire.CommandWaitResponse)},
-                   description="Answers agents.protocol.agent.CommandWaitResponse: commands true as soon as a "
-                               "command waits for the node (heartbeat to take it), false when the timeout passed.")
-    def get(self, request, node_id):  # the schema's; command_wait serves the request
-        raise exceptions.MethodNotAllowed("GET")
 
     @classmethod
     def authorise(cls, request, node_id: int) -> tuple[float | None, Response | None]:
