@@ -247,10 +247,11 @@ RANK = (
     "import pathlib, signal, sys, time\\n"
     "def done(*_):\\n    time.sleep(0.5); pathlib.Path(sys.argv[1]).write_text('done'); sys.exit(0)\\n"
     "signal.signal(signal.SIGTERM, done)\\n"
+    "pathlib.Path(sys.argv[1] + '.ready').touch()\\n"
     "while True: time.sleep(0.05)\\n"
 )
-rank = subprocess.Popen([sys.executable, "-c", RANK, sys.argv[-1]])
 signal.signal(signal.SIGTERM, lambda *_: time.sleep(60))  # torchrun's teardown, made long
+rank = subprocess.Popen([sys.executable, "-c", RANK, sys.argv[-1]])
 while True:
     time.sleep(0.05)
 """
@@ -271,7 +272,8 @@ def test_a_stop_waits_for_the_ranks_not_for_torchrun_s_own_teardown(
         detail = sup.launch("job", 1, LaunchPayload(script="train.py", workdir=str(tmp_path), nnodes=1,
                                                     nproc_per_node=1, node_rank=0, rdzv_endpoint="127.0.0.1:1",
                                                     rdzv_id="x", args=[str(marker)]))
-        wait_for(lambda: len(supervisor_module._family(detail.pid, detail.pid)) == 2, timeout=10,
+        # The rank says when its SIGTERM handler is in place: a stop before that kills it outright.
+        wait_for(lambda: Path(f"{marker}.ready").exists(), timeout=10,
                  what="the fake torchrun's rank", interval=POLL_S)
         asked = time.monotonic()
         report = sup.stop("job", 1)
