@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.db import connection
 from redis.exceptions import RedisError
 
 from core import degraded, roles
@@ -25,6 +28,8 @@ from dashboard import sections as page_sections
 from dashboard.relay import RELAY
 from jobs.models import Job
 from nodes.models import Node
+
+log = logging.getLogger(__name__)
 
 #: Close codes: not signed in; signed in without the view capability; no such job.
 UNAUTHENTICATED, FORBIDDEN, NOT_FOUND = 4401, 4403, 4404
@@ -35,10 +40,28 @@ TRY_AGAIN_LATER = 1013
 _RENDERED: OrderedDict = OrderedDict()
 _RENDERED_MAX = 256
 _IN_FLIGHT: dict = {}
+#: Pages are rendered on threads of their own. Channels runs every ``database_sync_to_async`` call
+#: of a process on one shared thread, each consumer's message dispatch included: a big job's page
+#: rendered there (0.5-1 s on a loaded machine) held every socket's pushes back for that long.
+_RENDER_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dashboard-render")
+
+
+async def _render_thread(fn, *args):
+    """``fn(*args)`` on a render thread, its database connection given back (to the pool) after."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREADS, _closing_connection, fn, *args)
+
+
+def _closing_connection(fn, *args):
+    try:
+        return fn(*args)
+    finally:
+        connection.close()
 
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
     page: str = ""
+    _rendering: asyncio.Task | None = None  # the render under way, if any
+    _waiting: dict | None = None  # what changed while it ran: the next render's work
 
     async def __call__(self, scope, receive, send):
         """Channels reads the consumer's channel from the layer for the socket's whole life: when the
@@ -84,7 +107,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         await RELAY.attach()
         self.attached = True
-        await self.send_json(await database_sync_to_async(self._snapshot)())
+        await self.send_json(await _render_thread(self._snapshot))
 
     async def disconnect(self, code):
         for group in getattr(self, "groups_joined", []):
@@ -95,25 +118,44 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 break
         if getattr(self, "attached", False):
             RELAY.detach()
+        if self._rendering is not None:
+            self._rendering.cancel()
 
     async def receive_json(self, content, **kwargs):
         """The browser may ask for a fresh snapshot (e.g. after its tab slept)."""
         if content.get("type") == "snapshot":
-            await self.send_json(await database_sync_to_async(self._snapshot)())
+            await self.send_json(await _render_thread(self._snapshot))
 
     async def dashboard_push(self, message):
+        """Chart points go out at once; changed sections are rendered off this path (``_render_soon``):
+        channels hands a consumer its messages one at a time, and a render of a big job's page takes
+        a while on a loaded machine, so the next push's points would otherwise wait behind it."""
         points = message["points"] if self.page == "job" and message.get("job") == self.job_id else []
-        html, chart, cells = {}, None, {}
+        if points:
+            await self.send_json(events.update_frame(points=points, html={}, chart=None,
+                                                     relayed_at=message["relayed_at"]))
         if (any(n in page_sections.PAGES[self.page] or n == "chart" for n in message["sections"])
                 or (self.page == "nodes" and message.get("nodes"))):
-            if points:  # the chart's new points must not wait for a render
-                await self.send_json(events.update_frame(points=points, html={}, chart=None,
-                                                         relayed_at=message["relayed_at"]))
-                points = []
-            html, chart, cells = await self._rendered(message)
-        if points or html or chart or cells:
-            await self.send_json(events.update_frame(points=points, html=html, chart=chart, cells=cells,
-                                                     relayed_at=message["relayed_at"]))
+            self._render_soon(message)
+
+    def _render_soon(self, message: dict) -> None:
+        """Render ``message``'s sections now, or, while a render is under way, fold them into the
+        next one: at most one render per consumer at a time, and none of a change is dropped."""
+        if self._rendering is not None and not self._rendering.done():
+            self._waiting = message if self._waiting is None else _folded(self._waiting, message)
+            return
+        self._rendering = asyncio.get_running_loop().create_task(self._render_and_send(message))
+
+    async def _render_and_send(self, message: dict) -> None:
+        while message is not None:
+            try:
+                html, chart, cells = await self._rendered(message)
+                if html or chart or cells:
+                    await self.send_json(events.update_frame(points=[], html=html, chart=chart, cells=cells,
+                                                             relayed_at=message["relayed_at"]))
+            except Exception:  # the next push renders again; a snapshot on reconnect repairs the page
+                log.exception("dashboard render for %s failed", self.page)
+            message, self._waiting = self._waiting, None
 
     async def _rendered(self, message: dict) -> tuple[dict, dict | None, dict]:
         """The message's sections as this person sees them: rendered once per process (the first
@@ -126,7 +168,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             return await asyncio.shield(in_flight)
         future = _IN_FLIGHT[key] = asyncio.get_running_loop().create_future()
         try:
-            result = await database_sync_to_async(self._render)(message)
+            result = await _render_thread(self._render, message)
         except Exception as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: the awaiting consumers re-raise it, no "never retrieved" noise
@@ -160,6 +202,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         cells = fleet.heatmap_cells(self.filter, message["nodes"]) if self.page == "nodes" and message.get(
             "nodes") else {}
         return html, chart, cells
+
+
+def _folded(first: dict, then: dict) -> dict:
+    """Two pushes' render work as one: the union of their sections and nodes (points were sent)."""
+    return {**then, "id": f"{first['id']}+{then['id']}",
+            "sections": sorted(set(first["sections"]) | set(then["sections"])),
+            "nodes": sorted(set(first.get("nodes") or ()) | set(then.get("nodes") or ()))}
 
 
 class OverviewConsumer(DashboardConsumer):
