@@ -77,6 +77,13 @@ def plot(sizes: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def _waits(r: dict) -> str:
+    waits = r.get("command_waits")
+    if not waits:
+        return "—"
+    return f"{waits['per_s']}, {waits['wakeups']}, {waits['503']}, {waits['errors']}"
+
+
 def _page(timings: dict, page: str) -> str:
     size = timings.get(page + "_kb")
     if size is not None and size < 0:  # an early run's record of a refused page: minus the status / 1024
@@ -154,6 +161,7 @@ def markdown(result: dict) -> str:
     row("storm: back to the pre-outage backlog after (s)", lambda r: _v(r["storm"]["flush_s"]))
     row("storm: server errors / incidents / false unreachable",
         lambda r: f"{r['storm']['server_errors']} / {len(r['storm']['incidents'])} / {r['storm']['false_unreachable']}")
+    row("command waits (agents' long polls): per s, woke an agent, 503, errors", _waits)
     for endpoint in sorted({e for r in sizes for e in r["http"]}):
         row(f"`{endpoint}` p50 / p99 ms",
             lambda r, e=endpoint: "—" if e not in r["http"] else

@@ -32,12 +32,14 @@ from typing import Any
 from urllib.parse import quote
 
 from agents import __version__
+from agents.agent import wake
 from agents.agent.config import AgentConfig
 from agents.hooks.manifest import checkpoint_dirname, write_manifest
 from agents.http import Unreachable, retry_delay
 from agents.protocol import dump, parse
 from agents.protocol.agent import (
     ACK_PATH,
+    COMMAND_WAIT_PATH,
     EVENTS_PATH,
     HEARTBEAT_PATH,
     MAX_EVENTS_PER_BATCH,
@@ -47,6 +49,7 @@ from agents.protocol.agent import (
     AgentStarted,
     Command,
     CommandAck,
+    CommandWaitResponse,
     ExitReport,
     GpuInfo,
     GpuSample,
@@ -259,7 +262,8 @@ def _resumed_step(resume_from: str | None) -> int:
 class Agent:
     """One node's agent (``agents.agent.daemon.Agent``) without the processes it would start."""
 
-    def __init__(self, sim: Sim, node: dict[str, str], client: Client, beat_client: Client):
+    def __init__(self, sim: Sim, node: dict[str, str], client: Client, beat_client: Client,
+                 wait_client: Client | None):
         self.sim, self.hostname, self.bootstrap = sim, node["hostname"], node["bootstrap"]
         self.address = node["address"]
         self.client = _From(client, self.address)
@@ -269,6 +273,11 @@ class Agent:
         #: telemetry, and heartbeats waited in the simulator for a free one until their nodes' deadlines
         #: ran out: 38 live nodes unreachable at 1,024 nodes (2026-12-02) that no agent would lose.
         self.beat_client = _From(beat_client, self.address)
+        #: The command wait's long poll (``agents.agent.wake``), on a connection of its own as the
+        #: agent's thread holds one; None: agents with ``command_wait: false``.
+        self.wait_client = None if wait_client is None else _From(wait_client, self.address)
+        self.beats_through = 0  # heartbeats answered 200 (``wake.HeartbeatCount``)
+        self.beat_through = asyncio.Event()
         self.node_id = self.token = ""
         self.interval = 5.0
         self.outbox: deque[tuple[str, Any]] = deque()
@@ -292,6 +301,8 @@ class Agent:
         self.add_event("agent_started", AgentStarted(agent_version=__version__, gpu_telemetry=True))
         self.tasks = [asyncio.create_task(self.heartbeats()), asyncio.create_task(self.telemetry()),
                       asyncio.create_task(self.flusher())]
+        if self.wait_client is not None:
+            self.tasks.append(asyncio.create_task(self.command_waits()))
 
     async def register(self) -> None:
         gpus = [GpuInfo(index=i, uuid=f"GPU-{self.hostname}-{i}", name="NVIDIA H100 80GB HBM3",
@@ -353,11 +364,39 @@ class Agent:
         except Unreachable:
             return 0
         if status == 200:
+            self.beats_through += 1
+            self.beat_through.set()
             answer = parse(HeartbeatResponse, body)
             self.interval = answer.heartbeat_interval_s or self.interval  # pacing, as the agent follows it
             for command in answer.commands:
                 self.execute(command)
         return status
+
+    async def command_waits(self) -> None:
+        """``agents.agent.wake.CommandWait``: one long poll open; when it says a command waits,
+        heartbeat now, and poll again once a heartbeat got through."""
+        assert self.wait_client is not None
+        path = f"{COMMAND_WAIT_PATH.format(node_id=self.node_id)}?timeout={wake.WAIT_S:g}"
+        failures = 0
+        while True:
+            try:
+                status, body = await self.wait_client.request("command_wait", "GET", path, self.token)
+            except Unreachable as error:
+                failures += 1
+                await asyncio.sleep(retry_delay(failures, cap=max(self.interval, 1.0), retry_after=error.retry_after))
+                continue
+            failures = 0
+            if status != 200:
+                await asyncio.sleep(max(self.interval, 1.0))
+                continue
+            if not parse(CommandWaitResponse, body).commands:
+                continue
+            self.sim.wakeups += 1
+            through = self.beats_through
+            self.beat_wake.set()
+            while self.beats_through <= through:
+                self.beat_through.clear()
+                await self.beat_through.wait()
 
     async def telemetry_batch(self) -> int:
         """One telemetry request as the fleet's agents send them: ``CALIBRATION_SAMPLES`` samples."""
@@ -530,6 +569,7 @@ class Sim:
         self.plan = plan
         self.book = Book()
         self.registered = self.refused = self.events = 0
+        self.wakeups = 0  # command waits answered "a command waits"
         #: Rank records (step reports, events, checkpoint commits) the control plane answered 2xx for.
         self.delivered: dict[str, int] = {}
         self.made = 0  # rank-steps trained
@@ -550,7 +590,9 @@ class Sim:
         for i, node in enumerate(self.plan["nodes"]):
             port = ports[i % len(ports)]
             beats = Client(port, self.book, connections=1, timeout=self.plan.get("timeout", 5.0))
-            agent = Agent(self, node, clients[i % len(clients)], beats)
+            waits = (Client(port, self.book, connections=1, timeout=wake.WAIT_S + wake.TRANSIT_S)
+                     if self.plan.get("command_wait", True) else None)
+            agent = Agent(self, node, clients[i % len(clients)], beats, waits)
             self.agents[agent.hostname] = agent
             self.tasks.append(asyncio.create_task(agent.run(random.uniform(0, spread))))
         stop = asyncio.Event()
@@ -569,6 +611,7 @@ class Sim:
         alive = [a for a in self.agents.values() if not a.dead]
         backlogs = [a.backlog() for a in alive]
         print(json.dumps({"t": time.time(), "registered": self.registered, "refused": self.refused,
+                          "wakeups": self.wakeups,
                           "backlog": sum(backlogs),
                           "behind": sum(1 for b in backlogs if b > BEHIND),
                           "interval_max": max((a.interval for a in alive), default=0.0),

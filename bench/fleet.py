@@ -73,6 +73,7 @@ HEARTBEAT_MISSES = 3  # the production default; the interval is the one heartbea
 SLACK_S = 2.0
 FAULT_KINDS = ("node_death", "rank_exit", "hang", "xid", "slow_rank", "worker_restart")
 #: The issue's targets: detection p95 per fault kind, seconds (node death: ``node_death_target_s``).
+WAIT_ENDPOINT = "command_wait"  # the simulator books the agents' long polls under this name
 DETECTION_TARGET_S = {"rank_exit": 2.0, "xid": 2.0, "hang": PROGRESS_TIMEOUT_S + SLACK_S}
 
 
@@ -190,7 +191,7 @@ class Simulators:
     """The simulator processes and the last status line of each."""
 
     def __init__(self, work: Path, ports: list[int], fleet: list[dict], processes: int, *, templates: dict,
-                 seed: int, checkpoint_every: int = CHECKPOINT_EVERY):
+                 seed: int, checkpoint_every: int = CHECKPOINT_EVERY, command_wait: bool = True):
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.status: list[dict] = [{} for _ in range(processes)]
@@ -202,7 +203,7 @@ class Simulators:
                 self.owner[node["hostname"]] = p
             plan = {"ports": ports, "nodes": mine, "seed": seed + p, "templates": templates,
                     "checkpoint_every": checkpoint_every, "connections": max(32, min(512, 4 * len(mine))),
-                    "start_spread_s": min(20.0, 2.0 + len(fleet) / 100)}
+                    "start_spread_s": min(20.0, 2.0 + len(fleet) / 100), "command_wait": command_wait}
             path = work / f"sim-{p}.json"
             path.write_text(json.dumps(plan))
             with (work / "logs" / f"sim-{p}.err").open("wb") as errors:
@@ -281,7 +282,8 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
         processes = opts.processes or (1 if nodes <= 16 else 2 if nodes <= 256 else 3)
-        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed)
+        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed,
+                                      command_wait=opts.command_wait)
         conn = psycopg.connect(database_url(database), autocommit=True)
         log(f"{nodes} nodes: registering")
         # A fleet past the control plane's capacity registers through admission control's 503s, slowly, and
@@ -379,7 +381,8 @@ def cost(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     with served(work, database) as (plane, slot):
         cast = register_cast(plane, COST_NODES)
         templates = checkpoint_templates(work.parent / "templates", {COST_NODES * GPUS})
-        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], 1, templates=templates, seed=opts.seed)
+        sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], 1, templates=templates, seed=opts.seed,
+                                      command_wait=opts.command_wait)
         conn = psycopg.connect(database_url(database), autocommit=True)
         wait_for(lambda: sims.total("registered") == COST_NODES, timeout=120, what="the cost fleet registered")
         submit_jobs(plane.ports[0], cast["operator"], [COST_NODES])
@@ -486,6 +489,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     cpu_before = measure.cpu_seconds(watched)
     sim_cpu_before = sum(measure.cpu_seconds(sims.pids()).values())
     made_before, delivered_before = sims.total("made"), sims.delivered("report")
+    wakeups_before = sims.total("wakeups")
     book_before = sims.book()
     started = time.time()
     log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
@@ -519,6 +523,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     cpu = sum(cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after)
     sim_cpu = sum(measure.cpu_seconds(sims.pids()).values()) - sim_cpu_before
     made, delivered = sims.total("made") - made_before, sims.delivered("report") - delivered_before
+    wakeups = sims.total("wakeups") - wakeups_before
     after = measure.tables(conn)
     book = since(book_before, sims.book())
     landed = {f["id"]: f for f in sims.landed()}
@@ -544,7 +549,18 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
             "false_unreachable": measure.unreachable_events(conn, started, time.time(), killed),
             "http": http_figures(book),
+            "command_waits": command_waits(book, wakeups, window),
             "tables": measure.growth(before, after, window), "data": measure.data_per_day(before, after, window)}
+
+
+def command_waits(book: dict, wakeups: int, window: float) -> dict[str, Any] | None:
+    """The agents' long polls (``agents.agent.wake``): how many a second, how many woke their agent
+    for a command, refused and failed. Their latency is the wait itself, not the server's work."""
+    status = book["status"].get(WAIT_ENDPOINT)
+    if not status:
+        return None
+    return {"per_s": round(sum(status.values()) / window, 1), "wakeups": wakeups, "503": status.get(503, 0),
+            "errors": sum(n for code, n in status.items() if code == 0 or (code >= 400 and code != 503))}
 
 
 def dashboard(port: int, session: str, job: int) -> dict[str, float]:
@@ -612,6 +628,8 @@ def http_figures(book: dict) -> dict[str, dict[str, Any]]:
     figures = {}
     for endpoint, histogram in sorted(book["latency"].items()):
         status = book["status"][endpoint]
+        if endpoint == WAIT_ENDPOINT:  # a long poll: its latency is the wait (``command_waits``)
+            continue
         if not status:
             continue
         p50, p99 = percentile(histogram, 0.5), percentile(histogram, 0.99)
@@ -672,6 +690,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--max-heartbeats-per-s", type=float, help="heartbeat pacing: the fleet's heartbeats a "
                         "second the control plane asks for (default: its NIGHTWATCH_MAX_HEARTBEATS_PER_S, 50; 0: off)")
+    parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
+                        help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
                         "per-request CPU cost (default 1000)")
     parser.add_argument("--cost-runs", type=int, help="calibration bursts per request kind (3; 0: skip)")

@@ -39,6 +39,9 @@ def test_sixteen_simulated_nodes_train_report_and_one_death_is_noticed(cluster, 
         assert status == 201, job
         wait_for(lambda: (Job.objects.get(pk=job["id"]).last_step or 0) >= 3, timeout=60, what="step 3")
         assert StepMetric.objects.filter(job_id=job["id"], step__gte=3).exists()
+        # The launches reached the agents through their long polls (``agents.agent.wake``), not an
+        # interval later with a heartbeat: at least one woke its agent.
+        assert wait_for(lambda: sims.total("wakeups"), timeout=10, what="a command wait's wake-up")
 
         # The benchmark's per-request cost bursts: each kind sent on top of the fleet, every one answered.
         for order, kind in enumerate(("heartbeat", "telemetry", "report")):
