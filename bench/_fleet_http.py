@@ -140,7 +140,8 @@ class Client:
             self._idle.put_nowait(Connection(host, port))
 
     async def request(self, endpoint: str, method: str, path: str, token: str | None = None,
-                      body: Any = None, *, source: str | None = None) -> tuple[int, dict[str, Any]]:
+                      body: Any = None, *, source: str | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """Like ``agents.http.ControlPlaneClient.request``; ``endpoint`` names the class it is booked under.
 
         ``source`` is the simulated node's own address, passed as the TLS proxy in front of the web
@@ -154,6 +155,7 @@ class Client:
             head.append(f"Authorization: Bearer {token}")
         if source:
             head.append(f"X-Forwarded-For: {source}")
+        head.extend(f"{name}: {value}" for name, value in (headers or {}).items())
         raw = ("\r\n".join(head) + "\r\n\r\n").encode() + data
         connection = await self._idle.get()
         started = time.monotonic()

@@ -65,7 +65,7 @@ from agents.protocol.agent import (
     XidDetail,
     compact,
 )
-from agents.protocol.hooks import CHECKPOINTS_PATH, CONTROL_PATH, REPORTS_PATH
+from agents.protocol.hooks import CHECKPOINTS_PATH, CONTROL_PATH, PROGRESS_HEADER, REPORTS_PATH
 from bench import _fleet_ranks as ranks_wire
 from bench._fleet_http import Book, Client
 
@@ -103,6 +103,7 @@ class Rank:
     def __init__(self, gen: Generation, local: int):
         self.gen, self.local = gen, local
         self.rank = gen.node_rank * gen.nproc + local
+        self.progress_header = {PROGRESS_HEADER: "1" if self.rank == 0 else "0"}  # as the reporter says
         self.spool: deque[tuple[str, dict[str, Any]]] = deque()
         self.failures = 0
         self.retry_at = 0.0
@@ -138,7 +139,7 @@ class Rank:
             else:
                 taken, batch = ranks_wire.next_batch(gen.job, head)
                 status, answer = await client.request("reports", "POST", REPORTS_PATH.format(job=gen.job_path),
-                                                      gen.token, batch)
+                                                      gen.token, batch, headers=self.progress_header)
                 if status == 202 and isinstance(answer.get("control"), dict):
                     self.apply_control(answer["control"])
             if status == 409:
@@ -232,7 +233,8 @@ class Generation:
                                           world_size=self.world_size, step=self.step, phases=phases)
         _, batch = ranks_wire.next_batch(self.job, records)
         status, _ = await self.agent.client.request("reports", "POST", REPORTS_PATH.format(job=self.job_path),
-                                                    self.token, batch)
+                                                    self.token, batch,
+                                                    headers=self.ranks[0].progress_header)
         return status
 
     def end(self) -> None:
@@ -560,8 +562,8 @@ class _From:
     def __init__(self, client: Client, address: str):
         self.client, self.address = client, address
 
-    async def request(self, *args: Any) -> tuple[int, dict[str, Any]]:
-        return await self.client.request(*args, source=self.address)
+    async def request(self, *args: Any, **options: Any) -> tuple[int, dict[str, Any]]:
+        return await self.client.request(*args, source=self.address, **options)
 
 
 class Sim:

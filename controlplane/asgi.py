@@ -43,6 +43,9 @@ EXEMPT_URLS = ("healthz", "readyz")
 CARRIER_URLS = ("agent-heartbeat",)
 #: URL names of long polls: admitted as bulk, their slot given back once they wait (core.admission.RELEASE).
 LONG_POLL_URLS = ("agent-command-wait",)
+#: URL names whose requests say whether they can move a job's progress (the hooks' step reports,
+#: ``agents.protocol.hooks.PROGRESS_HEADER``): rank 0's go ahead of bulk, another rank's witness nothing.
+PROGRESS_URLS = ("job-reports",)
 WITNESS_URLS = ("agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports", "job-checkpoints")
 
 
@@ -53,6 +56,7 @@ def admission(app) -> Admission:
                      retry_after_max_s=knobs["RETRY_AFTER_MAX_S"],
                      urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
                      witnesses=WITNESS_URLS, carriers=CARRIER_URLS, long_polls=LONG_POLL_URLS,
+                     progress=PROGRESS_URLS,
                      awaited_within_s=command_ttl().total_seconds(), width=knobs["ADMISSION_WIDTH"],
                      share=knobs["ADMISSION_SHARE"])
 

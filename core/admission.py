@@ -62,6 +62,15 @@ refused bulk request is asked to wait ``retry_after_s`` × offered / admitted ov
 at most ``retry_after_max_s``: callers spread over the time the server needs to take them. The
 other classes are always asked for ``retry_after_s``: they are few, and their wait is a verdict's.
 The jobs' hang sweep spares a refused job for 1.5 × the longest wait (``jobs.progress``).
+
+Of a job's step reports only rank 0's move its progress, and every rank of a generation shares
+one token. So the hooks say which they send (``agents.protocol.hooks.PROGRESS_HEADER``) on the
+``progress`` URLs: rank 0's (``1``) are admitted like heartbeats, at most one per token every
+``PROGRESS_GAP_S`` (the reporter sends one a second; a job that marks every request gets the rest
+admitted as bulk); another rank's (``0``) are bulk and, refused, prove nothing (the sweep would
+otherwise spare a hung job for as long as any of its thousands of ranks had a spooled report
+refused: hangs at 1,024 nodes were found 25-30 s after the fault against 22, bench.fleet 2026-12-04).
+A request without the header (older hooks) is bulk and a witness, as before.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ from typing import Any
 from django.conf import settings
 from django.urls import Resolver404, resolve
 
+from agents.protocol import hooks as hooks_protocol
 from core import shared_counts
 from core.models import hash_token
 from core.problems import CONTENT_TYPE, problem
@@ -107,6 +117,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 FLUSH_S = 1.0
 #: Bulk offered and admitted are counted in windows of this long; the last two make the pressure.
 PRESSURE_WINDOW_S = 5.0
+#: A token's progress reports are admitted ahead of bulk at most once per this many seconds.
+PROGRESS_GAP_S = 0.5
+PROGRESS_HEADER = hooks_protocol.PROGRESS_HEADER.lower().encode("ascii")
 
 
 @dataclass
@@ -197,6 +210,33 @@ def bearer_token(scope: Scope) -> str | None:
 def _digest(scope: Scope) -> str | None:
     token = bearer_token(scope)
     return hash_token(token) if token is not None else None
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == wanted:
+            return value.strip()
+    return None
+
+
+class ProgressPace:
+    """When each token last had a progress report admitted ahead of bulk (``PROGRESS_GAP_S``)."""
+
+    #: Tokens remembered; past it, those not seen for a minute are forgotten.
+    KEEP = 10_000
+
+    def __init__(self, gap_s: float = PROGRESS_GAP_S, clock: Callable[[], float] = time.monotonic):
+        self.gap_s, self.clock = gap_s, clock
+        self.last: dict[str, float] = {}
+
+    def allows(self, digest: str) -> bool:
+        now = self.clock()
+        if now - self.last.get(digest, float("-inf")) < self.gap_s:
+            return False
+        if len(self.last) >= self.KEEP:
+            self.last = {d: at for d, at in self.last.items() if now - at < 60.0}
+        self.last[digest] = now
+        return True
 
 
 class AwaitedHeartbeats:
@@ -329,7 +369,7 @@ class Admission:
                  urgent_reserve: int = 0,
                  urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
                  exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
-                 long_polls: Collection[str] = (),
+                 long_polls: Collection[str] = (), progress: Collection[str] = (),
                  late_s: float | None = None, awaited_within_s: float = 600.0, width: int = 0, share: int = 3):
         if limit < 0 or not 0 <= urgent_reserve <= reserve or (limit and reserve >= limit):
             raise ValueError(f"admission: need 0 <= urgent_reserve <= reserve < limit (or limit 0: off), got "
@@ -356,6 +396,8 @@ class Admission:
         self.witnesses = frozenset(witnesses)
         self.carriers = frozenset(carriers)
         self.long_polls = frozenset(long_polls)
+        self.progress = frozenset(progress)
+        self.progress_pace = ProgressPace()
         self.awaited = AwaitedHeartbeats(awaited_within_s)
         self.counters = Counters()
         self.late_s = (settings.NIGHTWATCH["OVERLOAD_HEARTBEAT_LAG_S"] or settings.NIGHTWATCH["HEARTBEAT_INTERVAL_S"]
@@ -399,16 +441,23 @@ class Admission:
         kind, name = self._route(scope["path"], scope.get("method", "GET"))
         counters = self.counters
         digest = None
+        witness = name in self.witnesses
         if kind == PRIORITY and name in self.carriers and self.limit and self.awaited.any():
             digest = _digest(scope)
             if digest is not None and self.awaited.carries(digest):
                 kind = URGENT
+        if name in self.progress and self.limit:
+            claim = _header(scope, PROGRESS_HEADER)
+            if claim == b"0":
+                witness = False
+            elif claim == b"1" and (digest := _digest(scope)) is not None and self.progress_pace.allows(digest):
+                kind = PRIORITY
         admitted = self.admits(kind)
         if kind == OTHER and self.limit:
             self.pressure.count(admitted)
         if not admitted:
             counters.refused[kind] += 1
-            if name in self.witnesses and (digest := digest or _digest(scope)) is not None:
+            if witness and (digest := digest or _digest(scope)) is not None:
                 self.shared.refused_caller(digest)
             self.shared.add(f"refused:{kind}")
             await self._refuse(scope, send, kind)
@@ -425,7 +474,7 @@ class Admission:
             await self.app(scope, receive, send)
         finally:
             slot.release()
-            if kind == PRIORITY and 0 < self.late_s <= time.monotonic() - arrived:
+            if kind == PRIORITY and name not in self.progress and 0 < self.late_s <= time.monotonic() - arrived:
                 self.shared.add("late:priority")
             else:
                 self.shared.flush_if_due()  # counts left over from a burst that ended

@@ -24,6 +24,7 @@ from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.hooks import (
     CHECKPOINTS_PATH,
     CONTROL_PATH,
+    PROGRESS_HEADER,
     REPORTS_PATH,
     CheckpointCommit,
     Control,
@@ -52,6 +53,8 @@ class Reporter:
         self.job = job
         self.generation = generation
         self.rank = rank
+        #: Only rank 0's step reports move the job's progress (admission lets them ahead of bulk).
+        self._progress_header = {PROGRESS_HEADER: "1" if rank == 0 else "0"}
         self.poll_control = poll_control
         self.flush_interval = flush_interval
         self.control_interval = control_interval
@@ -156,7 +159,8 @@ class Reporter:
                 self._settle(status, answer, body["generation"], row_id, size=1)
             else:
                 row_id, batch = self._next_batch(records)
-                status, answer = self.client.request("POST", REPORTS_PATH.format(job=self._job_path), batch)
+                status, answer = self.client.request("POST", REPORTS_PATH.format(job=self._job_path), batch,
+                                                     headers=self._progress_header)
                 self._settle(status, answer, batch["generation"], row_id,
                              size=sum(len(batch[bucket]) for bucket in BUCKETS.values()))
                 if status == 202 and answer.get("control") is not None:

@@ -29,6 +29,12 @@ from agents.protocol.base import MAX_TIME, ProtocolError, field
 REPORTS_PATH = "/api/v1/jobs/{job}/reports"
 CHECKPOINTS_PATH = "/api/v1/jobs/{job}/checkpoints"
 CONTROL_PATH = "/api/v1/jobs/{job}/control"
+#: Says whether a report request can move the job's progress: ``1`` from rank 0, whose step reports
+#: the hang sweep reads, ``0`` from every other rank, whose reports the control plane keeps only when
+#: flagged. Admission control (``core.admission``) lets rank 0's through ahead of bulk data, and does
+#: not count a refused ``0`` as the job trying to report progress. Absent (older hooks): bulk, and
+#: a refusal spares the job as before.
+PROGRESS_HEADER = "X-Nightwatch-Progress"
 
 #: Exit codes of a training process stopped by the hooks. The node agent reads them to tell a
 #: requested stop from a crash, so it does not restart what was meant to stay stopped.

@@ -17,6 +17,7 @@ from controlplane.asgi import (
     EXEMPT_URLS,
     OPERATOR_URLS,
     PRIORITY_URLS,
+    PROGRESS_URLS,
     URGENT_URLS,
     WITNESS_URLS,
     application,
@@ -66,7 +67,7 @@ def admission(limit=3, reserve=1, urgent_reserve=0, retry_after_max_s=None):
     return held, Admission(held, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=2,
                            retry_after_max_s=retry_after_max_s,
                            urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
-                           witnesses=WITNESS_URLS, carriers=CARRIER_URLS)
+                           witnesses=WITNESS_URLS, carriers=CARRIER_URLS, progress=PROGRESS_URLS)
 
 
 async def until(predicate):
@@ -101,6 +102,32 @@ def test_bulk_is_refused_at_the_bound_less_the_reserve_and_heartbeats_use_the_re
         assert app.counters.in_flight == 0 and app.counters.peak == 4
         assert app.counters.refused == {"urgent": 0, "priority": 1, "operator": 0, "other": 1}
         assert (await call(app, REPORTS))["status"] == 200  # capacity is back
+
+    asyncio.run(scenario())
+
+
+def test_rank_zero_s_progress_reports_go_ahead_of_bulk_once_per_token_per_gap():
+    """Only rank 0's step reports move a job's progress, and all its ranks share a token: rank 0's
+    (``X-Nightwatch-Progress: 1``) use the heartbeats' slots, one per token every PROGRESS_GAP_S;
+    more from the same token within it, another rank's (``0``) and older hooks' (none) are bulk."""
+    def progress(claim: bytes, token: bytes = b"nw_job-one") -> list[tuple[bytes, bytes]]:
+        return [(b"authorization", b"Bearer " + token), (b"x-nightwatch-progress", claim)]
+
+    async def scenario():
+        held, app = admission(limit=4, reserve=2)
+        bulk = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: held.started == 2)
+        for refused in (progress(b"0"), []):
+            assert (await call(app, REPORTS, refused))["status"] == 503
+        rank_zero = asyncio.create_task(call(app, REPORTS, progress(b"1")))
+        await until(lambda: held.started == 3)
+        assert (await call(app, REPORTS, progress(b"1")))["status"] == 503  # the same token within the gap
+        other_job = asyncio.create_task(call(app, REPORTS, progress(b"1", b"nw_job-two")))
+        await until(lambda: held.started == 4)
+        held.release.set()
+        assert [a["status"] for a in await asyncio.gather(*bulk, rank_zero, other_job)] == [200] * 4
+        assert app.counters.admitted == {"urgent": 0, "priority": 2, "operator": 0, "other": 2, "exempt": 0}
+        assert app.counters.refused == {"urgent": 0, "priority": 0, "operator": 0, "other": 3}
 
     asyncio.run(scenario())
 
@@ -230,6 +257,7 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
                                                             settings.NIGHTWATCH["RETRY_AFTER_MAX_S"])
     assert http.classify(EVENTS) == "urgent"  # exits and Xids: the verdicts that start recovery
     assert http.classify("/api/v1/nodes/7/commands/9/ack") == "urgent"  # the launches and stops that carry it out
+    assert http.progress == {"job-reports"}
     assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports",
                               "job-checkpoints"}
     assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"

@@ -76,6 +76,9 @@ def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
         assert (await call(app, REPORTS, [(b"authorization", b"Bearer nw_reporting")]))["status"] == 503
         assert (await call(app, CHECKPOINTS, [(b"authorization", b"Bearer nw_committing")]))["status"] == 503
         assert (await call(app, CONTROL, [(b"authorization", b"Bearer nw_polling")]))["status"] == 503
+        for token, claim in ((b"nw_rank-zero", b"1"), (b"nw_rank-three", b"0")):  # another rank's proves nothing
+            headers = [(b"authorization", b"Bearer " + token), (b"x-nightwatch-progress", claim)]
+            assert (await call(app, REPORTS, headers))["status"] == 503
         await handed_over(app)
         held.release.set()
         await first
@@ -83,10 +86,10 @@ def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
     asyncio.run(scenario())
     refused = shared_counts.refused_callers(5, now=time.time())
     assert set(refused) == {hash_token("nw_agent-one"), hash_token("nw_hooks"), hash_token("nw_reporting"),
-                            hash_token("nw_committing")}
+                            hash_token("nw_committing"), hash_token("nw_rank-zero")}
     assert all(time.time() - 5 < at <= time.time() for at in refused.values())
     assert shared_counts.refused_callers(5, now=time.time() + 60) == {}
-    assert shared_counts.totals() == {"refused:priority": 5, "refused:other": 3}
+    assert shared_counts.totals() == {"refused:priority": 6, "refused:other": 4}
 
 
 def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):

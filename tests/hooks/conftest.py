@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from agents.protocol import ProtocolError, dump, parse
-from agents.protocol.hooks import CheckpointCommit, Control, ReportBatch
+from agents.protocol.hooks import PROGRESS_HEADER, CheckpointCommit, Control, ReportBatch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,6 +123,7 @@ class ControlPlaneStub:
     commits: list[dict[str, Any]] = field(default_factory=list)
     bad_requests: list[str] = field(default_factory=list)
     tokens: list[str | None] = field(default_factory=list)
+    progress: list[str | None] = field(default_factory=list)  # each report POST's progress header
     shed: int = 0  # report batches still to refuse with 503 + Retry-After, as an overloaded server does
     retry_after_s: int = 1
     report_posts: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, status) per POST
@@ -153,6 +154,8 @@ class ControlPlaneStub:
                 stub.tokens.append(self.headers.get("Authorization"))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 path = urlsplit(self.path).path
+                if path.endswith("/reports"):
+                    stub.progress.append(self.headers.get(PROGRESS_HEADER))
                 if path.endswith("/reports") and stub.shed > 0:
                     stub.shed -= 1
                     stub.report_posts.append((time.monotonic(), 503))

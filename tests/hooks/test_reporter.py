@@ -38,10 +38,10 @@ def commit(step, generation=1):
 def make_reporter(tmp_path, control_plane):
     made = []
 
-    def make(*, generation=1, url=None, max_records=10_000, spool_name="spool.sqlite3", **options):
+    def make(*, generation=1, url=None, max_records=10_000, spool_name="spool.sqlite3", rank=0, **options):
         spool = Spool(tmp_path / spool_name, max_records=max_records, droppable_kinds=DROPPABLE)
         client = ControlPlaneClient(url or control_plane.url, token="agent-token", timeout=1.0)
-        reporter = Reporter(client, spool, job="job-1", generation=generation, rank=0,
+        reporter = Reporter(client, spool, job="job-1", generation=generation, rank=rank,
                             **{"flush_interval": 0.05, "max_backoff": 0.2, **options})
         made.append(reporter)
         return reporter
@@ -68,7 +68,15 @@ def test_reports_events_and_commits_arrive_in_order_with_the_token(make_reporter
     assert [e["step"] for e in control_plane.events] == [3]
     assert control_plane.commits[0]["step"] == 5
     assert set(control_plane.tokens) == {"Bearer agent-token"}
+    assert set(control_plane.progress) == {"1"}  # rank 0's reports move the job's progress
     wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="acknowledgement", interval=POLL_S)
+
+
+def test_another_rank_s_reports_say_they_cannot_move_the_job_s_progress(make_reporter, control_plane):
+    reporter = make_reporter(rank=1)
+    reporter.report(step_report(1, rank=1))
+    wait_for(lambda: control_plane.progress, timeout=10, what="delivery", interval=POLL_S)
+    assert set(control_plane.progress) == {"0"}
 
 
 def test_an_outage_spools_everything_and_replays_it_in_order_exactly_once(make_reporter, control_plane):
