@@ -159,16 +159,26 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def _rendered(self, message: dict) -> tuple[dict, dict | None, dict]:
         """The message's sections as this person sees them: rendered once per process (the first
-        consumer renders, the others of the same page, job, role and node filter await that render)."""
+        consumer renders, the others of the same page, job, role and node filter await that render;
+        when the consumer that renders goes away first, the next one renders itself)."""
         key = (message["id"], self.page, self.job_id, self.node_id, self.caps, self.filter)
-        if key in _RENDERED:
-            return _RENDERED[key]
-        in_flight = _IN_FLIGHT.get(key)
-        if in_flight is not None:
-            return await asyncio.shield(in_flight)
+        while True:
+            if key in _RENDERED:
+                return _RENDERED[key]
+            in_flight = _IN_FLIGHT.get(key)
+            if in_flight is None:
+                break
+            try:
+                return await asyncio.shield(in_flight)
+            except asyncio.CancelledError:
+                if not in_flight.cancelled():
+                    raise  # this consumer was cancelled, not the render it awaited
         future = _IN_FLIGHT[key] = asyncio.get_running_loop().create_future()
         try:
             result = await _render_thread(self._render, message)
+        except asyncio.CancelledError:
+            future.cancel()  # the consumers awaiting it render it themselves
+            raise
         except Exception as exc:
             future.set_exception(exc)
             future.exception()  # retrieved: the awaiting consumers re-raise it, no "never retrieved" noise

@@ -197,3 +197,45 @@ def test_points_never_wait_behind_a_render_and_changes_meanwhile_are_rendered_on
         await RELAY.stop()
 
     async_to_sync(scenario)()
+
+
+def test_a_shared_render_whose_consumer_goes_away_is_rendered_by_the_next(monkeypatch):
+    """Consumers of the same page and role share one render per push; when the one rendering it
+    disconnects (its task cancelled), the others must not wait for it forever: one renders itself."""
+    import asyncio
+    import threading
+
+    from dashboard import consumers
+
+    release, calls = threading.Event(), []
+
+    def render(self, message):
+        calls.append(self.name)
+        assert release.wait(10), "the test never released the render"
+        return {"summary": f"by {self.name}"}, None, {}
+
+    monkeypatch.setattr(consumers.DashboardConsumer, "_render", render)
+
+    def consumer(name):
+        made = consumers.JobConsumer()
+        made.name, made.job_id, made.node_id, made.caps, made.filter = name, 1, None, frozenset({"view"}), None
+        return made
+
+    async def scenario():
+        first, second = consumer("first"), consumer("second")
+        message = {"id": "shared-1", "sections": ["summary"], "nodes": []}
+        owner = asyncio.create_task(first._rendered(message))
+        await until(lambda: calls == ["first"])
+        waiter = asyncio.create_task(second._rendered(message))
+        await asyncio.sleep(0)  # one turn of the loop: the waiter reaches its await of the shared render
+        owner.cancel()  # the first browser went away mid-render
+        await until(lambda: calls == ["first", "second"])
+        release.set()
+        assert await asyncio.wait_for(waiter, 10) == ({"summary": "by second"}, None, {})
+
+    async def until(predicate):
+        async with asyncio.timeout(10):
+            while not predicate():
+                await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
