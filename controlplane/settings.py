@@ -453,8 +453,10 @@ NIGHTWATCH = {
     # before the job has history; with history, 3 × its slowest start, but never below the floor.
     "STARTUP_TIMEOUT_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_S", 180),
     "STARTUP_TIMEOUT_FLOOR_S": env_int("NIGHTWATCH_STARTUP_TIMEOUT_FLOOR_S", 60),
-    # This many nodes of running jobs lost within the window is a suspected partition.
+    # This many nodes lost within the window is a suspected partition: PARTITION_NODES, or
+    # PARTITION_FRACTION of the nodes that heartbeat when that is more (jobs.orchestrator.partition_threshold).
     "PARTITION_NODES": env_int("NIGHTWATCH_PARTITION_NODES", 2),
+    "PARTITION_FRACTION": env_float("NIGHTWATCH_PARTITION_FRACTION", 0.01),
     "PARTITION_WINDOW_S": env_int("NIGHTWATCH_PARTITION_WINDOW_S", 120),
     # When at least this share of the nodes that heartbeat (and at least MIN_NODES of them) miss
     # their deadline together, the control plane suspects its own ingress, not the nodes: it holds

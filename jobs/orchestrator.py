@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
@@ -211,6 +212,17 @@ def flagged_fault_time(job: Job, signal: str, generation: int, now):
     return min(at, now) if at is not None else now
 
 
+def partition_threshold() -> int:
+    """How many nodes lost contact within the partition window make a suspected partition: at least
+    ``PARTITION_NODES``, and ``PARTITION_FRACTION`` of the nodes that heartbeat. On a fleet of 1,024
+    nodes two unrelated deaths in two minutes are ordinary (a node fails every few hours there, and
+    not evenly), and pausing every job that loses a node next, paging a human, is not what a
+    partition rule is for; a leaf switch's 16-32 nodes still are one."""
+    knobs = settings.NIGHTWATCH
+    heartbeating = Node.objects.filter(heartbeat_deadline__isnull=False).count()
+    return max(knobs["PARTITION_NODES"], math.ceil(knobs["PARTITION_FRACTION"] * heartbeating))
+
+
 def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], excluding: Incident | None = None,
               **given) -> policy.Evidence:
     """What ``policy.decide`` weighs; ``excluding``: an incident being re-classified, which is not a
@@ -241,7 +253,7 @@ def _evidence(job: Job, signal: str, *, nodes: tuple[str, ...], excluding: Incid
         signal=signal, config_hash=spec_hash(job), nodes=tuple(nodes), unhealthy_nodes=unhealthy,
         spike_limit=rp.loss_spike_limit,
         nodes_lost_in_window=lost.values("node").distinct().count(),
-        partition_threshold=settings.NIGHTWATCH["PARTITION_NODES"],
+        partition_threshold=partition_threshold(),
         restarts_in_window=restarts, max_restarts=restart_allowance(job, rp)[0],
         backoff_base_s=rp.backoff_seconds, spares_available=len(spares),
         allow_shrink=rp.allow_shrink, history=history,

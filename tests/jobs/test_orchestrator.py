@@ -6,10 +6,12 @@ Agents are not running here: the test plays their part by calling what their mes
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.utils import timezone
 
-from jobs import orchestrator, services, tasks
+from jobs import orchestrator, policy, services, tasks
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of
 from jobs.models import Event, Generation, Incident, Job
@@ -389,3 +391,35 @@ def test_unhealthy_nodes_going_silent_are_no_partition_for_the_next_node_lost(ca
     lose("cut-1", "healthy")
     lose("cut-2", "healthy")
     assert orchestrator._evidence(job, "node_unhealthy", nodes=("gpu-01",)).nodes_lost_in_window == 2
+
+
+@pytest.mark.django_db
+def test_the_partition_threshold_grows_with_the_fleet(cast, job, settings):
+    """Two nodes lost in the window are a partition on a small cluster; on a fleet of 400 that
+    heartbeat they are two ordinary deaths (PARTITION_FRACTION 1 %: 4 needed), so an Xid'd node's
+    job still moves to the spare; four lost are a partition there too."""
+    from nodes.models import Node
+    from nodes.services import set_health
+
+    settings.NIGHTWATCH = {**settings.NIGHTWATCH, "PARTITION_NODES": 2, "PARTITION_FRACTION": 0.01}
+    assert orchestrator.partition_threshold() == 2
+    deadline = timezone.now() + timedelta(seconds=30)
+    Node.objects.bulk_create([Node(hostname=f"fleet-{i:03d}", address="10.0.2.1", health="healthy",
+                                   heartbeat_deadline=deadline) for i in range(400)])
+    assert orchestrator.partition_threshold() == 4
+
+    def lose(hostname):
+        node = Node.objects.get(hostname=hostname)
+        Event.objects.create(kind="node.health", node=node, old_state="healthy", new_state="unreachable",
+                             reason="no heartbeat", created_at=timezone.now())
+
+    lose("fleet-000")
+    lose("fleet-001")
+    set_health(cast.node1, "unhealthy", reason="Xid 79 on GPU 0")
+    orchestrator.handle_node_health("gpu-01", "unhealthy", ["Xid 79 on GPU 0"])
+    assert Incident.objects.get(job=job).decision == "restart_on_spare"
+
+    lose("fleet-002")
+    lose("fleet-003")
+    assert policy.decide(orchestrator._evidence(job, "node_unhealthy", nodes=("gpu-01",))).classification == \
+        "partition"
