@@ -154,7 +154,7 @@ def run_loss_product(trace: _traces.LossTrace, step_s: float) -> Outcome:
             verdict = watches[r].observe(loss, lr=trace.lrs[t - 1], skipped=skipped)
             if t % CHECK_EVERY == 0 and r == ranks - 1:
                 means = [w.take_window_mean() for w in watches]
-                rows = [[trace.losses[q][t - 1], grad, 0.0, 0.0, 0.0, 0.0, means[q],
+                rows = [[trace.losses[q][t - 1], grad, 0.0, 0.0, 0.0, 0.0, means[q], float(tels[q].spike_mask(t)),
                          *RankTimings(steps=1, first_step=t, last_step=t, total_s=step_s, max_s=step_s).row(q)]
                         for q in range(ranks)]
                 Gather.others = rows[1:]

@@ -74,6 +74,10 @@ class LossVerdict:
     consecutive: int = 0  # spiking steps in a row, this one included
     since_step: int | None = None  # divergence: the step the rise started from (roll back before it)
     rise: float | None = None  # level shift / divergence: relative size
+    #: A pause that rests on this rank's own loss at one step (a lone spike whose update was
+    #: applied): the hooks ask the other ranks whether they saw it too before it pauses anything
+    #: (``Telemetry``: one rank's hard micro-batch is not the model's spike).
+    alone: bool = False
 
     @property
     def spike(self) -> bool:
@@ -139,6 +143,7 @@ class LossWatch:
             score = base.score(loss)
             if loss > threshold:
                 self.consecutive += 1
+                alone = False
                 pause_rel = policy.spike_pause_rel + (policy.lr_grace_rel if in_grace else 0.0)
                 if self.consecutive >= policy.spike_run_pause:
                     action, why = "pause", f"{self.consecutive} loss spikes in a row"
@@ -148,9 +153,12 @@ class LossWatch:
                     action, why = "marker", f"a lone loss spike under {pause_rel:+.0%} (a run would pause)"
                 else:
                     action, why = "pause", "loss spike the skip did not absorb (the update was applied)"
+                    alone = True
                 if action == "pause" and not self.speaks_for_job:
                     action, why = "marker", why + " (this rank only: a marker; rank 0 speaks for the job)"
-                verdict = LossVerdict("spike", action, why, score, base.median, threshold, self.consecutive)
+                    alone = False
+                verdict = LossVerdict("spike", action, why, score, base.median, threshold, self.consecutive,
+                                      alone=alone)
                 self._add_to_block(loss, in_grace)
                 if self.consecutive >= policy.spike_window:  # a new level, not a spike: start again
                     self._window.clear()

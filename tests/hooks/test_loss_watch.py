@@ -331,3 +331,85 @@ class TestServerReading:
         assert flags.divergence["since_step"] == 650
         decision = policy.decide(policy.Evidence(signal=policy.DIVERGENCE, since_step=650, rise=0.07))
         assert decision.action == "pause" and decision.propose_rollback and "since step 650" in decision.reason
+
+
+class TestASpikeOnOneRanksBatch:
+    """A lone spike whose update was applied pauses only when the other ranks saw it too (their
+    spike masks at the next exchange): rank 0's four-sample loss jumped +16-25 % three times in a
+    30-minute chaos run while rank 1's did not, and each of those paused the job and paged a human."""
+
+    class Pair:
+        """Rank 0 of two, its peer's exchange row made up by the test (its spikes as a mask)."""
+
+        rank, world_size, node, local_world_size, attempt = 0, 2, 0, 1, 0
+
+        def __init__(self, peer_spikes: set[int]):
+            self.peer_spikes = peer_spikes
+
+        def all_gather_floats(self, values: list[float]) -> list[list[float]]:
+            from agents.hooks.telemetry import SPIKE_MASK_FIELD
+            from agents.hooks.windows import RankTimings
+
+            step = self.exchange_step
+            mask = sum(1 << (step - s) for s in self.peer_spikes if 0 <= step - s < 20)
+            peer = [values[0], values[1], 0.0, 0.0, 0.0, 0.0, math.nan, float(mask), *RankTimings().row(1)]
+            assert len(peer) == len(values) and SPIKE_MASK_FIELD == 7
+            return [values, peer]
+
+    class Events:
+        stale = pause_requested = False
+        checkpoint_interval = None
+
+        def __init__(self):
+            self.events: list[Event] = []
+
+        def take_checkpoint_request(self) -> bool:
+            return False
+
+        def event(self, event: Event, urgent: bool = False) -> None:
+            self.events.append(event)
+
+        def report(self, report) -> None:
+            pass
+
+        def window(self, window) -> None:
+            pass
+
+    def run(self, peer_spikes: set[int], spiked_at: int = 301) -> list[Event]:
+        """Hooks.step's order on rank 0: observe, the exchange every 10th step, then step_done."""
+        from agents.detectors import GuardDecision
+        from agents.hooks.api import StepOutcome
+        from agents.hooks.settings import Environment
+        from agents.hooks.telemetry import Telemetry
+
+        settings = GuardSettings()
+        pair, events = self.Pair(peer_spikes), self.Events()
+        telemetry = Telemetry(Environment(), pair, settings)  # type: ignore[arg-type]
+        telemetry.reporter = events  # type: ignore[assignment]
+        watch = LossWatch(settings.detection)
+        losses = curve(330)
+        losses[spiked_at - 1] *= 1.25
+        for step, loss in enumerate(losses, start=1):
+            verdict = watch.observe(loss, lr=1e-3)
+            if step % settings.check_every == 0:
+                pair.exchange_step = step
+                telemetry.exchange(step, loss, 1.0)
+            telemetry.step_done(StepOutcome(step, loss, 1.0, False, verdict.spike, False, False),
+                                GuardDecision(False), verdict, compute_s=0.1, optimizer_s=0.0, checkpoint_s=0.0,
+                                data_cursor=step, samples=4, tokens=0)
+        return [e for e in events.events if e.kind == "spike"]
+
+    def test_a_spike_no_other_rank_saw_is_a_marker_told_at_the_next_exchange(self):
+        (spike,) = self.run(peer_spikes=set())
+        assert (spike.step, spike.detail["action"]) == (301, "marker")
+        assert spike.detail["ranks_saw"] == 0 and "batch alone" in spike.message
+
+    def test_a_spike_the_other_ranks_saw_too_pauses(self):
+        (spike,) = self.run(peer_spikes={301})
+        assert (spike.step, spike.detail["action"], spike.detail["ranks_saw"]) == (301, "pause", 1)
+
+    def test_a_spike_at_an_exchange_step_is_judged_at_the_next_one(self):
+        (spike,) = self.run(peer_spikes={310}, spiked_at=310)
+        assert (spike.step, spike.detail["action"]) == (310, "pause")
+        (spike,) = self.run(peer_spikes={309}, spiked_at=310)  # the peer's spike a step earlier: not this one
+        assert (spike.step, spike.detail["action"]) == (310, "marker")
