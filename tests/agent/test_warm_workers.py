@@ -336,11 +336,12 @@ def warm_supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, queue.Queue[tu
     sup.shutdown(grace_s=2.0)
 
 
-def launch_warm(sup: Supervisor, train_script: Path, out: Path, mode: str, port: int) -> LaunchedDetail:
+def launch_warm(sup: Supervisor, train_script: Path, out: Path, mode: str, port: int,
+                inprocess_restarts: int = 0) -> LaunchedDetail:
     out.mkdir()
     payload = LaunchPayload(script="train.py", workdir=str(train_script.parent), args=[str(out), mode], nnodes=1,
                             nproc_per_node=2, node_rank=0, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="job-1",
-                            require_gpu=False, hooks_token="t0k")
+                            require_gpu=False, hooks_token="t0k", inprocess_restarts=inprocess_restarts or None)
     return sup.launch("job", 1, payload)
 
 
@@ -384,7 +385,7 @@ def test_a_stop_leaves_no_warm_worker_behind_and_an_agent_restart_adopts_them(
         rank_info: Callable[..., Any], free_port: Callable[[], int]) -> None:
     sup, exits = warm_supervisor
     out = tmp_path / "out"
-    launch_warm(sup, train_script, out, "loop", free_port())
+    launch_warm(sup, train_script, out, "loop", free_port(), inprocess_restarts=2)
     infos = wait_for(lambda: rank_info(out, 0) and rank_info(out, 1) and [rank_info(out, 0), rank_info(out, 1)],
                      timeout=60, what="both ranks to start", interval=POLL_S)
     zygote_pid = ppid(infos[0]["pid"])
@@ -401,6 +402,7 @@ def test_a_stop_leaves_no_warm_worker_behind_and_an_agent_restart_adopts_them(
     try:
         [adopted] = adopter.adopt()
         assert set(family) <= set(adopted.pids)
+        assert gen.inprocess and adopter._running["job"].inprocess  # its stopped ranks are still killed
         report = adopter.stop("job", 1, grace_s=5.0)
     finally:
         adopter.shutdown(grace_s=2.0)
