@@ -126,26 +126,43 @@ def queue_depth(redis_client) -> int:
     return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints", "background"))
 
 
-def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[float, float]) -> dict[str, Any]:
+def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[float, float],
+              relayed: list[dict[int, float]] | None = None) -> dict[str, Any]:
     """How soon each step of ``job`` reported during ``window`` reached each browser: the wall time a
     client got the step (``arrivals``, one dict per client) minus the moment the control plane stored
-    it (the step row's ``received_at``, set in the transaction that commits it: the figure includes
-    the commit, an upper bound by a few ms). Steps a client never got count as missing."""
+    it (the step row's ``received_at``, taken as the ingest transaction starts: the figure includes
+    the rest of that request, which under overload is most of it). Steps a client never got count as
+    missing. With ``relayed`` (when the relay sent each step, from the frames) the figure is split:
+    ``stored_to_relayed`` (the ingest request's rest, the relay's read, coalescing) and
+    ``relayed_to_browser`` (the channel layer, the consumer, the socket, the client)."""
     rows = conn.execute("SELECT step, extract(epoch FROM received_at) FROM jobs_stepmetric WHERE job_id = %s "
                         "AND rank = 0 AND received_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)",
                         (job, window[0], window[1] - 2.0)).fetchall()  # the last 2 s: still on their way
     stored = {int(step): float(at) for step, at in rows}
     latencies, missing = [], 0
-    for client in arrivals:
+    to_relay: list[float] = []
+    to_browser: list[float] = []
+    for i, client in enumerate(arrivals):
+        sent = relayed[i] if relayed else {}
         for step, at in stored.items():
             if step in client:
                 latencies.append(max(0.0, client[step] - at) * 1000)
+                if step in sent:
+                    to_relay.append(max(0.0, sent[step] - at) * 1000)
+                    to_browser.append(max(0.0, client[step] - sent[step]) * 1000)
             else:
                 missing += 1
     if not latencies:
         return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
-    latencies.sort()
-    return {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
-            "p50_ms": round(latencies[len(latencies) // 2], 1),
-            "p95_ms": round(latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))], 1),
-            "missing": missing}
+    figures = {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
+               "p50_ms": _quantile_ms(latencies, 0.5), "p95_ms": _quantile_ms(latencies, 0.95), "missing": missing}
+    if to_relay:
+        figures["stored_to_relayed"] = {"p50_ms": _quantile_ms(to_relay, 0.5), "p95_ms": _quantile_ms(to_relay, 0.95)}
+        figures["relayed_to_browser"] = {"p50_ms": _quantile_ms(to_browser, 0.5),
+                                         "p95_ms": _quantile_ms(to_browser, 0.95)}
+    return figures
+
+
+def _quantile_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 1)

@@ -97,7 +97,11 @@ def _push(r: dict) -> str:
         return "not measured"
     if push.get("error"):
         return f"sockets did not open ({push['error'][:80]})"
-    return f"{_v(push['p50_ms'])} / {_v(push['p95_ms'])} ({push['clients']}; {push['missing']})"
+    split = ""
+    if push.get("stored_to_relayed"):
+        split = (f"; p95 stored → relayed {_v(push['stored_to_relayed']['p95_ms'])}, relayed → browser "
+                 f"{_v(push['relayed_to_browser']['p95_ms'])}")
+    return f"{_v(push['p50_ms'])} / {_v(push['p95_ms'])} ({push['clients']}; {push['missing']}{split})"
 
 
 def _v(value, unit: str = "") -> str:

@@ -317,7 +317,8 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
             if browsers is not None:
                 browsers.close()
         window = result.pop("window")
-        result["live_push"] = (measure.live_push(conn, jobs[0], browsers.arrivals, window) if browsers else
+        result["live_push"] = (measure.live_push(conn, jobs[0], browsers.arrivals, window, browsers.relayed)
+                               if browsers else
                                {"clients": opts.browsers, "error": push_failed} if push_failed else None)
         result["setup"] = setup_figures
         result["storm"] = storm(opts, plane, sims, conn, result["killed"])

@@ -181,6 +181,8 @@ class Sockets:
         arrival is stamped with (wall time where it is compared with the database's ``received_at``)."""
         self.server, self.n, self.clock = server, n, clock
         self.arrivals: list[dict[int, float]] = [{} for _ in range(n)]
+        #: When the relay sent each step (the frame's ``relayed_at``, the server's wall clock).
+        self.relayed: list[dict[int, float]] = [{} for _ in range(n)]
         self.frames: list[list[float]] = [[] for _ in range(n)]
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -220,6 +222,8 @@ class Sockets:
             self.frames[i].append(now)
             for point in frame.get("points") or []:
                 self.arrivals[i].setdefault(point["step"], now)
+                if frame.get("relayed_at") is not None:
+                    self.relayed[i].setdefault(point["step"], frame["relayed_at"])
 
     def close(self) -> None:
         async def shut():
@@ -238,6 +242,8 @@ class Pollers:
     def __init__(self, server: Server, n: int):
         self.server, self.n = server, n
         self.arrivals: list[dict[int, float]] = [{} for _ in range(n)]
+        #: When the relay sent each step (the frame's ``relayed_at``, the server's wall clock).
+        self.relayed: list[dict[int, float]] = [{} for _ in range(n)]
         self.stop_flag = threading.Event()
         self.requests = self.errors = 0
         self.threads = [threading.Thread(target=self._poll, args=(i,), daemon=True) for i in range(n)]
