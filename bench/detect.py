@@ -152,6 +152,7 @@ def run_loss_product(trace: _traces.LossTrace, step_s: float) -> Outcome:
             decision = guards[r].judge(grad)
             skipped = decision.skip
             verdict = watches[r].observe(loss, lr=trace.lrs[t - 1], skipped=skipped)
+            tels[r].judged(t, verdict, loss)
             if t % CHECK_EVERY == 0 and r == ranks - 1:
                 means = [w.take_window_mean() for w in watches]
                 rows = [[trace.losses[q][t - 1], grad, 0.0, 0.0, 0.0, 0.0, means[q], float(tels[q].spike_mask(t)),

@@ -363,6 +363,7 @@ class Hooks:
         skipped = self._update(skip, loss_value)
         verdict = self._loss_watch.observe(loss_value, lr=lr, skipped=skipped)
         self.step_count += 1
+        self.telemetry.judged(self.step_count, verdict, loss_value)
         if math.isfinite(loss_value):
             self._epoch_loss = [self._epoch_loss[0] + loss_value, self._epoch_loss[1] + 1]
         self._last_loss = loss_value

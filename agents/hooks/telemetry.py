@@ -75,7 +75,7 @@ class Telemetry:
         self._event_numbers: Counter[tuple[int, str]] = Counter()
         self._timings = RankTimings()
         self._drift = DriftWatch(settings.detection)
-        #: Two windows: a spike held at an exchange step is judged at the next exchange.
+        #: Two windows: room for a spike a rank saw just before a missed or late exchange.
         self._mask_steps = min(2 * settings.check_every, SPIKE_MASK_MAX_STEPS)
         self._spike_steps: deque[int] = deque(maxlen=self._mask_steps)
         self._held: list[tuple[int, LossVerdict, float]] = []  # (step, verdict, loss) awaiting the others' word
@@ -153,6 +153,18 @@ class Telemetry:
         return Exchange(consistency, stale=any(r[2] for r in rows), pause=bool(leader[3]),
                         checkpoint_now=bool(leader[4]), checkpoint_interval=int(leader[5]) or None)
 
+    def judged(self, step: int, verdict: LossVerdict, loss: float) -> None:
+        """The loss watch's verdict on ``step``, as soon as it is made (before the step's exchange):
+        a spike goes into this rank's mask, and a lone one rank 0 would pause on is held for the
+        other ranks' word (``_judge_held``) at this exchange or the next."""
+        if verdict.spike:
+            self._spike_steps.append(step)
+        if self._holds(verdict):
+            self._held.append((step, verdict, loss))
+
+    def _holds(self, verdict: LossVerdict) -> bool:
+        return verdict.alone and self.topology.world_size > 1
+
     def spike_mask(self, step: int) -> int:
         """Which of the steps before ``step`` (bit k: ``step - k``) this rank judged a loss spike."""
         return sum(1 << (step - s) for s in self._spike_steps if 0 <= step - s < self._mask_steps)
@@ -204,13 +216,7 @@ class Telemetry:
         if outcome.nan and (own_loss_bad or self.topology.rank == 0):
             self.event(step, "nan", f"non-finite {'loss' if own_loss_bad else 'gradient norm'} at step {step}",
                        {"loss": outcome.loss, "grad_norm": outcome.grad_norm}, level=logging.WARNING, local=True)
-        if verdict.spike:
-            self._spike_steps.append(step)
-        if verdict.alone and self.topology.world_size > 1:
-            self._held.append((step, verdict, outcome.loss))  # judged with the others' word at the next exchange
-        elif verdict.kind in ("spike", "level_shift", "divergence"):
-            if verdict.action == "pause":
-                self._held = []  # the job pauses on this one
+        if verdict.kind in ("spike", "level_shift", "divergence") and not self._holds(verdict):
             self._verdict_event(step, verdict, outcome.loss)
         phases = {"input": self._input_s, "compute": compute_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
         self._timings.add(step, phases)

@@ -376,7 +376,8 @@ class TestASpikeOnOneRanksBatch:
             pass
 
     def run(self, peer_spikes: set[int], spiked_at: int = 301) -> list[Event]:
-        """Hooks.step's order on rank 0: observe, the exchange every 10th step, then step_done."""
+        """Hooks.step's order on rank 0: observe (and tell the telemetry), the exchange every 10th
+        step, then step_done."""
         from agents.detectors import GuardDecision
         from agents.hooks.api import StepOutcome
         from agents.hooks.settings import Environment
@@ -391,6 +392,7 @@ class TestASpikeOnOneRanksBatch:
         losses[spiked_at - 1] *= 1.25
         for step, loss in enumerate(losses, start=1):
             verdict = watch.observe(loss, lr=1e-3)
+            telemetry.judged(step, verdict, loss)
             if step % settings.check_every == 0:
                 pair.exchange_step = step
                 telemetry.exchange(step, loss, 1.0)
@@ -408,7 +410,7 @@ class TestASpikeOnOneRanksBatch:
         (spike,) = self.run(peer_spikes={301})
         assert (spike.step, spike.detail["action"], spike.detail["ranks_saw"]) == (301, "pause", 1)
 
-    def test_a_spike_at_an_exchange_step_is_judged_at_the_next_one(self):
+    def test_a_spike_at_an_exchange_step_is_judged_in_that_exchange(self):
         (spike,) = self.run(peer_spikes={310}, spiked_at=310)
         assert (spike.step, spike.detail["action"]) == (310, "pause")
         (spike,) = self.run(peer_spikes={309}, spiked_at=310)  # the peer's spike a step earlier: not this one
