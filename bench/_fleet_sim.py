@@ -65,7 +65,7 @@ from agents.protocol.agent import (
     XidDetail,
     compact,
 )
-from agents.protocol.hooks import CHECKPOINTS_PATH, CONTROL_PATH, PROGRESS_HEADER, REPORTS_PATH
+from agents.protocol.hooks import CHECKPOINTS_PATH, CONTROL_PATH, REPORTS_PATH, progress_header
 from bench import _fleet_ranks as ranks_wire
 from bench._fleet_http import Book, Client
 
@@ -103,7 +103,7 @@ class Rank:
     def __init__(self, gen: Generation, local: int):
         self.gen, self.local = gen, local
         self.rank = gen.node_rank * gen.nproc + local
-        self.progress_header = {PROGRESS_HEADER: "1" if self.rank == 0 else "0"}  # as the reporter says
+        self.progress_header = progress_header(self.rank)  # as the reporter sends it
         self.spool: deque[tuple[str, dict[str, Any]]] = deque()
         self.failures = 0
         self.retry_at = 0.0

@@ -24,13 +24,13 @@ from agents.protocol import ProtocolError, dump, parse
 from agents.protocol.hooks import (
     CHECKPOINTS_PATH,
     CONTROL_PATH,
-    PROGRESS_HEADER,
     REPORTS_PATH,
     CheckpointCommit,
     Control,
     Event,
     NodeWindow,
     StepReport,
+    progress_header,
 )
 from agents.spool import Spool
 
@@ -54,7 +54,7 @@ class Reporter:
         self.generation = generation
         self.rank = rank
         #: Only rank 0's step reports move the job's progress (admission lets them ahead of bulk).
-        self._progress_header = {PROGRESS_HEADER: "1" if rank == 0 else "0"}
+        self._progress_header = progress_header(rank)
         self.poll_control = poll_control
         self.flush_interval = flush_interval
         self.control_interval = control_interval

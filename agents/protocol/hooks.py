@@ -36,6 +36,11 @@ CONTROL_PATH = "/api/v1/jobs/{job}/control"
 #: a refusal spares the job as before.
 PROGRESS_HEADER = "X-Nightwatch-Progress"
 
+
+def progress_header(rank: int) -> dict[str, str]:
+    """The report requests' ``PROGRESS_HEADER`` for ``rank`` (the reporter's, and the fleet bench's)."""
+    return {PROGRESS_HEADER: "1" if rank == 0 else "0"}
+
 #: Exit codes of a training process stopped by the hooks. The node agent reads them to tell a
 #: requested stop from a crash, so it does not restart what was meant to stay stopped.
 EXIT_PAUSED = 85  # "pause" was requested: a checkpoint was committed, then the process exited.
