@@ -133,14 +133,20 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
     it (the step row's ``received_at``, taken as the ingest transaction starts: the figure includes
     the rest of that request, which under overload is most of it). Steps a client never got count as
     missing. With ``relayed`` (when the relay sent each step, from the frames) the figure is split:
-    ``stored_to_relayed`` (the ingest request's rest, the relay's read, coalescing) and
-    ``relayed_to_browser`` (the channel layer, the consumer, the socket, the client)."""
+    ``stored_to_relayed`` (the ingest request's rest, the relay's read, coalescing; given apart for
+    the steps whose request also carried the job's node windows) and ``relayed_to_browser`` (the
+    channel layer, the consumer, the socket, the client)."""
     rows = conn.execute("SELECT step, extract(epoch FROM received_at) FROM jobs_stepmetric WHERE job_id = %s "
                         "AND rank = 0 AND received_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)",
                         (job, window[0], window[1] - 2.0)).fetchall()  # the last 2 s: still on their way
     stored = {int(step): float(at) for step, at in rows}
+    # The steps at which rank 0 also reported the job's node windows (in the same request, as the
+    # hooks batch them): their split is given apart, to tell the windows' cost from the rest.
+    exchange_steps = {int(step) for (step,) in conn.execute(
+        "SELECT DISTINCT last_step FROM jobs_nodewindow WHERE job_id = %s", (job,)).fetchall()}
     latencies, missing = [], 0
     to_relay: list[float] = []
+    to_relay_exchange: list[float] = []
     to_browser: list[float] = []
     for i, client in enumerate(arrivals):
         sent = relayed[i] if relayed else {}
@@ -148,7 +154,7 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
             if step in client:
                 latencies.append(max(0.0, client[step] - at) * 1000)
                 if step in sent:
-                    to_relay.append(max(0.0, sent[step] - at) * 1000)
+                    (to_relay_exchange if step in exchange_steps else to_relay).append(max(0.0, sent[step] - at) * 1000)
                     to_browser.append(max(0.0, client[step] - sent[step]) * 1000)
             else:
                 missing += 1
@@ -156,8 +162,13 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
         return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
     figures = {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
                "p50_ms": _quantile_ms(latencies, 0.5), "p95_ms": _quantile_ms(latencies, 0.95), "missing": missing}
-    if to_relay:
-        figures["stored_to_relayed"] = {"p50_ms": _quantile_ms(to_relay, 0.5), "p95_ms": _quantile_ms(to_relay, 0.95)}
+    if to_relay or to_relay_exchange:
+        every = to_relay + to_relay_exchange
+        figures["stored_to_relayed"] = {"p50_ms": _quantile_ms(every, 0.5), "p95_ms": _quantile_ms(every, 0.95)}
+        for name, values in (("steps_without_windows", to_relay), ("steps_with_windows", to_relay_exchange)):
+            if values:
+                figures["stored_to_relayed"][name] = {"samples": len(values), "p50_ms": _quantile_ms(values, 0.5),
+                                                      "p95_ms": _quantile_ms(values, 0.95)}
         figures["relayed_to_browser"] = {"p50_ms": _quantile_ms(to_browser, 0.5),
                                          "p95_ms": _quantile_ms(to_browser, 0.95)}
     return figures

@@ -99,8 +99,12 @@ def _push(r: dict) -> str:
         return f"sockets did not open ({push['error'][:80]})"
     split = ""
     if push.get("stored_to_relayed"):
-        split = (f"; p95 stored → relayed {_v(push['stored_to_relayed']['p95_ms'])}, relayed → browser "
-                 f"{_v(push['relayed_to_browser']['p95_ms'])}")
+        relay = push["stored_to_relayed"]
+        split = f"; p95 stored → relayed {_v(relay['p95_ms'])}"
+        if relay.get("steps_with_windows") and relay.get("steps_without_windows"):
+            split += (f" ({_v(relay['steps_with_windows']['p95_ms'])} for steps sent with the node windows, "
+                      f"{_v(relay['steps_without_windows']['p95_ms'])} without)")
+        split += f", relayed → browser {_v(push['relayed_to_browser']['p95_ms'])}"
     return f"{_v(push['p50_ms'])} / {_v(push['p95_ms'])} ({push['clients']}; {push['missing']}{split})"
 
 
