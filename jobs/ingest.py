@@ -47,7 +47,8 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
        ones let go (``agents.hooks.reporter.Reporter._settle``).
     2. Insert what is new; (job, generation, rank, step), (job, generation, node, last_step,
        exchange time) and (job, generation, key) already stored are duplicates of a replay and are
-       counted, not stored again.
+       counted, not stored again. The node windows go in a transaction of their own, once the
+       step reports and events are committed.
     3. Move the progress deadline, and mark the generation's first step (a generation that
        reports its first step is running); hand what the hooks flagged to the orchestrator.
     """
@@ -65,7 +66,6 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         StepMetric.objects.bulk_create(
             [_step_metric(job, r, now) for r in fresh], ignore_conflicts=True, batch_size=500
         )
-        _store_windows(job, batch.windows, now)
         events = {e.key: e for e in batch.events}
         known_keys = set(
             TrainingEvent.objects.filter(job=job, generation=batch.generation, key__in=list(events))
@@ -84,10 +84,16 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
                                       now, actor=actor, stepped_at=_utc(max(r.time for r in fresh)))
         _raise_flags(job, batch.generation, fresh, fresh_events)
-        if batch.windows:
-            transaction.on_commit(lambda: check_stragglers.delay(job.pk, batch.generation))
         _report_failed_saves(job, batch.generation, fresh_events)
         _record_inprocess_restarts(job, batch.generation, fresh_events)
+    if batch.windows:
+        # Apart, after the step reports committed: rank 0 sends a window per node of the job (512
+        # at 512 nodes) with the step of each exchange, and the step is what the dashboard shows
+        # live and what the progress deadline waits for. Storing the windows is idempotent, so a
+        # failure here (the request fails, the reporter resends the batch) loses nothing.
+        with transaction.atomic():
+            _store_windows(job, batch.windows, now)
+            transaction.on_commit(lambda: check_stragglers.delay(job.pk, batch.generation))
     return IngestResult(accepted=len(fresh), duplicates=len(kept) - len(fresh),
                         ignored=len(batch.reports) - len(kept))
 
