@@ -122,6 +122,23 @@ def incidents_between(conn, since: float, until: float) -> list[str]:
     return [kind for (kind,) in rows.fetchall()]
 
 
+def launch_delivery(conn, jobs: list[int]) -> dict[str, Any]:
+    """How the first generation's launch commands of ``jobs`` reached their nodes, as the control
+    plane recorded them: how many, how many were still not acknowledged, and seconds from queued to
+    delivered (a heartbeat of the node took it) and to acknowledged, p50/p95/max of those that were."""
+    rows = conn.execute(
+        "SELECT extract(epoch FROM delivered_at - created_at), extract(epoch FROM acked_at - created_at) "
+        "FROM nodes_nodecommand WHERE kind = 'launch' AND generation = 1 AND job_id = ANY(%s)", (jobs,)).fetchall()
+    figures: dict[str, Any] = {"launches": len(rows), "unacknowledged": sum(1 for _, acked in rows if acked is None)}
+    for name, column in (("delivered", 0), ("acknowledged", 1)):
+        values = sorted(float(row[column]) for row in rows if row[column] is not None)
+        if values:
+            figures[f"{name}_s"] = {"p50": round(values[len(values) // 2], 1),
+                                    "p95": round(values[min(len(values) - 1, int(0.95 * len(values)))], 1),
+                                    "max": round(values[-1], 1)}
+    return figures
+
+
 def queue_depth(redis_client) -> int:
     return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints", "background"))
 

@@ -133,6 +133,13 @@ def markdown(result: dict) -> str:
         "| --- | " + " | ".join("---" for _ in sizes) + " |",
     ]
 
+    def _launches(figures) -> str:
+        if not figures or "delivered_s" not in figures:
+            return "—"
+        d = figures["delivered_s"]
+        waiting = f"{figures['unacknowledged']} of {figures['launches']}"
+        return f"{_v(d['p50'])} / {_v(d['p95'])} / {_v(d['max'])} ({waiting})"
+
     def row(label: str, cell) -> None:
         lines.append(f"| {label} | " + " | ".join(cell(r) for r in sizes) + " |")
 
@@ -142,6 +149,8 @@ def markdown(result: dict) -> str:
         lambda r: "all" if "setup" not in r else
         f"{r['setup']['agents_registered']} / {r['setup']['registrations_refused']}, {r['setup']['nodes_healthy']}, "
         f"{r['setup']['jobs_running']} of {len(r['jobs'])}")
+    row("set-up: first launches delivered, s after queued: p50 / p95 / max (unacknowledged)",
+        lambda r: _launches(r.get("setup", {}).get("launch_delivery")))
     row("heartbeat interval the control plane asked for (pacing), s", lambda r: _v(r.get("heartbeat_interval_s")))
     row("requests attempted / s", lambda r: _v(r["attempted_rps"]))
     row("requests accepted (2xx) / s", lambda r: _v(r["accepted_rps"]))

@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -277,7 +278,7 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
 
     database = f"nightwatch_fleet_bench_{nodes}"
     fleet = nodes + spares(nodes)
-    with served(work, database, opts.max_heartbeats_per_s) as (plane, slot):
+    with served(work, database, opts.max_heartbeats_per_s, opts.settings) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
@@ -300,7 +301,8 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                                                 180 + nodes / 8, "every job training")
         setup_figures.update(agents_registered=sims.total("registered"), registrations_refused=sims.total("refused"),
                              nodes_healthy=conn.execute(healthy).fetchone()[0],
-                             jobs_running=conn.execute(running).fetchone()[0])
+                             jobs_running=conn.execute(running).fetchone()[0],
+                             launch_delivery=measure.launch_delivery(conn, jobs))
         browsers, push_failed = None, None
         if opts.browsers:
             from bench.live_push import Sockets
@@ -328,20 +330,23 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 fault["detected_s"] = None if latency is None else round(latency, 2)
         sims.close()
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
-                      max_heartbeats_per_s=opts.max_heartbeats_per_s)
+                      max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings)
         conn.close()
         return result
 
 
 @contextlib.contextmanager
-def served(work: Path, database: str, max_heartbeats_per_s: float | None = None):
+def served(work: Path, database: str, max_heartbeats_per_s: float | None = None,
+           settings: dict[str, str] | None = None):
     """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
     out; the plane's logs are printed when anything fails. ``max_heartbeats_per_s``: heartbeat pacing's
-    rate (None: the control plane's default; 0: off)."""
+    rate (None: the control plane's default; 0: off); ``settings``: more ``NIGHTWATCH_*`` variables
+    for the control plane's processes (``--setting``)."""
     fresh_database(database, TEMPLATE_DB)
     plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
     if max_heartbeats_per_s is not None:
         plane.env["NIGHTWATCH_MAX_HEARTBEATS_PER_S"] = str(max_heartbeats_per_s)
+    plane.env.update(settings or {})
     fleet = SimpleNamespace(sims=None)
     try:
         plane.start()
@@ -674,6 +679,14 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
 
 
+def _setting(text: str) -> tuple[str, str]:
+    """``--setting``'s argument: ``NIGHTWATCH_NAME=VALUE`` (the control plane's own variables only)."""
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"NIGHTWATCH_[A-Z0-9_]+", name):
+        raise argparse.ArgumentTypeError(f"expected NIGHTWATCH_NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -691,6 +704,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--max-heartbeats-per-s", type=float, help="heartbeat pacing: the fleet's heartbeats a "
                         "second the control plane asks for (default: its NIGHTWATCH_MAX_HEARTBEATS_PER_S, 50; 0: off)")
+    parser.add_argument("--setting", dest="settings", action="append", type=_setting, default=[],
+                        metavar="NIGHTWATCH_NAME=VALUE", help="a setting of the control plane's processes for this "
+                        "run, e.g. NIGHTWATCH_ADMISSION_WIDTH=2 (repeat for more); the result names them")
     parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
                         help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
@@ -706,6 +722,7 @@ def main(argv: list[str] | None = None) -> None:
                         "bench/results/fleet.json")
     parser.add_argument("--setup", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    opts.settings = dict(opts.settings)
     if opts.report:
         report.write(json.loads((RESULTS / "fleet.json").read_text()))
         return
