@@ -279,6 +279,8 @@ class Agent:
         #: agent's thread holds one; None: agents with ``command_wait: false``.
         self.wait_client = None if wait_client is None else _From(wait_client, self.address)
         self.beats_through = 0  # heartbeats answered 200 (``wake.HeartbeatCount``)
+        self.owed = False  # the command wait said commands wait, and no heartbeat got through since
+        self.beat_retry_after: float | None = None  # the last refused heartbeat's Retry-After
         self.beat_through = asyncio.Event()
         self.node_id = self.token = ""
         self.interval = 5.0
@@ -341,9 +343,16 @@ class Agent:
 
     async def heartbeats(self) -> None:
         await asyncio.sleep(random.uniform(0, self.interval))
+        refusals = 0
         while True:
+            through = self.beats_through
             await self.heartbeat()
-            wait = DECISION_POLL_S if time.monotonic() < self.decision_until else self.interval
+            refusals = 0 if self.beats_through > through else refusals + 1
+            # The daemon's schedule: a refused heartbeat that commands wait for is retried after a
+            # backoff, any other next due a little early (``wake.next_heartbeat_in``).
+            wait = (DECISION_POLL_S if time.monotonic() < self.decision_until else
+                    wake.next_heartbeat_in(self.interval, owed=self.owed, refusals=refusals,
+                                           retry_after=self.beat_retry_after))
             try:
                 await asyncio.wait_for(self.beat_wake.wait(), wait)
             except TimeoutError:
@@ -363,10 +372,12 @@ class Agent:
         try:
             path = HEARTBEAT_PATH.format(node_id=self.node_id)
             status, body = await self.beat_client.request("heartbeat", "POST", path, self.token, dump(message))
-        except Unreachable:
+        except Unreachable as error:
+            self.beat_retry_after = error.retry_after
             return 0
         if status == 200:
             self.beats_through += 1
+            self.owed = False
             self.beat_through.set()
             answer = parse(HeartbeatResponse, body)
             self.interval = answer.heartbeat_interval_s or self.interval  # pacing, as the agent follows it
@@ -395,6 +406,7 @@ class Agent:
                 continue
             self.sim.wakeups += 1
             through = self.beats_through
+            self.owed = True
             self.beat_wake.set()
             while self.beats_through <= through:
                 self.beat_through.clear()

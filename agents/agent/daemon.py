@@ -29,7 +29,7 @@ from agents.agent.registration import (
     register,
     save_credentials,
 )
-from agents.agent.wake import CommandWait, HeartbeatCount
+from agents.agent.wake import CommandWait, HeartbeatCount, next_heartbeat_in
 from agents.health import BandwidthProbeServer, evaluate, probe_peers, with_bandwidth
 from agents.http import ControlPlaneClient, Unreachable, retry_delay
 from agents.preflight import check_launch
@@ -195,6 +195,7 @@ class Agent:
         next_sample = next_heartbeat = next_flush = next_urgent = last_heartbeat = time.monotonic()
         samples_due = float("inf")  # when the oldest sample not yet sent must go
         flush_backoff = urgent_backoff = TICK_S  # of the bulk lane (telemetry) and of the urgent one
+        owed, refusals = False, 0  # commands wait for a heartbeat to get through; heartbeats refused in a row
         while not self._stopping.is_set():
             now = time.monotonic()
             for xid in self.collector.poll_xids(0):
@@ -213,11 +214,13 @@ class Agent:
             urgent = now < self._decision_expected_until and now - last_heartbeat >= DECISION_POLL_S
             if self._commands_waiting.is_set():
                 self._commands_waiting.clear()
-                urgent = True
+                urgent = owed = True
             if now >= next_heartbeat or urgent:
-                self._heartbeat(creds)
+                through, retry_after = self._heartbeat(creds)
+                owed, refusals = (False, 0) if through else (owed, refusals + 1)
                 last_heartbeat = now
-                next_heartbeat = now + self.heartbeat_interval_s
+                next_heartbeat = now + next_heartbeat_in(self.heartbeat_interval_s, owed=owed, refusals=refusals,
+                                                         retry_after=retry_after)
             bulk = now >= next_flush
             if len(self.outbox) and ((self.outbox.urgent and now >= next_urgent) or (bulk and now >= samples_due)):
                 try:
@@ -252,7 +255,9 @@ class Agent:
         self._commands_waiting.set()
         self._wake.set()
 
-    def _heartbeat(self, creds: NodeCredentials) -> None:
+    def _heartbeat(self, creds: NodeCredentials) -> tuple[bool, float | None]:
+        """One heartbeat, its commands handed to the runner: (whether it got through, the
+        ``Retry-After`` of a refusal)."""
         self._seq += 1
         message = Heartbeat(node_id=creds.node_id, seq=self._seq, time=time.time(), running=self.supervisor.running(),
                             gpu_telemetry=self.source.available, gpu_telemetry_reason=self.source.reason,
@@ -263,24 +268,23 @@ class Agent:
             status, body = self._api().request("POST", HEARTBEAT_PATH.format(node_id=creds.node_id), compact(message))
         except Unreachable as exc:
             self._set_reachable(False, str(exc))
-            return
+            return False, exc.retry_after
         if status == 400 and self._paced and "interval_s" in str(body):
             # A control plane older than heartbeat pacing: keep the registration's interval, ask again at once.
             log.warning("the control plane does not pace heartbeats (%s); keeping %.1f s", body,
                         self.heartbeat_interval_s)
             self._paced = False
             self._seq -= 1
-            self._heartbeat(creds)
-            return
+            return self._heartbeat(creds)
         if status != 200:
             log.error("heartbeat refused (%d): %s", status, body)
-            return
+            return False, None
         self._set_reachable(True, "")
         try:
             answer = parse(HeartbeatResponse, body)
         except ProtocolError as exc:
             log.error("malformed heartbeat answer: %s", exc)
-            return
+            return False, None
         self._heartbeats.got_through()
         if answer.heartbeat_interval_s is not None and answer.heartbeat_interval_s != self.heartbeat_interval_s:
             log.info("heartbeat interval %.1f s, as the control plane asks (was %.1f s)", answer.heartbeat_interval_s,
@@ -289,6 +293,7 @@ class Agent:
         assert self.commands is not None
         for command in answer.commands:
             self.commands.submit(command)
+        return True, None
 
     def _set_reachable(self, reachable: bool, why: str) -> None:
         if reachable != self._reachable:  # log transitions, not every failed attempt

@@ -8,17 +8,27 @@ heartbeats at once and takes them as always. Everything else is unchanged: a los
 one, or a control plane that predates it only means the commands come with the next heartbeat.
 
 Bounded: after a wake-up the next poll waits until a heartbeat has got through (the one it asked
-for, or, when that one was refused, the next one the loop makes on its own schedule), so a queue that
-a refused heartbeat left full never makes the agent heartbeat faster than it would anyway; an
-unreachable control plane backs off as the spool's replay does, and a refusal's ``Retry-After`` is
-honoured. (A gap that doubled with each wake-up, reset only by a whole wait without one, grew to the
-heartbeat interval on a node whose commands come less than ``WAIT_S`` apart: the launch after a stop
-then waited 0.7 s in bench.node_loss.)
+for, or, when that one was refused, a retry: ``next_heartbeat_in``), so a queue that a refused
+heartbeat left full never makes the agent poll again in a loop; an unreachable control plane backs
+off as the spool's replay does, and a refusal's ``Retry-After`` is honoured. (A gap that doubled
+with each wake-up, reset only by a whole wait without one, grew to the heartbeat interval on a node
+whose commands come less than ``WAIT_S`` apart: the launch after a stop then waited 0.7 s in
+bench.node_loss.)
+
+A control plane that queues many commands at once (a 512-node job's launches) wakes that many agents
+in the same instant, and their heartbeats arrive together. Sent again an interval later, they arrive
+together again, every interval, and admission control refuses such a burst nearly whole: at 1,088
+nodes (bench.fleet, 2026-12-06) 7 % of the heartbeats of nodes with a launch waiting were admitted
+against 30 % of the others', in bursts of 300-500 every 22 s, and launches reached their nodes up to
+8 minutes after they were queued. So a refused heartbeat that commands wait for is tried again after
+a jittered backoff, not an interval later, and every heartbeat's next turn is drawn a little early
+(``next_heartbeat_in``): agents that heartbeated together drift apart.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable
 
@@ -34,6 +44,28 @@ WAIT_S = 50.0
 TRANSIT_S = 10.0
 #: A control plane without the long poll (404, 405) is asked again after this long (an upgrade).
 ABSENT_RETRY_S = 600.0
+
+
+#: Each heartbeat's next turn comes up to this fraction of the interval early (drawn each time).
+HEARTBEAT_JITTER = 0.1
+#: The first retry of a refused heartbeat that commands wait for; doubling up to the interval.
+OWED_RETRY_S = 1.0
+
+
+def next_heartbeat_in(interval_s: float, *, owed: bool = False, refusals: int = 0, retry_after: float | None = None,
+                      rng: random.Random | None = None) -> float:
+    """Seconds from one heartbeat to the next (see the module's docstring).
+
+    ``owed``: commands wait for this node (the command wait said so, and no heartbeat got through
+    since); ``refusals``: heartbeats refused in a row. An owed heartbeat that was refused is tried
+    again after ``retry_delay`` (``OWED_RETRY_S`` doubling, the server's ``Retry-After`` at least,
+    up to half again as much at random), never later than the interval. Any other is next due
+    ``interval_s`` less up to ``HEARTBEAT_JITTER`` of it.
+    """
+    if owed and refusals:
+        return min(interval_s, retry_delay(refusals, base=OWED_RETRY_S, cap=interval_s, retry_after=retry_after,
+                                           rng=rng))
+    return interval_s * (1.0 - HEARTBEAT_JITTER * (rng or random).random())
 
 
 class CommandWait(threading.Thread):

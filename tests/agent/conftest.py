@@ -99,6 +99,9 @@ class ControlPlane:
         #: A shedding control plane: telemetry is answered 503 with this Retry-After (None: taken).
         self.telemetry_retry_after: int | None = None
         self.telemetry_refusals = 0
+        #: The next this many heartbeats are answered 503 with ``Retry-After: 1`` (admission control).
+        self.refuse_heartbeats = 0
+        self.refused_heartbeats: list[float] = []  # when each was refused (monotonic)
         #: The command wait (GET commands/wait): answered as soon as a command is pending.
         self.knows_command_wait = True
         self.command_waits = 0
@@ -164,6 +167,10 @@ class ControlPlane:
         if parts[:3] != ["api", "v1", "nodes"] or parts[3] != self.node_id:
             return 404, {"error": "no such node"}
         if parts[4:] == ["heartbeat"]:
+            if self.refuse_heartbeats:
+                self.refuse_heartbeats -= 1
+                self.refused_heartbeats.append(time.monotonic())
+                return 503, {"title": "Service Unavailable", "status": 503, "code": "overloaded"}
             if "interval_s" in body and not self.knows_interval:
                 return 400, {"type": "about:blank", "title": "Bad request", "status": 400,
                              "detail": "interval_s: unknown field"}  # as parse() words it
@@ -210,7 +217,9 @@ class ControlPlane:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                if status == 503 and plane.telemetry_retry_after is not None:
+                if status == 503 and self.path.endswith("/heartbeat"):
+                    self.send_header("Retry-After", "1")
+                elif status == 503 and plane.telemetry_retry_after is not None:
                     self.send_header("Retry-After", str(plane.telemetry_retry_after))
                 self.end_headers()
                 self.wfile.write(data)

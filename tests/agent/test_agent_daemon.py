@@ -205,6 +205,45 @@ def test_a_command_is_taken_as_it_is_queued_not_with_the_next_heartbeat(
     assert running.stop() == 0
 
 
+def test_a_refused_heartbeat_that_commands_wait_for_is_tried_again_within_seconds(
+        control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any]) -> None:
+    """Heartbeats 30 s apart, and the two the command wait asks for are refused (503, Retry-After
+    1): the drain still arrives within seconds (a jittered backoff from 1 s), not an interval later."""
+    control_plane.heartbeat_interval_s = 30.0
+    running = start_agent(agent_config(command_wait=True))
+    wait_for(lambda: control_plane.heartbeats, timeout=20, what="the first heartbeat", interval=POLL_S)
+    wait_for(lambda: control_plane.command_waits, timeout=5, what="the agent's command wait", interval=POLL_S)
+    with control_plane.lock:
+        control_plane.refuse_heartbeats = 2
+    queued = time.monotonic()
+    control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c1"))
+    wait_for(lambda: control_plane.acks, timeout=15, what="the drain ack", interval=POLL_S)
+    took = time.monotonic() - queued
+    first, second = control_plane.refused_heartbeats
+    assert first - queued < 1.0  # the wake-up's own heartbeat, refused
+    assert 1.0 <= second - first <= 1.5 + 0.3  # retry_delay(1): Retry-After 1 s, up to half again
+    assert took < 6.0, f"the drain took {took:.1f} s"
+    assert running.stop() == 0
+
+
+def test_heartbeats_are_due_a_little_early_by_a_random_amount() -> None:
+    """Agents that heartbeated together drift apart: each next turn is the interval less up to 10 %,
+    drawn each time; a refused heartbeat nobody waits for keeps that schedule."""
+    import random
+
+    from agents.agent.wake import HEARTBEAT_JITTER, next_heartbeat_in
+
+    rng = random.Random(7)
+    turns = [next_heartbeat_in(20.0, rng=rng) for _ in range(200)]
+    assert all(20.0 * (1 - HEARTBEAT_JITTER) <= t <= 20.0 for t in turns)
+    assert max(turns) - min(turns) > 1.5  # spread over most of the 2 s allowed
+    assert 18.0 <= next_heartbeat_in(20.0, owed=False, refusals=3, retry_after=1.0, rng=rng) <= 20.0
+    owed = [next_heartbeat_in(20.0, owed=True, refusals=n, retry_after=1.0, rng=rng) for n in (1, 2, 3, 4, 5, 6)]
+    assert 1.0 <= owed[0] <= 1.5 and 2.0 <= owed[1] <= 3.0 and 4.0 <= owed[2] <= 6.0  # doubling from 1 s
+    assert owed[-1] == 20.0  # never later than the interval
+    assert next_heartbeat_in(20.0, owed=True, refusals=1, retry_after=5.0, rng=rng) >= 5.0  # the server's wait
+
+
 def test_a_failing_node_refuses_to_launch_and_says_why(control_plane: Any, agent_config: Callable[..., Any],
                                                        scenario_file: Callable[[str], Path],
                                                        start_agent: Callable[..., Any], train_script: Path) -> None:
