@@ -11,7 +11,8 @@ Not every request is worth the same. An agent's events carry the exits and Xids 
 recovery, its command acks the launches and stops that carry one out: ``urgent`` requests may use
 the whole bound. A heartbeat that does not get through today
 makes the sweeper call a live node unreachable tomorrow: ``priority`` requests (heartbeats,
-registration) leave ``urgent_reserve`` slots free for the urgent ones, and so do an operator's
+registration, and the writes of ``priority_writes`` URLs: the hooks' checkpoint commits, few, which
+the rest of their reports queue behind) leave ``urgent_reserve`` slots free for the urgent ones, and so do an operator's
 actions (``operator``: submit, cancel, pause, drain… — writes to the URLs named, never reads): they
 are few, and an overload is when they matter (23 job submissions took 6-8 minutes of 503s behind a
 1,024-node fleet's heartbeats when they were bulk). Bulk data (step reports,
@@ -367,7 +368,8 @@ class Admission:
 
     def __init__(self, app, *, limit: int, reserve: int, retry_after_s: int, retry_after_max_s: int | None = None,
                  urgent_reserve: int = 0,
-                 urgent: Collection[str] = (), priority: Collection[str] = (), operator: Collection[str] = (),
+                 urgent: Collection[str] = (), priority: Collection[str] = (), priority_writes: Collection[str] = (),
+                 operator: Collection[str] = (),
                  exempt: Collection[str] = (), witnesses: Collection[str] = (), carriers: Collection[str] = (),
                  long_polls: Collection[str] = (), progress: Collection[str] = (),
                  late_s: float | None = None, awaited_within_s: float = 600.0, width: int = 0, share: int = 3):
@@ -391,6 +393,7 @@ class Admission:
         self.pressure = Pressure()
         self.urgent = frozenset(urgent)
         self.priority = frozenset(priority)
+        self.priority_writes = frozenset(priority_writes)
         self.operator = frozenset(operator)
         self.exempt = frozenset(exempt)
         self.witnesses = frozenset(witnesses)
@@ -419,7 +422,7 @@ class Admission:
             return EXEMPT, name
         if name in self.urgent:
             return URGENT, name
-        if name in self.priority:
+        if name in self.priority or (name in self.priority_writes and method not in SAFE_METHODS):
             return PRIORITY, name
         return OPERATOR if name in self.operator and method not in SAFE_METHODS else OTHER, name
 
@@ -474,7 +477,7 @@ class Admission:
             await self.app(scope, receive, send)
         finally:
             slot.release()
-            if kind == PRIORITY and name not in self.progress and 0 < self.late_s <= time.monotonic() - arrived:
+            if kind == PRIORITY and name in self.priority and 0 < self.late_s <= time.monotonic() - arrived:
                 self.shared.add("late:priority")
             else:
                 self.shared.flush_if_due()  # counts left over from a burst that ended

@@ -17,6 +17,7 @@ from controlplane.asgi import (
     EXEMPT_URLS,
     OPERATOR_URLS,
     PRIORITY_URLS,
+    PRIORITY_WRITE_URLS,
     PROGRESS_URLS,
     URGENT_URLS,
     WITNESS_URLS,
@@ -66,7 +67,8 @@ def admission(limit=3, reserve=1, urgent_reserve=0, retry_after_max_s=None):
     held = Held()
     return held, Admission(held, limit=limit, reserve=reserve, urgent_reserve=urgent_reserve, retry_after_s=2,
                            retry_after_max_s=retry_after_max_s,
-                           urgent=URGENT_URLS, priority=PRIORITY_URLS, operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
+                           urgent=URGENT_URLS, priority=PRIORITY_URLS, priority_writes=PRIORITY_WRITE_URLS,
+                           operator=OPERATOR_URLS, exempt=EXEMPT_URLS,
                            witnesses=WITNESS_URLS, carriers=CARRIER_URLS, progress=PROGRESS_URLS)
 
 
@@ -128,6 +130,23 @@ def test_rank_zero_s_progress_reports_go_ahead_of_bulk_once_per_token_per_gap():
         assert [a["status"] for a in await asyncio.gather(*bulk, rank_zero, other_job)] == [200] * 4
         assert app.counters.admitted == {"urgent": 0, "priority": 2, "operator": 0, "other": 2, "exempt": 0}
         assert app.counters.refused == {"urgent": 0, "priority": 0, "operator": 0, "other": 3}
+
+    asyncio.run(scenario())
+
+
+def test_a_checkpoint_commit_goes_ahead_of_bulk_and_reading_the_checkpoints_does_not():
+    """The hooks' reporter sends nothing behind a commit until it is taken: refused as bulk, it held a
+    job's step reports for minutes at 1,024 nodes. Its POST uses the heartbeats' slots; a GET is bulk."""
+    async def scenario():
+        held, app = admission(limit=3, reserve=1)
+        bulk = [asyncio.create_task(call(app, REPORTS)) for _ in range(2)]
+        await until(lambda: held.started == 2)
+        assert (await call(app, CHECKPOINTS, method="GET"))["status"] == 503
+        commit = asyncio.create_task(call(app, CHECKPOINTS))
+        await until(lambda: held.started == 3)
+        held.release.set()
+        assert [a["status"] for a in await asyncio.gather(*bulk, commit)] == [200] * 3
+        assert app.counters.admitted["priority"] == 1 and app.counters.refused["other"] == 1
 
     asyncio.run(scenario())
 
@@ -261,6 +280,9 @@ def test_the_project_routes_http_through_admission_with_the_settings_bound(setti
     assert http.witnesses == {"agent-heartbeat", "agent-telemetry", "agent-events", "agent-ack", "job-reports",
                               "job-checkpoints"}
     assert http.classify(REPORTS) == "other" and http.classify(PROBE) == "exempt"
+    # A checkpoint commit goes ahead of bulk (the reporter sends nothing behind it); reading the list does not.
+    assert http.classify("/api/v1/jobs/3/checkpoints", "POST") == "priority"
+    assert http.classify("/api/v1/jobs/3/checkpoints", "GET") == "other"
     assert http.classify(SUBMIT, "POST") == http.classify(DRAIN, "POST") == "operator"
     assert http.classify(SUBMIT) == http.classify("/api/v1/jobs/3/cancel", "GET") == "other"
     assert not set(OPERATOR_URLS) & set(WITNESS_URLS)  # an operator's request proves no node alive
