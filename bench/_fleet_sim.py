@@ -19,6 +19,7 @@ book so far) until stdin closes or SIGTERM arrives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -501,22 +502,39 @@ class Agent:
         self.flush_wake.set()
 
     async def flusher(self) -> None:
-        backoff = 0.1
+        """The daemon's two lanes (``Agent._loop``): refused telemetry waits out its backoff, but an
+        event or an ack that comes meanwhile goes at once; the urgent lane backs off only when it is
+        refused itself, and then telemetry waits with it. (One backoff for both held an Xid behind
+        refused telemetry for up to 19 s, bench.fleet 2026-12-06: the simulator's delay, not the
+        control plane's.)"""
+        backoff = {"urgent": 0.1, "bulk": 0.1}
+        due = {"urgent": 0.0, "bulk": 0.0}
         while True:
-            await self.flush_wake.wait()
-            self.flush_wake.clear()
-            while self.outbox:
-                try:
-                    await self.flush_one()
-                    backoff = 0.1
-                except Unreachable as error:
-                    backoff = min(backoff * 2, self.interval)
-                    await asyncio.sleep(retry_delay(1, base=backoff, cap=backoff, retry_after=error.retry_after))
+            now = time.monotonic()
+            waiting = {"urgent": any(kind != "telemetry" for kind, _ in self.outbox),
+                       "bulk": any(kind == "telemetry" for kind, _ in self.outbox)}
+            lane = next((name for name in ("urgent", "bulk") if waiting[name] and now >= due[name]), None)
+            if lane is None:
+                turns = [due[name] - now for name in due if waiting[name]]
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.flush_wake.wait(), min(turns) if turns else None)
+                self.flush_wake.clear()
+                continue
+            try:
+                await self.flush_one(urgent=lane == "urgent")
+                backoff[lane] = 0.1
+            except Unreachable as error:
+                backoff[lane] = min(backoff[lane] * 2, self.interval)
+                due[lane] = time.monotonic() + retry_delay(1, base=backoff[lane], cap=backoff[lane],
+                                                           retry_after=error.retry_after)
+                if lane == "urgent":
+                    due["bulk"] = max(due["bulk"], due["urgent"])
 
-    async def flush_one(self) -> None:
-        """The head run of one kind, as ``Outbox.flush`` sends it: events and acks before telemetry."""
-        urgent = [item for item in self.outbox if item[0] != "telemetry"]
-        lane = urgent or list(self.outbox)
+    async def flush_one(self, *, urgent: bool = True) -> None:
+        """The head run of one kind, as ``Outbox.flush`` sends it: events and acks (``urgent``) before
+        telemetry."""
+        first = [item for item in self.outbox if item[0] != "telemetry"] if urgent else []
+        lane = first or [item for item in self.outbox if item[0] == "telemetry"]
         kind = lane[0][0]
         limit = {"telemetry": MAX_SAMPLES_PER_BATCH, "event": MAX_EVENTS_PER_BATCH, "ack": 1}[kind]
         run = []
