@@ -394,7 +394,11 @@ def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]
     that is not placed on ``node``, the whole batch is refused (``ForeignGeneration``) and nothing
     of it is stored or acted on. A key already stored for the node is a replay: counted, not stored
     or signalled again. The node row is locked for the batch so that two deliveries of the same
-    batch cannot both count an event as new.
+    batch cannot both count an event as new: ``FOR NO KEY UPDATE``, which another transaction's
+    foreign-key check (``FOR KEY SHARE``) does not wait for. With ``FOR UPDATE`` a hang verdict that
+    had locked the job and named this node in its incident, and this batch waiting at commit for its
+    own check on that job, deadlocked (bench.fleet, 1,024 nodes, 2026-12-06: an HTTP 500 and a
+    failed sweep).
     """
     unique: dict[str, tuple[wire.AgentEvent, object]] = {}
     for i, (event, detail) in enumerate(events):
@@ -403,7 +407,7 @@ def record_agent_events(node: Node, events: list[tuple[wire.AgentEvent, object]]
     _refuse_foreign(node, [event for event, _ in events])
     now = timezone.now()
     with transaction.atomic():
-        Node.objects.select_for_update().filter(pk=node.pk).values_list("pk", flat=True).first()
+        Node.objects.select_for_update(no_key=True).filter(pk=node.pk).values_list("pk", flat=True).first()
         known = set(AgentEventRecord.objects.filter(node=node, key__in=list(unique)).values_list("key", flat=True))
         fresh = [(e, d) for key, (e, d) in unique.items() if key not in known]
         job_ids = {int(e.job) for e, _ in fresh if e.job and e.job.isdigit()}
