@@ -171,12 +171,9 @@ def test_a_step_is_committed_before_the_node_windows_sent_with_it_are_stored(cas
     """Rank 0 sends a window per node (512 at 512 nodes) with the step of each exchange. The step is
     what the dashboard's relay and the progress sweep read, from other connections: it is committed
     first, and does not wait for the windows' insert (held here by a lock another connection takes)."""
-    import threading
-
-    import psycopg
-
     from agents.protocol import hooks as wire
     from jobs.models import StepMetric
+    from tests.db import InThread, other_connection
 
     job = _started(cast.job)
     now = time.time()
@@ -186,34 +183,19 @@ def test_a_step_is_committed_before_the_node_windows_sent_with_it_are_stored(cas
         for node in range(4)], reports=[
         wire.StepReport(job=str(job.pk), generation=job.generation, rank=0, step=10, loss=2.0, grad_norm=1.0,
                         world_size=2, data_cursor=20, samples=1, phases={"compute": 0.1}, time=now)])
-    db = connection.settings_dict
-    locker = psycopg.connect(dbname=db["NAME"], host=db["HOST"] or None, port=db["PORT"] or None,
-                             user=db["USER"] or None, password=db["PASSWORD"] or None)
-    outcome: list[object] = []
-
-    def ingest_batch() -> None:
-        from django.db import connection as thread_connection
-
-        try:
-            outcome.append(ingest.record_reports(job, batch, actor="node:gpu-01"))
-        except Exception as error:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(error)
-        finally:
-            thread_connection.close()
-
-    thread = threading.Thread(target=ingest_batch)
+    locker = other_connection()
+    ingesting = InThread(lambda: ingest.record_reports(job, batch, actor="node:gpu-01"))
     try:
         locker.execute("LOCK TABLE jobs_nodewindow IN EXCLUSIVE MODE")  # held until the rollback below
-        thread.start()
+        ingesting.start()
         deadline = time.monotonic() + 10
         while not StepMetric.objects.filter(job=job, step=10).exists():
-            assert not outcome, f"the ingest ended first: {outcome}"
+            assert not ingesting.outcome, f"the ingest ended first: {ingesting.outcome}"
             assert time.monotonic() < deadline, "the step waited for its windows' insert"
             time.sleep(0.02)
-        assert thread.is_alive() and not NodeWindow.objects.filter(job=job).exists()
+        assert ingesting.thread.is_alive() and not NodeWindow.objects.filter(job=job).exists()
     finally:
         locker.rollback()
         locker.close()
-        thread.join(timeout=30)
-    assert not thread.is_alive() and isinstance(outcome[0], ingest.IngestResult) and outcome[0].accepted == 1
+    assert ingesting.join(timeout=30).accepted == 1
     assert NodeWindow.objects.filter(job=job).count() == 4

@@ -144,44 +144,22 @@ def test_an_events_batch_holds_its_node_without_blocking_another_transactions_ke
     ``FOR NO KEY UPDATE``: a foreign-key check from another transaction (``FOR KEY SHARE``: an incident
     naming the node, committed by a hang verdict that had locked the job this batch's records point to)
     goes on. With ``FOR UPDATE`` the two waited for each other: a deadlock at 1,024 nodes."""
-    import threading
-
-    import psycopg
-    from django.db import connection
-
     from agents.protocol import agent as wire
     from agents.protocol import parse
     from nodes.services import ingest
+    from tests.db import InThread, other_connection
 
     events = wire.parse_event_details(parse(wire.EventBatch, {"events": [
         event("e-lock", "launched", job=cast.job.pk, generation=1, detail={"pid": 4242, "log_path": "/tmp/g1.log"})]}))
-    db = connection.settings_dict
-
-    def connect() -> psycopg.Connection:
-        return psycopg.connect(dbname=db["NAME"], host=db["HOST"] or None, port=db["PORT"] or None,
-                               user=db["USER"] or None, password=db["PASSWORD"] or None)
-
-    locker, checker = connect(), connect()
-    outcome: list[object] = []
-
-    def deliver() -> None:
-        from django.db import connection as thread_connection
-
-        try:
-            outcome.append(ingest.record_agent_events(cast.node1, events))
-        except Exception as error:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(error)
-        finally:
-            thread_connection.close()
-
-    thread = threading.Thread(target=deliver)
+    locker, checker = other_connection(), other_connection()
+    delivery = InThread(lambda: ingest.record_agent_events(cast.node1, events))
     try:
         locker.execute("LOCK TABLE nodes_agenteventrecord IN EXCLUSIVE MODE")  # the batch's insert waits here
-        thread.start()
+        delivery.start()
         deadline = time.monotonic() + 10
-        while not checker.execute("SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE NOT l.granted "
-                                  "AND l.relation = 'nodes_agenteventrecord'::regclass").fetchone():
-            assert not outcome, f"the batch ended first: {outcome}"
+        while not checker.execute("SELECT 1 FROM pg_locks WHERE NOT granted "
+                                  "AND relation = 'nodes_agenteventrecord'::regclass").fetchone():
+            assert not delivery.outcome, f"the batch ended first: {delivery.outcome}"
             assert time.monotonic() < deadline, "the batch never reached its insert"
             time.sleep(0.02)
         checker.execute("SET lock_timeout = '2s'")
@@ -192,6 +170,5 @@ def test_an_events_batch_holds_its_node_without_blocking_another_transactions_ke
         locker.rollback()
         locker.close()
         checker.close()
-        thread.join(timeout=30)
-    assert not thread.is_alive() and not isinstance(outcome[0], Exception), outcome
+    delivery.join(timeout=30)
     assert AgentEventRecord.objects.filter(node=cast.node1, key="e-lock").count() == 1
