@@ -9,14 +9,14 @@ agents and the training hooks honour with jittered backoff while their spools ke
 
 Not every request is worth the same. An agent's events carry the exits and Xids that start a
 recovery, its command acks the launches and stops that carry one out: ``urgent`` requests may use
-the whole bound. A heartbeat that does not get through today
-makes the sweeper call a live node unreachable tomorrow: ``priority`` requests (heartbeats,
-registration, and the writes of ``priority_writes`` URLs: the hooks' checkpoint commits, few, which
-the rest of their reports queue behind) leave ``urgent_reserve`` slots free for the urgent ones, and so do an operator's
-actions (``operator``: submit, cancel, pause, drain… — writes to the URLs named, never reads): they
-are few, and an overload is when they matter (23 job submissions took 6-8 minutes of 503s behind a
-1,024-node fleet's heartbeats when they were bulk). Bulk data (step reports,
-telemetry, the hooks' events) and everything else leave ``reserve`` slots free for both. The urgent
+the whole bound. A heartbeat that does not get through today makes the sweeper call a live node
+unreachable tomorrow: ``priority`` requests (heartbeats, registration, and the writes of
+``priority_writes`` URLs: the hooks' checkpoint commits, few, which the rest of their reports queue
+behind) leave ``urgent_reserve`` slots free for the urgent ones, and so do an operator's actions
+(``operator``: submit, cancel, pause, drain… — writes to the URLs named, never reads): they are few,
+and an overload is when they matter (23 job submissions took 6-8 minutes of 503s behind a 1,024-node
+fleet's heartbeats when they were bulk). Bulk data (step reports, telemetry, the hooks' events) and
+everything else leave ``reserve`` slots free for both. The urgent
 slots matter at fleet scale: 1,088 agents each heartbeating on their own connection keep a
 shedding server's bound full of heartbeats, and with one class for both an exit report was refused
 as often as a heartbeat and reached the control plane 20 s after the rank died (bench.fleet,
