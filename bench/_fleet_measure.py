@@ -131,11 +131,10 @@ def launch_delivery(conn, jobs: list[int]) -> dict[str, Any]:
         "FROM nodes_nodecommand WHERE kind = 'launch' AND generation = 1 AND job_id = ANY(%s)", (jobs,)).fetchall()
     figures: dict[str, Any] = {"launches": len(rows), "unacknowledged": sum(1 for _, acked in rows if acked is None)}
     for name, column in (("delivered", 0), ("acknowledged", 1)):
-        values = sorted(float(row[column]) for row in rows if row[column] is not None)
+        values = [float(row[column]) for row in rows if row[column] is not None]
         if values:
-            figures[f"{name}_s"] = {"p50": round(values[len(values) // 2], 1),
-                                    "p95": round(values[min(len(values) - 1, int(0.95 * len(values)))], 1),
-                                    "max": round(values[-1], 1)}
+            figures[f"{name}_s"] = {"p50": _quantile(values, 0.5), "p95": _quantile(values, 0.95),
+                                    "max": round(max(values), 1)}
     return figures
 
 
@@ -178,19 +177,20 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
     if not latencies:
         return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
     figures = {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
-               "p50_ms": _quantile_ms(latencies, 0.5), "p95_ms": _quantile_ms(latencies, 0.95), "missing": missing}
+               "p50_ms": _quantile(latencies, 0.5), "p95_ms": _quantile(latencies, 0.95), "missing": missing}
     if to_relay or to_relay_exchange:
         every = to_relay + to_relay_exchange
-        figures["stored_to_relayed"] = {"p50_ms": _quantile_ms(every, 0.5), "p95_ms": _quantile_ms(every, 0.95)}
+        figures["stored_to_relayed"] = {"p50_ms": _quantile(every, 0.5), "p95_ms": _quantile(every, 0.95)}
         for name, values in (("steps_without_windows", to_relay), ("steps_with_windows", to_relay_exchange)):
             if values:
-                figures["stored_to_relayed"][name] = {"samples": len(values), "p50_ms": _quantile_ms(values, 0.5),
-                                                      "p95_ms": _quantile_ms(values, 0.95)}
-        figures["relayed_to_browser"] = {"p50_ms": _quantile_ms(to_browser, 0.5),
-                                         "p95_ms": _quantile_ms(to_browser, 0.95)}
+                figures["stored_to_relayed"][name] = {"samples": len(values), "p50_ms": _quantile(values, 0.5),
+                                                      "p95_ms": _quantile(values, 0.95)}
+        figures["relayed_to_browser"] = {"p50_ms": _quantile(to_browser, 0.5),
+                                         "p95_ms": _quantile(to_browser, 0.95)}
     return figures
 
 
-def _quantile_ms(values: list[float], q: float) -> float:
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank), rounded to a tenth of their unit."""
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 1)

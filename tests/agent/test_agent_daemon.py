@@ -221,8 +221,8 @@ def test_a_refused_heartbeat_that_commands_wait_for_is_tried_again_within_second
     took = time.monotonic() - queued
     first, second = control_plane.refused_heartbeats
     assert first - queued < 1.0  # the wake-up's own heartbeat, refused
-    assert 1.0 <= second - first <= 1.5 + 0.3  # retry_delay(1): Retry-After 1 s, up to half again
-    assert took < 6.0, f"the drain took {took:.1f} s"
+    assert second - first >= 1.0  # the server's Retry-After, at least
+    assert took < 10.0, f"the drain took {took:.1f} s (the interval is 30 s)"  # 1-1.5 s, then 2-3 s, plus load
     assert running.stop() == 0
 
 
