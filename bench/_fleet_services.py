@@ -21,8 +21,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import free_port
 from tests.e2e.cluster import Proc, wait_for
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES = "postgres://postgres@127.0.0.1:5432"

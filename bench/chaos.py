@@ -252,8 +252,8 @@ class NightwatchSide(Side):
     def start(self) -> None:
         from bench.recovery import bootstrap_token, operator_token, prepare
         from nodes.models import Node
-        from tests.conftest import free_port
         from tests.e2e.cluster import Cluster, api, wait_for
+        from tests.ports import free_port
 
         prepare(self.url)
         name = urllib.parse.urlsplit(self.url).path.lstrip("/")

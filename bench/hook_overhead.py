@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from agents.hooks import Environment, Hooks
 from bench._common import arguments, emit, median, spread
 from examples.train import SyntheticTokens, TinyLM
+from tests.ports import free_port
 
 SHAPE = {"vocab": 256, "dim": 96, "layers": 2, "heads": 4, "seq_len": 64, "dropout": 0.0}
 BATCH = 8
@@ -119,9 +120,7 @@ def hooked_block(steps: int, url: str, spool_dir: str) -> tuple[Hooks, Callable[
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     steps = 10 if args.quick else 20
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = multiprocessing.get_context("spawn").Process(target=sink, args=(port,), daemon=True)
     server.start()
     _wait_for_listener(port)

@@ -32,7 +32,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,18 +43,13 @@ import uuid
 from pathlib import Path
 
 from bench._common import arguments, emit, median, spread
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/nightwatch_bench_live"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/13"
 TARGET_P95_MS = 250.0
 POLL_EVERY_S = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -84,7 +78,7 @@ class Server:
 
         django.setup()
         self._make_job()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(self.var / "daphne.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),

@@ -93,8 +93,8 @@ def nightwatch_run(cluster, token: str, run: int, opts: argparse.Namespace) -> d
     from checkpoints.models import Checkpoint
     from jobs.choices import JobState
     from jobs.models import Generation, Incident, Job, StepMetric
-    from tests.conftest import free_port
     from tests.e2e.cluster import api, rank_pids
+    from tests.ports import free_port
 
     lost = f"lost-{run + 1}"
     work = Path(tempfile.mkdtemp(prefix="nw-node-", dir=cluster.tmp))

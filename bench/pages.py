@@ -35,7 +35,7 @@ from pathlib import Path
 
 from bench._common import arguments, emit, median, spread
 from bench._fleet_services import base_env, fresh_database
-from tests.conftest import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "nightwatch_pages_bench"

@@ -413,8 +413,8 @@ def nightwatch_run(cluster, token: str, kind: str, progress_timeout: int | None,
     from checkpoints.models import Checkpoint
     from jobs.choices import JobState
     from jobs.models import Generation, Incident, Job, StepMetric
-    from tests.conftest import free_port
     from tests.e2e.cluster import api, rank_pids
+    from tests.ports import free_port
 
     work = Path(tempfile.mkdtemp(prefix=f"nw-{kind}-", dir=cluster.tmp))
     recovery_policy = {**({"progress_timeout_s": progress_timeout} if kind == "hang" and progress_timeout else {}),

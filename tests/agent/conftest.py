@@ -38,13 +38,8 @@ from agents.protocol.agent import (
     TelemetryBatch,
     parse_event_details,
 )
+from tests.ports import free_port
 from tests.waiting import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:

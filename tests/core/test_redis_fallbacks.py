@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
+from tests.ports import free_port
 
 
 @pytest.fixture(autouse=True)

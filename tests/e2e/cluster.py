@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import free_port
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 __all__ = ["Cluster", "Proc", "api", "rank_pids", "wait_for"]

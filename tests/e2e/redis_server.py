@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 

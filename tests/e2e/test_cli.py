@@ -13,8 +13,8 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import free_port
 from tests.e2e.cluster import ROOT, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import Cluster, api, wait_for
 from tests.e2e.netns import IFNAME, NetnsUnavailable, Network
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

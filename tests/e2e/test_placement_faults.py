@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import api, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

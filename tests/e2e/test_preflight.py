@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import ROOT, api, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

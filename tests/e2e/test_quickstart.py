@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port
 from tests.e2e.cluster import ROOT, api, rank_pids, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -16,8 +16,8 @@ import pytest
 
 from agents.cli.__main__ import EXIT_OK
 from agents.cli.__main__ import main as cli
-from tests.conftest import free_port
 from tests.e2e.cluster import ROOT, api, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import api, wait_for
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 #: Two CPU ranks beside the whole control plane on a shared 2-core machine: their compute varies by

@@ -4,7 +4,6 @@ a zygote and killed ranks, is tests/agent/test_inprocess_restart.py."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from agents.hooks import inprocess
+from tests.ports import free_port
 
 GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32979: Connection reset "
               "by peer. This is typically caused by a remote worker hanging or bugs in the application.")
@@ -20,10 +20,7 @@ GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
     """A real TCPStore, as torchrun's agent hosts it for its workers."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    yield dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))
+    yield dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=5))
 
 
 @pytest.fixture(autouse=True)

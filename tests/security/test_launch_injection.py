@@ -21,8 +21,8 @@ import pytest
 
 from agents.protocol.agent import ExitReport, LaunchPayload, LaunchSpecError
 from agents.supervisor import Supervisor
-from tests.conftest import free_port
 from tests.e2e.cluster import api
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.ports import free_port
 
 
 def long_training_spec(name: str, tmp_path: Path) -> dict:

@@ -58,6 +58,14 @@ def control_plane(slurm, transactional_db, tmp_path, request):
         cluster.close()
         if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
             print(cluster.dump_logs())
+            print(_job_outputs(tmp_path / "slurm-logs"))
+
+
+def _job_outputs(directory, limit: int = 3000) -> str:
+    """The end of every batch job's output: why a generation ended is there, not in the logs."""
+    outputs = sorted(directory.rglob("*.out")) if directory.is_dir() else []
+    return "\n".join(f"===== {path.relative_to(directory)} =====\n{path.read_text(errors='replace')[-limit:]}"
+                     for path in outputs) or f"===== no batch output under {directory} ====="
 
 
 @pytest.fixture

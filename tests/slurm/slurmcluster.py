@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.conftest import free_port
+from tests.ports import free_port
 from tests.waiting import wait_for
 
 NODE = "localhost"

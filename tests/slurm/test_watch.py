@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.cluster import api, rank_pids
+from tests.ports import free_port
 from tests.slurm.slurmcluster import NODE
 from tests.waiting import wait_for
 
