@@ -1,8 +1,8 @@
 """Read-only queries behind the dashboard's pages. Nothing here writes.
 
 Each function returns the context of one page section; ``dashboard.sections`` renders them. The
-query counts are bounded (one query per table per section, never one per row, except goodput,
-which ``jobs.goodput.goodput_of`` computes per job for the jobs shown).
+query counts are bounded: one query per table per section, never one per row (the overview's
+goodput too: ``jobs.goodput.goodputs_of``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from core.models import Event
 from dashboard.events import points_from_rows
 from jobs import efficiency
 from jobs.choices import IncidentState, JobState
-from jobs.goodput import goodput_of
+from jobs.goodput import goodput_of, goodputs_of
 from jobs.models import Generation, Incident, Job, NodeWindow, StepMetric, TrainingEvent
 from nodes.choices import Health, Schedulability
 from nodes.models import GPU, Node
@@ -49,13 +49,14 @@ ROUTINE = frozenset({EventKind.CHECKPOINT_COMMIT, EventKind.CHECKPOINT_VERIFY, E
 
 def overview_jobs() -> list[dict]:
     now = timezone.now()
-    jobs = (Job.objects.annotate(last_checkpoint_at=Max("checkpoints__created_at"),
-                                 open_incidents=Count("incidents", filter=Q(incidents__state=IncidentState.OPEN),
-                                                      distinct=True))
-            .order_by("-created_at")[:OVERVIEW_JOBS])
+    jobs = list(Job.objects.annotate(last_checkpoint_at=Max("checkpoints__created_at"),
+                                     open_incidents=Count("incidents", filter=Q(incidents__state=IncidentState.OPEN),
+                                                          distinct=True))
+                .order_by("-created_at")[:OVERVIEW_JOBS])
+    goodputs = goodputs_of(jobs, now=now)
     rows = []
     for job in jobs:
-        goodput = goodput_of(job, now=now)
+        goodput = goodputs[job.pk]
         rows.append({"job": job, "ettr": goodput.ettr if goodput.wall_s > 0 else None,
                      "checkpoint_age": now - job.last_checkpoint_at if job.last_checkpoint_at else None})
     return rows

@@ -106,3 +106,64 @@ def test_the_overview_shows_goodput_and_open_incidents(cast):
     row = next(r for r in overview_jobs() if r["job"].pk == job.pk)
     assert row["job"].open_incidents == 1
     assert row["ettr"] is not None and 0.0 <= row["ettr"] <= 1.0
+
+
+def _job_with_history(name: str, *, paused: bool, incident: bool, blocking_s: float):
+    """A running job with a minute of history: steps, and as asked a pause (left), an incident and
+    checkpoints that blocked training."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from checkpoints.models import Checkpoint
+    from core.models import Event
+    from jobs.models import Generation, Incident, Job, StepMetric
+
+    now = timezone.now()
+    job = Job.objects.create(name=name, entrypoint="examples/train.py", nnodes=1, nproc_per_node=2, created_by="test",
+                             state="running", generation=1, last_step_at=now - timedelta(seconds=2))
+    Generation.objects.create(job=job, number=1, world_size=2, state="running", started_at=now - timedelta(seconds=60),
+                              first_step_at=now - timedelta(seconds=55))
+    StepMetric.objects.bulk_create(StepMetric(job=job, generation=1, rank=0, step=s, loss=1.0, world_size=2,
+                                              data_cursor=s, reported_at=now, phases={"compute": 0.1 * (1 + s % 3)})
+                                   for s in range(1, 40))
+    if paused:
+        for old, new, ago in (("running", "paused", 40), ("paused", "running", 30)):
+            Event.objects.create(kind="job.state", actor="test", job=job, old_state=old, new_state=new,
+                                 created_at=now - timedelta(seconds=ago))
+    if incident:
+        Incident.objects.create(job=job, kind="crash", decision="restart", fault_at=now - timedelta(seconds=42),
+                                detected_at=now - timedelta(seconds=41), first_step_at=now - timedelta(seconds=25),
+                                lost_steps=4)
+    for step in (10, 20):
+        Checkpoint.objects.create(job=job, step=step, location=f"/ckpt/{job.pk}/{step}", blocking_s=blocking_s)
+    return job
+
+
+def test_the_overview_computes_every_job_s_goodput_as_its_own_page_does_in_queries_that_do_not_grow_with_jobs(
+        cast, django_assert_max_num_queries):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dashboard.queries import overview_jobs
+    from jobs.goodput import goodput_of
+    from jobs.models import Job
+
+    for i in range(2):
+        _job_with_history(f"first-{i}", paused=bool(i), incident=True, blocking_s=0.5 * i)
+    with CaptureQueriesContext(connection) as two:
+        overview_jobs()
+    for i in range(6):
+        _job_with_history(f"then-{i}", paused=i % 2 == 0, incident=i % 3 == 0, blocking_s=0.25 * i)
+    # SQLite (the embedded demo) cannot union the jobs' newest steps: one query a job there.
+    with django_assert_max_num_queries(len(two) + (0 if connection.features.supports_slicing_ordering_in_compound
+                                                   else 6)):
+        rows = overview_jobs()
+
+    assert len(rows) == 9  # the cast's job has no generation yet: no figure
+    for row in rows:
+        alone = goodput_of(Job.objects.get(pk=row["job"].pk))
+        expected = alone.ettr if alone.wall_s > 0 else None
+        assert row["ettr"] == pytest.approx(expected, abs=1e-3), row["job"].name
+    assert {row["ettr"] is None for row in rows} == {True, False}
+    assert len({round(row["ettr"], 3) for row in rows if row["ettr"] is not None}) > 3, "the facts differ by job"
