@@ -34,7 +34,6 @@ def recent_step_seconds(job: Job | int, *, generation: int | None = None, limit:
     return [sum(float(p.get(name, 0.0)) for name in names) for p in recent if p]
 
 
-
 def recent_step_seconds_of(jobs: Iterable[int], *, limit: int = RECENT_STEPS) -> dict[int, list[float]]:
     """``recent_step_seconds`` of rank 0 in each job's newest generations, by job, in no particular
     order (for medians): one query where the database can (PostgreSQL: a ``UNION ALL`` of each

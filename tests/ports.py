@@ -5,10 +5,11 @@ A port the kernel hands out for ``bind(0)`` lies in the ephemeral range
 connection takes its source port from. Between choosing such a port and the server binding it
 (torchrun's rendezvous store binds seconds later, after Slurm or an agent has started it), any of
 the hundreds of connections the control plane, its worker and the test open meanwhile may take
-it, and the server fails to start (a Slurm job's first generation did: FAILED before its first
-step, its successor on the same port trained). Ports below the ephemeral range are never taken
-that way: ``free_port`` draws one at random there, skips those this process handed out before,
-and checks that nothing is bound to it now.
+it, and the server fails to start. (CI saw a Slurm job's first generation FAILED before its first
+step and its successor, on the same rendezvous port, train: what this race would do; its output
+was not kept, so the cause is inferred.) Ports below the ephemeral range are never taken that
+way: ``free_port`` draws one at random there, skips those this process handed out before, and
+checks that nothing is bound to it now.
 """
 
 from __future__ import annotations
