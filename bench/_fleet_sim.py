@@ -93,6 +93,8 @@ STEP_S = 1.0
 #: A node whose agent and ranks hold more undelivered records than this is behind: in steady state
 #: each rank holds at most a second or two of steps and the outbox one telemetry sample per GPU.
 BEHIND = 64
+#: Connections of a simulator process for its nodes' events and acks (a few a second in all).
+URGENT_CONNECTIONS = 32
 #: Samples per telemetry request in a calibration: 8 GPUs x 3 samples, what an agent at the defaults
 #: sends (a sample every 10 s, batched for 30 s).
 CALIBRATION_SAMPLES = GPUS * 3
@@ -266,10 +268,11 @@ class Agent:
     """One node's agent (``agents.agent.daemon.Agent``) without the processes it would start."""
 
     def __init__(self, sim: Sim, node: dict[str, str], client: Client, beat_client: Client,
-                 wait_client: Client | None):
+                 wait_client: Client | None, urgent_client: Client):
         self.sim, self.hostname, self.bootstrap = sim, node["hostname"], node["bootstrap"]
         self.address = node["address"]
         self.client = _From(client, self.address)
+        self.urgent_client = _From(urgent_client, self.address)  # events and acks
         #: Heartbeats on a connection of their own, as the agent's heartbeat thread sends them: never
         #: queued in the simulator behind other nodes' bulk requests. With one shared pool, a fleet
         #: replaying its spools after the storm kept every connection busy with reports and
@@ -546,13 +549,12 @@ class Agent:
             status, _ = await self.client.request("telemetry", "POST", TELEMETRY_PATH.format(node_id=self.node_id),
                                                   self.token, {"samples": run})
         elif kind == "event":
-            status, _ = await self.client.request("events", "POST", EVENTS_PATH.format(node_id=self.node_id),
+            status, _ = await self.urgent_client.request("events", "POST", EVENTS_PATH.format(node_id=self.node_id),
                                                   self.token, {"events": run})
         else:
             ack = run[0]
-            status, _ = await self.client.request("ack", "POST", ACK_PATH.format(node_id=self.node_id,
-                                                                                  command_id=ack.command_id),
-                                                  self.token, dump(ack))
+            status, _ = await self.urgent_client.request("ack", "POST", ACK_PATH.format(
+                node_id=self.node_id, command_id=ack.command_id), self.token, dump(ack))
             if status == 409 and ack.job in self.generations:
                 self.generations[ack.job].end()
         sent = {id(body) for body in run}
@@ -618,13 +620,19 @@ class Sim:
         per_port = max(1, self.plan["connections"] // len(ports))
         clients = [Client(port, self.book, connections=per_port, timeout=self.plan.get("timeout", 5.0))
                    for port in ports]
+        # Events and acks on connections of their own: a real agent's outbox sends them first on its
+        # own connection, never behind other nodes' telemetry waiting for one of a shared pool. To the
+        # process the proxy routes them to (``urgent_port``: ``--urgent-process``), or to the node's web.
+        urgent_ports = [self.plan["urgent_port"]] if self.plan.get("urgent_port") else ports
+        urgent = [Client(port, self.book, connections=URGENT_CONNECTIONS, timeout=self.plan.get("timeout", 5.0))
+                  for port in urgent_ports]
         spread = self.plan.get("start_spread_s", 5.0)
         for i, node in enumerate(self.plan["nodes"]):
             port = ports[i % len(ports)]
             beats = Client(port, self.book, connections=1, timeout=self.plan.get("timeout", 5.0))
             waits = (Client(port, self.book, connections=1, timeout=wake.WAIT_S + wake.TRANSIT_S)
                      if self.plan.get("command_wait", True) else None)
-            agent = Agent(self, node, clients[i % len(clients)], beats, waits)
+            agent = Agent(self, node, clients[i % len(clients)], beats, waits, urgent[i % len(urgent)])
             self.agents[agent.hostname] = agent
             self.tasks.append(asyncio.create_task(agent.run(random.uniform(0, spread))))
         stop = asyncio.Event()
