@@ -70,13 +70,15 @@ def fresh_database(name: str, template_prefix: str) -> None:
 
 
 class ControlPlane:
-    def __init__(self, work: Path, *, database: str, redis_db: int):
+    def __init__(self, work: Path, *, database: str, redis_db: int, urgent: bool = False):
         self.work = work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.database = database
         self.ports = [free_port() for _ in range(WEB_PROCESSES)]
         self.ws_port = free_port()
+        #: The agents' events and acks (``controlplane.asgi.URGENT_URLS``), when they have a process of their own.
+        self.urgent_port = free_port() if urgent else None
         self.env = base_env(database, redis_db, work / "var")
         self.env["NIGHTWATCH_PUBLIC_URL"] = f"http://127.0.0.1:{self.ports[0]}"
         # The simulated nodes reach the web processes as through the TLS proxy of a deployment, which
@@ -97,11 +99,15 @@ class ControlPlane:
         # Browsers only: the live push does not share an event loop (and a GIL) with the fleet's ingest.
         self.procs["ws"] = Proc("ws", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.ws_port),
                                        "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+        if self.urgent_port is not None:
+            self.procs["urgent"] = Proc("urgent", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p",
+                                                   str(self.urgent_port), "controlplane.asgi:application"],
+                                        env=self.env, log_dir=self.logs)
         self.start_worker()
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
         # Straggler checks, roll-ups and sweeps (settings.BACKGROUND_TASKS), as production's background-worker.
         self.procs["background"] = self._celery("background", ["-Q", "background"])
-        for port in (*self.ports, self.ws_port):
+        for port in (*self.ports, self.ws_port, *([self.urgent_port] if self.urgent_port else [])):
             wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
         for name in ("checkpoints", "background"):
             wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
@@ -135,7 +141,8 @@ class ControlPlane:
             return False
 
     def web_pids(self) -> list[int]:
-        return [p.popen.pid for name, p in self.procs.items() if name.startswith("web")]
+        """The processes the fleet talks to (the reconnect storm stops them all)."""
+        return [p.popen.pid for name, p in self.procs.items() if name.startswith("web") or name == "urgent"]
 
     def pids(self) -> dict[str, list[int]]:
         """The control plane's processes by role, children included (celery's beat thread is in-process)."""

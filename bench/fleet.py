@@ -192,7 +192,8 @@ class Simulators:
     """The simulator processes and the last status line of each."""
 
     def __init__(self, work: Path, ports: list[int], fleet: list[dict], processes: int, *, templates: dict,
-                 seed: int, checkpoint_every: int = CHECKPOINT_EVERY, command_wait: bool = True):
+                 seed: int, checkpoint_every: int = CHECKPOINT_EVERY, command_wait: bool = True,
+                 urgent_port: int | None = None):
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.status: list[dict] = [{} for _ in range(processes)]
@@ -204,7 +205,8 @@ class Simulators:
                 self.owner[node["hostname"]] = p
             plan = {"ports": ports, "nodes": mine, "seed": seed + p, "templates": templates,
                     "checkpoint_every": checkpoint_every, "connections": max(32, min(512, 4 * len(mine))),
-                    "start_spread_s": min(20.0, 2.0 + len(fleet) / 100), "command_wait": command_wait}
+                    "start_spread_s": min(20.0, 2.0 + len(fleet) / 100), "command_wait": command_wait,
+                    "urgent_port": urgent_port}
             path = work / f"sim-{p}.json"
             path.write_text(json.dumps(plan))
             with (work / "logs" / f"sim-{p}.err").open("wb") as errors:
@@ -278,13 +280,13 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
 
     database = f"nightwatch_fleet_bench_{nodes}"
     fleet = nodes + spares(nodes)
-    with served(work, database, opts.max_heartbeats_per_s, opts.settings) as (plane, slot):
+    with served(work, database, opts.max_heartbeats_per_s, opts.settings, urgent=opts.urgent_process) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
         processes = opts.processes or (1 if nodes <= 16 else 2 if nodes <= 256 else 3)
         sims = slot.sims = Simulators(work, plane.ports, cast["nodes"], processes, templates=templates, seed=opts.seed,
-                                      command_wait=opts.command_wait)
+                                      command_wait=opts.command_wait, urgent_port=plane.urgent_port)
         conn = psycopg.connect(database_url(database), autocommit=True)
         log(f"{nodes} nodes: registering")
         # A fleet past the control plane's capacity registers through admission control's 503s, slowly, and
@@ -330,20 +332,22 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 fault["detected_s"] = None if latency is None else round(latency, 2)
         sims.close()
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
-                      max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings)
+                      max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings,
+                      urgent_process=opts.urgent_process)
         conn.close()
         return result
 
 
 @contextlib.contextmanager
 def served(work: Path, database: str, max_heartbeats_per_s: float | None = None,
-           settings: dict[str, str] | None = None):
+           settings: dict[str, str] | None = None, *, urgent: bool = False):
     """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
     out; the plane's logs are printed when anything fails. ``max_heartbeats_per_s``: heartbeat pacing's
     rate (None: the control plane's default; 0: off); ``settings``: more ``NIGHTWATCH_*`` variables
-    for the control plane's processes (``--setting``)."""
+    for the control plane's processes (``--setting``); ``urgent``: the agents' events and acks go to a
+    web process of their own (``--urgent-process``)."""
     fresh_database(database, TEMPLATE_DB)
-    plane = ControlPlane(work, database=database, redis_db=REDIS_DB)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB, urgent=urgent)
     if max_heartbeats_per_s is not None:
         plane.env["NIGHTWATCH_MAX_HEARTBEATS_PER_S"] = str(max_heartbeats_per_s)
     plane.env.update(settings or {})
@@ -707,6 +711,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", dest="settings", action="append", type=_setting, default=[],
                         metavar="NIGHTWATCH_NAME=VALUE", help="a setting of the control plane's processes for this "
                         "run, e.g. NIGHTWATCH_ADMISSION_WIDTH=2 (repeat for more); the result names them")
+    parser.add_argument("--urgent-process", action="store_true",
+                        help="the agents' events and acks to a web process of their own, as a proxy could route "
+                        "them by path (default: to the ingest processes, with the rest)")
     parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
                         help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
