@@ -549,8 +549,8 @@ class Agent:
             status, _ = await self.client.request("telemetry", "POST", TELEMETRY_PATH.format(node_id=self.node_id),
                                                   self.token, {"samples": run})
         elif kind == "event":
-            status, _ = await self.urgent_client.request("events", "POST", EVENTS_PATH.format(node_id=self.node_id),
-                                                  self.token, {"events": run})
+            status, _ = await self.urgent_client.request("events", "POST", EVENTS_PATH.format(
+                node_id=self.node_id), self.token, {"events": run})
         else:
             ack = run[0]
             status, _ = await self.urgent_client.request("ack", "POST", ACK_PATH.format(
