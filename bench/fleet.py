@@ -711,9 +711,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", dest="settings", action="append", type=_setting, default=[],
                         metavar="NIGHTWATCH_NAME=VALUE", help="a setting of the control plane's processes for this "
                         "run, e.g. NIGHTWATCH_ADMISSION_WIDTH=2 (repeat for more); the result names them")
-    parser.add_argument("--urgent-process", action="store_true",
-                        help="the agents' events and acks to a web process of their own, as a proxy could route "
-                        "them by path (default: to the ingest processes, with the rest)")
+    parser.add_argument("--urgent-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the agents' events and acks to a web process of their own, compose's urgent "
+                        "(default; --no-urgent-process: to the ingest processes, with the rest)")
     parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
                         help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "

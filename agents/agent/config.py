@@ -15,6 +15,7 @@ import os
 import socket
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,11 @@ ENV_PREFIX = "NIGHTWATCH_AGENT_"
 @dataclass(frozen=True)
 class AgentConfig:
     control_plane_url: str
+    #: Where the agent's events (rank exits, Xids) and command acks go, when the control plane serves
+    #: them from processes of their own (docker-compose's ``urgent`` service, docs/deployment.md), so
+    #: that a verdict never waits behind the fleet's telemetry and step reports. Default: the
+    #: control plane's URL (one proxy can route them by path instead).
+    urgent_url: str | None = None
     work_dir: Path = Path("/var/lib/nightwatch-agent")
     #: Where job entrypoints (``examples/train.py``) are found when a launch names no workdir;
     #: default: the directory the agent was started in.
@@ -185,6 +191,9 @@ def _validated(values: dict[str, Any]) -> AgentConfig:
     if not values.get("control_plane_url"):
         raise ConfigError("control_plane_url is required (YAML, NIGHTWATCH_AGENT_CONTROL_PLANE_URL or "
                           "--control-plane-url)")
+    for name in ("control_plane_url", "urgent_url"):
+        if (url := values.get(name)) is not None and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise ConfigError(f"{name} must be an http:// or https:// URL, got {url!r}")
     config = AgentConfig(**values)
     if config.telemetry_source not in SOURCES:
         raise ConfigError(f"telemetry_source must be one of {sorted(SOURCES)}, got {config.telemetry_source!r}")

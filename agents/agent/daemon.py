@@ -108,6 +108,8 @@ class Agent:
         self._probe: BandwidthProbeServer | None = None
         self.commands: CommandRunner | None = None  # set once registered
         self._client: ControlPlaneClient | None = None
+        #: Events and acks (the outbox's urgent lane), where ``urgent_url`` names processes of their own.
+        self._urgent_client: ControlPlaneClient | None = None
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
@@ -131,6 +133,9 @@ class Agent:
             self.credentials = creds
             self._client = ControlPlaneClient(self.config.control_plane_url, creds.node_token,
                                               timeout=self.config.request_timeout_s)
+            if self.config.urgent_url:
+                self._urgent_client = ControlPlaneClient(self.config.urgent_url, creds.node_token,
+                                                         timeout=self.config.request_timeout_s)
             self.logs.start(ControlPlaneClient(self.config.control_plane_url, creds.node_token,
                                                timeout=self.config.request_timeout_s), creds.node_id)
             self.commands = CommandRunner(
@@ -224,7 +229,8 @@ class Agent:
             bulk = now >= next_flush
             if len(self.outbox) and ((self.outbox.urgent and now >= next_urgent) or (bulk and now >= samples_due)):
                 try:
-                    self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack, bulk=bulk)
+                    self.outbox.flush(self._api(), creds.node_id, self._on_stale_ack, bulk=bulk,
+                                      urgent_client=self._urgent_client)
                     if bulk:
                         samples_due = float("inf")
                         flush_backoff = TICK_S
@@ -428,7 +434,8 @@ class Agent:
             self.supervisor.shutdown(self.config.stop_grace_s)
         if self.credentials is not None and self._client is not None and len(self.outbox):
             try:  # one last try, so a clean stop leaves nothing behind in the spool
-                self.outbox.flush(self._client, self.credentials.node_id, lambda ack: None)
+                self.outbox.flush(self._client, self.credentials.node_id, lambda ack: None,
+                                  urgent_client=self._urgent_client)
             except (Unreachable, AuthRejected) as exc:
                 log.warning("%d records stay spooled for the next start: %s", len(self.outbox), exc)
         if self.credentials is not None and self._client is not None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.http import ControlPlaneClient
+from agents.http import ControlPlaneClient, Unreachable
 from agents.protocol import dump, parse
 from agents.protocol.agent import (
     ACK_PATH,
@@ -44,6 +44,9 @@ TELEMETRY, EVENT, ACK = "telemetry", "event", "ack"
 _BATCH_LIMITS = {TELEMETRY: MAX_SAMPLES_PER_BATCH, EVENT: MAX_EVENTS_PER_BATCH, ACK: 1}
 #: Delivery lanes, most urgent first; within a lane, spool order.
 URGENT, BULK = frozenset({EVENT, ACK}), frozenset({TELEMETRY})
+#: After the urgent URL did not answer, the urgent lane goes to the control plane's URL this long
+#: before the urgent URL is tried again (a timeout there would otherwise delay every event).
+URGENT_RETRY_S = 30.0
 
 
 class AuthRejected(Exception):
@@ -58,6 +61,8 @@ class Outbox:
         # Something that should not wait for the next telemetry batch is held (an event, an ack, or
         # anything a previous run left in the spool).
         self.urgent = len(self.spool) > 0
+        self._urgent_down = False  # the urgent URL did not answer the last time it was tried
+        self._urgent_retry_at = 0.0  # monotonic; before it, the urgent lane goes to the control plane's URL
 
     def add_samples(self, samples: list[GpuSample]) -> None:
         for sample in samples:
@@ -88,9 +93,11 @@ class Outbox:
             self._drops_reported = total
 
     def flush(self, client: ControlPlaneClient, node_id: str,
-              on_stale_ack: Callable[[CommandAck], None], *, bulk: bool = True) -> int:
+              on_stale_ack: Callable[[CommandAck], None], *, bulk: bool = True,
+              urgent_client: ControlPlaneClient | None = None) -> int:
         """Deliver spooled records until none is left, the urgent lane before each bulk batch (only
-        the urgent lane with ``bulk=False``); how many were delivered.
+        the urgent lane with ``bulk=False``); how many were delivered. The urgent lane goes to
+        ``urgent_client`` where there is one (the agent's ``urgent_url``), the bulk lane to ``client``.
 
         Raises ``agents.http.Unreachable`` (and keeps the rest) when the control plane is down or
         refuses; ``urgent`` is still true afterwards only if the urgent lane was what it refused.
@@ -101,7 +108,7 @@ class Outbox:
             self.urgent = False
             try:
                 while run := self._head_run(URGENT):
-                    delivered += self._deliver(client, node_id, run[0][1], run, on_stale_ack, URGENT)
+                    delivered += self._deliver_urgent(client, urgent_client, node_id, run, on_stale_ack)
             except BaseException:
                 self.urgent = True
                 raise
@@ -109,6 +116,30 @@ class Outbox:
                 break
             delivered += self._deliver(client, node_id, run[0][1], run, on_stale_ack, BULK)
         return delivered
+
+    def _deliver_urgent(self, client: ControlPlaneClient, urgent_client: ControlPlaneClient | None, node_id: str,
+                        run: list, on_stale_ack: Callable[[CommandAck], None]) -> int:
+        """The urgent lane's ``run`` to the urgent processes, or to ``client`` where there are none or
+        they do not answer at all: processes of their own make a verdict faster, never a single point of
+        failure. (A refusal, a 503 with ``Retry-After``, is an answer: it is waited out as elsewhere.)"""
+        if urgent_client is not None and time.monotonic() >= self._urgent_retry_at:
+            try:
+                delivered = self._deliver(urgent_client, node_id, run[0][1], run, on_stale_ack, URGENT)
+            except Unreachable as exc:
+                if exc.status not in (None, 502):
+                    raise
+                if not self._urgent_down:  # logged once an outage
+                    log.warning("the urgent URL does not answer (%s); events and acks go to the control "
+                                "plane's URL meanwhile", exc)
+                self._urgent_down = True
+                self._urgent_retry_at = time.monotonic() + URGENT_RETRY_S
+                return 0  # the lane's head is taken again, by the control plane's URL now
+            else:
+                if self._urgent_down:
+                    log.info("the urgent URL answers again")
+                self._urgent_down = False
+                return delivered
+        return self._deliver(client, node_id, run[0][1], run, on_stale_ack, URGENT)
 
     def _head_run(self, lane: frozenset[str]) -> list[tuple[int, str, dict[str, Any]]]:
         """The lane's oldest records of one kind, as many as one request carries."""

@@ -243,6 +243,17 @@ def control_plane() -> Iterator[ControlPlane]:
     assert not plane.errors, f"the agent sent messages that do not parse: {plane.errors}"
 
 
+@pytest.fixture
+def urgent_plane() -> Iterator[ControlPlane]:
+    """A second control plane for the agent's ``urgent_url`` (the processes that take its events and
+    acks): the same protocol and node token as ``control_plane``, its own port and records."""
+    plane = ControlPlane()
+    plane.up()
+    yield plane
+    plane.down()
+    assert not plane.errors, f"the agent sent messages that do not parse: {plane.errors}"
+
+
 # --- agent -----------------------------------------------------------------------------------
 
 SCENARIO = """

@@ -182,6 +182,31 @@ def test_a_command_runs_once_however_often_it_arrives(control_plane: Any, agent_
     assert {a.status for a in control_plane.acks} == {"done"}
 
 
+def test_events_and_acks_go_to_the_urgent_url_and_to_the_control_plane_while_it_is_down(
+        control_plane: Any, urgent_plane: Any, agent_config: Callable[..., Any],
+        start_agent: Callable[..., Any]) -> None:
+    """``urgent_url``: the events and acks go to processes of their own (compose's ``urgent``),
+    everything else to ``control_plane_url``; when those processes do not answer, the control plane's
+    URL takes the events and acks instead of their waiting for them."""
+    running = start_agent(agent_config(urgent_url=urgent_plane.url))
+    control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c1"))
+    wait_for(lambda: urgent_plane.acks, timeout=20, what="the drain ack at the urgent URL", interval=POLL_S)
+    with control_plane.lock:
+        control_plane.pending.clear()  # acked where the real control plane shares its database
+    wait_for(lambda: urgent_plane.events_of("drain_ack") and control_plane.samples,
+             timeout=20, what="the drain_ack event and telemetry", interval=POLL_S)
+    assert urgent_plane.events_of("agent_started") and not control_plane.events and not control_plane.acks
+    assert not urgent_plane.samples and not urgent_plane.heartbeats and not urgent_plane.registrations
+
+    urgent_plane.down()
+    control_plane.send(command("drain", DrainPayload(reason="maintenance"), id="c2"))
+    wait_for(lambda: any(a.command_id == "c2" for a in control_plane.acks), timeout=20,
+             what="the second ack, at the control plane", interval=POLL_S)
+    # (c1 may be acked there again too: a heartbeat can re-deliver it before the test cleared it.)
+    assert {a.command_id for a in urgent_plane.acks} == {"c1"}
+    assert running.stop() == 0
+
+
 @pytest.mark.parametrize("command_wait", [True, False])
 def test_a_command_is_taken_as_it_is_queued_not_with_the_next_heartbeat(
         control_plane: Any, agent_config: Callable[..., Any], start_agent: Callable[..., Any],
@@ -460,6 +485,8 @@ def test_the_example_deployment_config_loads() -> None:
     ("control_plane_url: http://a\ntelemetry_source: dcgm\n", "telemetry_source must be one of"),
     ("control_plane_url: http://a\nhealth: {max_temp: 90}\n", "unknown threshold 'max_temp'"),
     ("control_plane_url: http://a\nsnapshot_dir: shm/nw\n", "snapshot_dir must be an absolute path"),
+    ("control_plane_url: http://a\nurgent_url: nightwatch-urgent:8002\n", "urgent_url must be an http:// or"),
+    ("control_plane_url: ftp://a\n", "control_plane_url must be an http:// or https:// URL, got 'ftp://a'"),
 ])
 def test_config_mistakes_are_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "agent.yaml"

@@ -9,7 +9,15 @@ import pytest
 
 from agents.agent.outbox import Outbox
 from agents.http import Unreachable
-from agents.protocol.agent import EVENTS_PATH, MAX_SAMPLES_PER_BATCH, TELEMETRY_PATH, GpuSample, XidDetail
+from agents.protocol.agent import (
+    ACK_PATH,
+    EVENTS_PATH,
+    MAX_SAMPLES_PER_BATCH,
+    TELEMETRY_PATH,
+    CommandAck,
+    GpuSample,
+    XidDetail,
+)
 
 
 class JudgingControlPlane:
@@ -122,6 +130,75 @@ def test_the_urgent_lane_is_drained_again_before_each_telemetry_batch(tmp_path: 
     assert outbox.flush(Server(), "n1", on_stale_ack=lambda ack: None) == 2 * MAX_SAMPLES_PER_BATCH + 1
     assert sent == ["telemetry", "events", "telemetry"]
     assert len(outbox) == 0
+    outbox.close()
+
+
+class RecordingControlPlane:
+    """Takes everything; records each request's path."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def request(self, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[int, dict]:
+        self.paths.append(path)
+        return 200, {}
+
+
+class CountingDownControlPlane(DownControlPlane):
+    def __init__(self, status: int | None = None, retry_after: float | None = None) -> None:
+        self.tries, self.status, self.retry_after = 0, status, retry_after
+
+    def request(self, method: str, path: str, body: Any = None, headers: Any = None) -> tuple[int, dict]:
+        self.tries += 1
+        raise Unreachable("no answer", status=self.status, retry_after=self.retry_after)
+
+
+def test_the_urgent_lane_goes_to_its_own_url_and_the_bulk_lane_does_not(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    outbox.add_samples([sample(t) for t in range(10)])
+    outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
+    outbox.add_ack(CommandAck(command_id="c1", idempotency_key="k1", status="done", time=1_700_000_000.0))
+    main, urgent = RecordingControlPlane(), RecordingControlPlane()
+
+    assert outbox.flush(main, "n1", on_stale_ack=lambda ack: None, urgent_client=urgent) == 12
+    assert urgent.paths == [EVENTS_PATH.format(node_id="n1"), ACK_PATH.format(node_id="n1", command_id="c1")]
+    assert main.paths == [TELEMETRY_PATH.format(node_id="n1")]
+    outbox.close()
+
+
+def test_an_urgent_url_that_does_not_answer_is_no_single_point_of_failure(tmp_path: Path, monkeypatch) -> None:
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    main, down = RecordingControlPlane(), CountingDownControlPlane()
+    outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
+
+    # No answer there: the same event goes to the control plane's URL in the same flush.
+    assert outbox.flush(main, "n1", on_stale_ack=lambda ack: None, urgent_client=down) == 1
+    assert down.tries == 1 and main.paths == [EVENTS_PATH.format(node_id="n1")] and len(outbox) == 0
+
+    # Meanwhile the urgent URL is not tried (a timeout there would delay every event) ...
+    outbox.add_event("xid", XidDetail(gpu=4, code=79), key="xid-2")
+    outbox.flush(main, "n1", on_stale_ack=lambda ack: None, urgent_client=down)
+    assert down.tries == 1 and len(main.paths) == 2
+
+    # ... until its retry time: then it is, and takes the lane again once it answers.
+    monkeypatch.setattr(outbox, "_urgent_retry_at", 0.0)
+    back = RecordingControlPlane()
+    outbox.add_event("xid", XidDetail(gpu=5, code=79), key="xid-3")
+    outbox.flush(main, "n1", on_stale_ack=lambda ack: None, urgent_client=back)
+    assert back.paths == [EVENTS_PATH.format(node_id="n1")] and len(main.paths) == 2
+    outbox.close()
+
+
+def test_an_urgent_url_that_refuses_is_waited_out_not_gone_around(tmp_path: Path) -> None:
+    """A 503 with ``Retry-After`` is the urgent processes' admission control answering: sending the
+    lane to the ingest processes instead would take away what the split is for."""
+    outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
+    main, shedding = RecordingControlPlane(), CountingDownControlPlane(status=503, retry_after=1.0)
+    outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
+
+    with pytest.raises(Unreachable):
+        outbox.flush(main, "n1", on_stale_ack=lambda ack: None, urgent_client=shedding)
+    assert shedding.tries == 1 and main.paths == [] and outbox.urgent and len(outbox) == 1
     outbox.close()
 
 

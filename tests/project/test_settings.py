@@ -79,15 +79,20 @@ def test_docker_compose_file_is_valid(tmp_path):
     import yaml
 
     services = yaml.safe_load(result.stdout)["services"]
-    assert set(services) == {"postgres", "redis", "web", "ws", "worker", "checkpoint-worker", "background-worker",
-                             "beat"}
+    assert set(services) == {"postgres", "redis", "web", "ws", "urgent", "worker", "checkpoint-worker",
+                             "background-worker", "beat"}
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     assert services["web"]["environment"]["NIGHTWATCH_ENV"] == "production"
-    # The WebSocket-only web process runs the same application as web, on its own port.
-    assert services["ws"]["image"] == services["web"]["image"]
-    assert "controlplane.asgi:application" in " ".join(services["ws"]["command"])
-    assert services["ws"]["environment"] == services["web"]["environment"]
+    # The operators' and the agents' urgent web processes run the same application as web, each on
+    # its own port.
+    ports = {"web": "8000", "ws": "8001", "urgent": "8002"}
+    for name in ("ws", "urgent"):
+        assert services[name]["image"] == services["web"]["image"]
+        command = " ".join(services[name]["command"])
+        assert "controlplane.asgi:application" in command and f"-p {ports[name]}" in command
+        assert services[name]["environment"] == services["web"]["environment"]
+    assert [str(p["target"]) for name in ports for p in services[name]["ports"]] == list(ports.values())
 
 
 def test_a_connection_pool_is_configured_for_postgresql_and_refused_for_anything_else(tmp_path):
