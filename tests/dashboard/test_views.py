@@ -3,6 +3,8 @@ CSRF, permissions, the services the actions call and the audit rows they leave."
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from tests.dashboard.conftest import pause_for_breaker
@@ -174,7 +176,14 @@ def test_the_nodes_grid_shows_each_gpus_health_and_recent_faults(signed_in, cast
     GPU.objects.create(node=cast.node1, index=1, health="unhealthy", last_sample_at=timezone.now(),
                        last_sample={"temperature_c": 93.0, "xid_recent": 2, "recent_xid_codes": [48, 79],
                                     "ecc_uncorrected_recent": 3})
+    # The GPU's name is the agent's word (registration): hostile text is shown, never run. One
+    # silent for minutes is drawn stale, one that never said its temperature with a dash.
+    GPU.objects.create(node=cast.node1, index=2, health="healthy", name='<img src=x onerror="alert(1)">',
+                       last_sample_at=timezone.now() - timedelta(minutes=5), last_sample={"xid_recent": 0})
     body = signed_in(cast.viewer).get("/nodes/").content.decode()
     assert "48°C" in body and "93°C" in body
     assert "Xid 48,79" in body and "ECC 3" in body
-    assert 'class="gpu h-unhealthy' in body
+    assert 'class="gpu h-unhealthy" data-gpu="1"' in body and 'class="gpu h-healthy" data-gpu="0"' in body
+    assert ('<div class="gpu h-healthy stale" data-gpu="2" title="&lt;img src=x onerror=&quot;alert(1)&quot;&gt; 2: '
+            'healthy"><b>2</b><span>–</span></div>') in body
+    assert "<img src=x" not in body
