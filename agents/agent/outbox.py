@@ -47,6 +47,9 @@ URGENT, BULK = frozenset({EVENT, ACK}), frozenset({TELEMETRY})
 #: After the urgent URL did not answer, the urgent lane goes to the control plane's URL this long
 #: before the urgent URL is tried again (a timeout there would otherwise delay every event).
 URGENT_RETRY_S = 30.0
+#: ``Unreachable.status`` of an urgent URL that did not answer: no response at all, or a proxy in
+#: front of it saying so (502, 504). A 503 is admission control answering: it is waited out.
+NO_ANSWER = (None, 502, 504)
 
 
 class AuthRejected(Exception):
@@ -126,7 +129,7 @@ class Outbox:
             try:
                 delivered = self._deliver(urgent_client, node_id, run[0][1], run, on_stale_ack, URGENT)
             except Unreachable as exc:
-                if exc.status not in (None, 502):
+                if exc.status not in NO_ANSWER:
                     raise
                 if not self._urgent_down:  # logged once an outage
                     log.warning("the urgent URL does not answer (%s); events and acks go to the control "

@@ -166,9 +166,11 @@ def test_the_urgent_lane_goes_to_its_own_url_and_the_bulk_lane_does_not(tmp_path
     outbox.close()
 
 
-def test_an_urgent_url_that_does_not_answer_is_no_single_point_of_failure(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("status", [None, 502, 504])  # no response; a proxy saying the process did not answer
+def test_an_urgent_url_that_does_not_answer_is_no_single_point_of_failure(tmp_path: Path, monkeypatch,
+                                                                          status: int | None) -> None:
     outbox = Outbox(tmp_path / "spool.sqlite3", max_records=10_000)
-    main, down = RecordingControlPlane(), CountingDownControlPlane()
+    main, down = RecordingControlPlane(), CountingDownControlPlane(status=status)
     outbox.add_event("xid", XidDetail(gpu=3, code=79), key="xid-1")
 
     # No answer there: the same event goes to the control plane's URL in the same flush.
