@@ -87,6 +87,7 @@ class ControlPlane:
         # One key for every process: sessions made by the setup step are valid in the web processes.
         self.env["SECRET_KEY"] = "fleet-bench-" + os.urandom(16).hex()
         self.procs: dict[str, Proc] = {}
+        self._daphne_ports: dict[str, int] = {}  # the web processes, by name
         import redis
 
         self.redis = redis.Redis.from_url(self.env["REDIS_URL"])
@@ -94,20 +95,16 @@ class ControlPlane:
 
     def start(self) -> None:
         for i, port in enumerate(self.ports):
-            self.procs[f"web{i}"] = Proc(f"web{i}", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                                                     "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+            self._daphne(f"web{i}", port)
         # Browsers only: the live push does not share an event loop (and a GIL) with the fleet's ingest.
-        self.procs["ws"] = Proc("ws", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.ws_port),
-                                       "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+        self._daphne("ws", self.ws_port)
         if self.urgent_port is not None:
-            self.procs["urgent"] = Proc("urgent", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p",
-                                                   str(self.urgent_port), "controlplane.asgi:application"],
-                                        env=self.env, log_dir=self.logs)
+            self._daphne("urgent", self.urgent_port)
         self.start_worker()
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
         # Straggler checks, roll-ups and sweeps (settings.BACKGROUND_TASKS), as production's background-worker.
         self.procs["background"] = self._celery("background", ["-Q", "background"])
-        for port in (*self.ports, self.ws_port, *([self.urgent_port] if self.urgent_port else [])):
+        for port in self._daphne_ports.values():
             wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
         for name in ("checkpoints", "background"):
             wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
@@ -126,6 +123,12 @@ class ControlPlane:
         self.procs["worker"].stop()
         self.start_worker()
         return time.monotonic() - started
+
+    def _daphne(self, name: str, port: int) -> Proc:
+        self._daphne_ports[name] = port
+        self.procs[name] = Proc(name, [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                                       "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
+        return self.procs[name]
 
     def _celery(self, name: str, options: list[str]) -> Proc:
         argv = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "--pool=solo", "--loglevel=INFO",

@@ -64,8 +64,9 @@ class Outbox:
         # Something that should not wait for the next telemetry batch is held (an event, an ack, or
         # anything a previous run left in the spool).
         self.urgent = len(self.spool) > 0
-        self._urgent_down = False  # the urgent URL did not answer the last time it was tried
-        self._urgent_retry_at = 0.0  # monotonic; before it, the urgent lane goes to the control plane's URL
+        #: Monotonic; set when the urgent URL did not answer, and until then the urgent lane goes to the
+        #: control plane's URL. 0: it answered the last time it was tried.
+        self._urgent_retry_at = 0.0
 
     def add_samples(self, samples: list[GpuSample]) -> None:
         for sample in samples:
@@ -131,16 +132,15 @@ class Outbox:
             except Unreachable as exc:
                 if exc.status not in NO_ANSWER:
                     raise
-                if not self._urgent_down:  # logged once an outage
+                if not self._urgent_retry_at:  # logged once an outage
                     log.warning("the urgent URL does not answer (%s); events and acks go to the control "
                                 "plane's URL meanwhile", exc)
-                self._urgent_down = True
                 self._urgent_retry_at = time.monotonic() + URGENT_RETRY_S
                 return 0  # the lane's head is taken again, by the control plane's URL now
             else:
-                if self._urgent_down:
+                if self._urgent_retry_at:
                     log.info("the urgent URL answers again")
-                self._urgent_down = False
+                self._urgent_retry_at = 0.0
                 return delivered
         return self._deliver(client, node_id, run[0][1], run, on_stale_ack, URGENT)
 
