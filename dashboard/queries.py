@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
+from datetime import datetime
 
 from django.db.models import Count, Max, Q
 from django.utils import timezone
@@ -47,8 +48,8 @@ ROUTINE = frozenset({EventKind.CHECKPOINT_COMMIT, EventKind.CHECKPOINT_VERIFY, E
 
 # --- overview -------------------------------------------------------------------------------------
 
-def overview_jobs() -> list[dict]:
-    now = timezone.now()
+def overview_jobs(*, now: datetime | None = None) -> list[dict]:
+    now = now or timezone.now()
     jobs = list(Job.objects.annotate(last_checkpoint_at=Max("checkpoints__created_at"),
                                      open_incidents=Count("incidents", filter=Q(incidents__state=IncidentState.OPEN),
                                                           distinct=True))
