@@ -51,6 +51,7 @@ def populate() -> dict:
     from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY
     from django.contrib.auth.models import Group, User
     from django.contrib.sessions.backends.db import SessionStore
+    from django.db import connection
 
     from checkpoints.models import Checkpoint
     from core.events import EventKind, record_event
@@ -107,6 +108,8 @@ def populate() -> dict:
     session.update({SESSION_KEY: str(viewer.pk), BACKEND_SESSION_KEY: "django.contrib.auth.backends.ModelBackend",
                     HASH_SESSION_KEY: viewer.get_session_auth_hash()})
     session.create()
+    with connection.cursor() as cursor:  # the planner's statistics, as autovacuum keeps them in a live database
+        cursor.execute("ANALYZE")
     return {"session": session.session_key,
             "pages": {"overview": "/", "nodes": "/nodes/", "job": f"/jobs/{job.pk}/", "node": f"/nodes/{nodes[0].pk}/"}}
 

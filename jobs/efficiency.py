@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import F, Max, Sum
+from django.db.models import Count, F, Max, OuterRef, Subquery, Sum
+from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from jobs import efficiency_math as math_
@@ -73,34 +74,47 @@ def throughput(job) -> tuple[int | None, math_.Throughput | None, int]:
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What peak and price need of a node: its id, labels and its first GPU's name (None: no GPU)."""
+    """What peak and price need of a kind of node: its peak and pool labels, its first GPU's name
+    (None: no GPU), and how many of the generation's nodes are of that kind."""
 
-    pk: int
-    labels: dict
+    peak_label: str | float | None  # the node's ``peak_tflops`` label (text on PostgreSQL)
+    pool: str | None  # its ``pool`` label
     gpu_name: str | None
+    count: int = 1
 
 
-def _nodes_of(job, generation: int | None) -> list[NodeFacts]:
-    """The generation's nodes as ``NodeFacts``: two narrow queries of plain values however many
-    nodes, not node and GPU objects with every GPU's last reading (a 512-node job's took a second)."""
+@dataclass(frozen=True)
+class JobNodes:
+    """The generation's nodes: their ids (for telemetry) and their kinds (for peak and price)."""
+
+    pks: list[int]
+    kinds: list[NodeFacts]
+
+
+def _nodes_of(job, generation: int | None) -> JobNodes:
+    """The generation's nodes grouped by what peak and price depend on: a few rows however many
+    nodes (a 512-node job is usually one kind), not a node and its GPUs at a time (node and GPU
+    objects with every GPU's last reading took a 512-node job's page a second; their plain
+    values, 15 ms)."""
     row = Generation.objects.filter(job=job, number=generation).first() if generation else None
     if row is None:
         row = Generation.objects.filter(job=job).order_by("-number").first()
     if row is None:
-        return []
-    nodes = list(row.nodes.values_list("pk", "labels"))
-    names = dict(GPU.objects.filter(node__in=[pk for pk, _ in nodes]).order_by("node_id", "-index")
-                 .values_list("node_id", "name"))  # the lowest index wins
-    return [NodeFacts(pk, labels or {}, names.get(pk)) for pk, labels in nodes]
+        return JobNodes([], [])
+    nodes = row.nodes.order_by()
+    first_gpu = GPU.objects.filter(node=OuterRef("pk")).order_by("index").values("name")[:1]
+    kinds = (nodes.annotate(peak=KT("labels__peak_tflops"), pool=KT("labels__pool"), gpu=Subquery(first_gpu))
+             .values("peak", "pool", "gpu").annotate(count=Count("pk")).order_by("peak", "pool", "gpu"))
+    return JobNodes(list(nodes.values_list("pk", flat=True)),
+                    [NodeFacts(kind["peak"], kind["pool"], kind["gpu"], kind["count"]) for kind in kinds])
 
 
 def device_peak_tflops(job, node: NodeFacts) -> float | None:
     """Peak of one of ``node``'s accelerators for ``job``: the node's label, the GPU table, or the
     nominal CPU figure for CPU jobs and GPU-less nodes; None for a GPU not in the table."""
-    label = node.labels.get("peak_tflops")
-    if label is not None:
+    if node.peak_label is not None:
         try:
-            return float(label)
+            return float(node.peak_label)
         except (TypeError, ValueError):
             pass
     if job.accelerator == "cpu" or node.gpu_name is None:
@@ -111,7 +125,7 @@ def device_peak_tflops(job, node: NodeFacts) -> float | None:
 def price_of(node: NodeFacts, prices: dict[str, float]) -> float:
     """A GPU-hour of ``node``: its pool's ``PoolPrice`` (``prices``, from ``pool_prices``), else
     the settings' price for the pool, else the default."""
-    pool = node.labels.get("pool")
+    pool = node.pool
     if pool:
         if pool in prices:
             return prices[pool]
@@ -122,15 +136,15 @@ def price_of(node: NodeFacts, prices: dict[str, float]) -> float:
 
 def pool_prices(nodes: list[NodeFacts]) -> dict[str, float]:
     """The ``PoolPrice`` rows of the pools ``nodes`` belong to, in one query."""
-    pools = {node.labels.get("pool") for node in nodes} - {None}
+    pools = {node.pool for node in nodes} - {None}
     return {row.pool: float(row.price_per_gpu_hour) for row in PoolPrice.objects.filter(pool__in=pools)}
 
 
-def gpu_utilization(job, nodes) -> float | None:
+def gpu_utilization(job, node_ids: list[int]) -> float | None:
     """Mean GPU utilisation (percent) of the job's nodes over the recent window; None without samples."""
     now = timezone.now()
     since = now - timedelta(seconds=settings_()["UTILIZATION_WINDOW_S"])
-    return rollup.mean_utilization([node.pk for node in nodes], since,
+    return rollup.mean_utilization(node_ids, since,
                                    raw_since=retention.retention().raw_cutoff(now))
 
 
@@ -145,20 +159,22 @@ def snapshot(job, goodput=None) -> dict:
                                 or facts.get("flops_per_token"))
     generation, speed, steps = throughput(job)
     nodes = _nodes_of(job, generation)
-    peaks = [device_peak_tflops(job, node) for node in nodes]
+    kinds = nodes.kinds
+    peaks = [device_peak_tflops(job, kind) for kind in kinds]
     # The nominal CPU figure makes the alerts work on CPU jobs, but an MFU or a GPU-hour cost of a
     # CPU job means nothing to a person: pages show them only where a GPU's peak is known.
-    gpu_peak_known = (job.accelerator == "gpu" and bool(nodes)
-                      and all(node.gpu_name is not None or "peak_tflops" in node.labels for node in nodes)
+    gpu_peak_known = (job.accelerator == "gpu" and bool(kinds)
+                      and all(kind.gpu_name is not None or kind.peak_label is not None for kind in kinds)
                       and None not in peaks)
-    peak_tflops = (sum(p * job.nproc_per_node for p in peaks) if nodes and None not in peaks else None)
+    peak_tflops = (sum(p * job.nproc_per_node * kind.count for p, kind in zip(peaks, kinds, strict=True))
+                   if kinds and None not in peaks else None)
     mfu = (math_.mfu(speed, fpt, peak_tflops * 1e12)
            if speed and fpt and peak_tflops and steps >= MIN_STEPS else None)
     goodput = goodput if goodput is not None else goodput_of(job)
     badput = dict(goodput.badput_s)
     downtime_s = sum(badput.get(kind, 0.0) for kind in DOWNTIME_KINDS)
-    prices = pool_prices(nodes)
-    rate = math_.hourly_rate((job.nproc_per_node, price_of(node, prices)) for node in nodes)
+    prices = pool_prices(kinds)
+    rate = math_.hourly_rate((job.nproc_per_node * kind.count, price_of(kind, prices)) for kind in kinds)
     cost = math_.cost(rate_per_hour=rate, wall_s=goodput.wall_s, productive_s=goodput.productive_s, badput_s=badput)
     margin = target.mfu_margin if target and target.mfu_margin is not None else settings_()["MFU_MARGIN"]
     return {
@@ -175,7 +191,7 @@ def snapshot(job, goodput=None) -> dict:
         "mfu": mfu,
         "expected_mfu": target.expected_mfu if target else None,
         "mfu_margin": margin,
-        "gpu_utilization_pct": gpu_utilization(job, nodes) if job.accelerator == "gpu" else None,
+        "gpu_utilization_pct": gpu_utilization(job, nodes.pks) if job.accelerator == "gpu" else None,
         "wall_s": goodput.wall_s,
         "productive_s": goodput.productive_s,
         "ettr": goodput.ettr,

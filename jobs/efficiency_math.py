@@ -11,6 +11,7 @@ PaLM's "6N" approximation). Recomputation is not counted: it is not model work.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,8 +43,10 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 FLOPS_PER_PARAMETER = 6
 
 
+@functools.lru_cache(maxsize=256)
 def peak_tflops_of(gpu_name: str) -> float | None:
-    """The table's peak for an NVML device name, or None when the GPU is not in the table."""
+    """The table's peak for an NVML device name, or None when the GPU is not in the table. Cached:
+    a 512-node job's page asks for the same name 512 times."""
     for pattern, tflops in GPU_PEAK_TFLOPS:
         if re.search(pattern, gpu_name, flags=re.IGNORECASE):
             return tflops

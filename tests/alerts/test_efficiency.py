@@ -128,6 +128,43 @@ def test_low_gpu_utilisation_while_running_alerts(job, cast, django_capture_on_c
     assert Alert.objects.get(job=job, rule="gpu_util_low").state == AlertState.FIRING
 
 
+def test_peak_and_price_of_a_generation_of_mixed_nodes_in_queries_however_many_nodes(
+        cast, django_assert_max_num_queries):
+    """Nodes of two pools and two GPU models, one with a peak label: peak and hourly rate add up node
+    by node, and 24 nodes cost the same queries as 3 (the nodes are grouped by kind in the database)."""
+    from jobs.models import Generation
+    from nodes.models import GPU, Node
+
+    PoolPrice.objects.create(pool="spot", price_per_gpu_hour="1.5000")
+
+    def generation_of(n: int, name: str):
+        job = Job.objects.create(name=name, entrypoint="train.py", nnodes=n, nproc_per_node=8, accelerator="gpu",
+                                 created_by="test", generation=1)
+        nodes = []
+        for i in range(n):
+            kind = i % 3  # an H100 on spot, an A100 on spot, an H100 labelled 700 TFLOPS (default price)
+            node = Node.objects.create(hostname=f"{name}-{i}", labels={"pool": "spot"} if kind < 2
+                                       else {"peak_tflops": 700})
+            for index in (1, 0):  # the lowest index names the node's GPU, whatever order they came in
+                GPU.objects.create(node=node, index=index, name="NVIDIA A100-SXM4-80GB" if kind == 1 and index == 0
+                                   else "NVIDIA H100 80GB HBM3")
+            nodes.append(node)
+        Generation.objects.create(job=job, number=1, world_size=8 * n).nodes.set(nodes)
+        return job
+
+    small, large = generation_of(3, "small"), generation_of(24, "large")
+    default_price = float(efficiency.settings_()["DEFAULT_PRICE_PER_GPU_HOUR"])
+    with django_assert_max_num_queries(99) as small_queries:
+        figures = efficiency.snapshot(small)
+    assert figures["peak_tflops"] == 8 * (989.0 + 312.0 + 700.0)
+    assert figures["gpu_peak_known"] is True
+    assert figures["cost"]["rate_per_hour"] == pytest.approx(8 * (1.5 + 1.5 + default_price))
+    with django_assert_max_num_queries(len(small_queries.captured_queries)):
+        figures = efficiency.snapshot(large)
+    assert figures["peak_tflops"] == 8 * 8 * (989.0 + 312.0 + 700.0)
+    assert figures["cost"]["rate_per_hour"] == pytest.approx(8 * 8 * (1.5 + 1.5 + default_price))
+
+
 def test_cost_and_wasted_cost_add_up_to_the_badput_breakdown(job, cast, settings, time_machine,
                                                               django_capture_on_commit_callbacks):
     cast.node1.labels = {"pool": "a100-spot"}

@@ -206,7 +206,7 @@ def test_utilisation_reads_raw_samples_within_their_retention_and_rollups_beyond
     assert four_days == (90 * 3 + 50 + 10) / 5
     settings.NIGHTWATCH = {**settings.NIGHTWATCH,
                            "EFFICIENCY": {**settings.NIGHTWATCH["EFFICIENCY"], "UTILIZATION_WINDOW_S": 300}}
-    assert efficiency.gpu_utilization(None, [cast.node1]) == 30.0
+    assert efficiency.gpu_utilization(None, [cast.node1.pk]) == 30.0
 
 
 @pytest.mark.django_db
