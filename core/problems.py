@@ -9,8 +9,11 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied
+from django.db import OperationalError
 from django.http import Http404, JsonResponse
+from psycopg_pool import PoolTimeout
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -69,6 +72,15 @@ def exception_handler(exc, context):
     response = drf_exception_handler(exc, context)
     request = context.get("request")
     instance = request.path if request is not None else ""
+    if response is None and _no_connection_in_time(exc):
+        # Overload, not a failure: the process's connection pool stayed empty for its whole timeout
+        # (a reconnect storm in bench.fleet: two long polls answered 500). Refused like admission
+        # control refuses (core.admission), so the caller backs off and keeps what it sent.
+        wait_s = settings.NIGHTWATCH["RETRY_AFTER_S"]
+        logger.warning("no database connection within the pool's timeout: %s answered 503", instance)
+        body = problem(503, "Service Unavailable", f"The database is busy: no connection became free in time; "
+                       f"retry after {wait_s} s (with jitter).", code="overloaded", instance=instance)
+        return Response(body, status=503, content_type=CONTENT_TYPE, headers={"Retry-After": str(wait_s)})
     if response is None:
         logger.exception("unhandled API error", exc_info=exc)
         body = problem(500, "Internal server error", "The server failed; the error was logged.",
@@ -92,6 +104,11 @@ def exception_handler(exc, context):
     response.data = body
     response.content_type = CONTENT_TYPE
     return response
+
+
+def _no_connection_in_time(exc: BaseException) -> bool:
+    """Django's ``OperationalError`` for psycopg_pool's ``PoolTimeout`` (``DB_POOL_MAX_SIZE``)."""
+    return isinstance(exc, OperationalError) and isinstance(exc.__cause__, PoolTimeout)
 
 
 def _title(status_code: int) -> str:

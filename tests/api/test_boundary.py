@@ -28,6 +28,38 @@ def assert_problem(response, status: int):
     return body
 
 
+def test_no_free_database_connection_is_a_503_to_retry_later_not_a_server_error(settings):
+    """A web process's pool (``DB_POOL_MAX_SIZE``) empty for its whole timeout is overload: refused as
+    admission control refuses, with ``Retry-After``. Any other database error is still a 500."""
+    from types import SimpleNamespace
+
+    from django.db import OperationalError, connection
+    from psycopg.conninfo import make_conninfo
+    from psycopg_pool import ConnectionPool
+
+    from core.problems import exception_handler
+
+    db = connection.settings_dict
+    conninfo = make_conninfo(dbname=db["NAME"], host=db["HOST"], port=db["PORT"] or None, user=db["USER"])
+    with ConnectionPool(conninfo, min_size=1, max_size=1, timeout=0.2) as pool:
+        held = pool.getconn()
+        try:
+            with pytest.raises(OperationalError) as exhausted, connection.wrap_database_errors:
+                pool.getconn()
+        finally:
+            pool.putconn(held)
+    context = {"request": SimpleNamespace(path="/api/v1/nodes/7/commands/wait")}
+    response = exception_handler(exhausted.value, context)
+    assert response.status_code == 503 and response["Retry-After"] == str(settings.NIGHTWATCH["RETRY_AFTER_S"])
+    assert response.data["type"].endswith("/overloaded") and "retry after" in response.data["detail"]
+    assert response.data["instance"] == "/api/v1/nodes/7/commands/wait"
+    with pytest.raises(OperationalError) as other, connection.wrap_database_errors:
+        import psycopg
+
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+    assert exception_handler(other.value, context).status_code == 500
+
+
 def test_repeated_authentication_failures_throttle_bad_tokens_only(cast, api, settings):
     settings.NIGHTWATCH = {**settings.NIGHTWATCH, "AUTH_FAILURES_PER_MINUTE": 3}
     for _ in range(3):
