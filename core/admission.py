@@ -35,7 +35,12 @@ heartbeat sweeper reads them to tell a silent node from a control plane that cou
 SHA-256 of the bearer token of each refused request that would have proved its caller alive
 (``witnesses``: an agent's requests, the hooks' step reports and checkpoint commits; never the
 token), so that the sweepers can tell a node or a job whose requests we turned away (alive, and our fault) from one
-that fell silent. Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
+that fell silent. A witness admitted but given up by its caller before it was answered (its timeout
+ran out while it waited for Django's thread, and Django drops a request on the disconnect) is recorded
+the same way (``abandoned:<class>`` in the counts): it was neither refused nor served. (In bench.fleet's
+run M a 512-node job's rank 0 got no report through for 28 s, with no refusal recorded, and the job was
+declared hung; that its reports were given up in the queue is the likely cause, not a proven one.)
+Hashing is the only work a refusal does for it; the sweepers map digests to tokens, so a
 made-up token names nobody. All of it is batched in memory and handed to Redis from a thread at
 most once per ``FLUSH_S``, so a 503 never waits on Redis and never fails because of it.
 
@@ -472,11 +477,22 @@ class Admission:
         slot = _Slot(counters, self.gate if kind != EXEMPT else None)
         if name in self.long_polls:
             scope = {**scope, RELEASE: slot.release}
+        answered = False
+
+        async def answering(message: dict) -> None:
+            nonlocal answered
+            answered = answered or message["type"] == "http.response.start"
+            await send(message)
+
         try:
             await slot.enter(kind)
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, answering if witness else send)
         finally:
             slot.release()
+            if witness and not answered:  # its caller gave up waiting for us: alive, and our fault
+                if (digest := digest or _digest(scope)) is not None:
+                    self.shared.refused_caller(digest)
+                self.shared.add(f"abandoned:{kind}")
             if kind == PRIORITY and name in self.priority and 0 < self.late_s <= time.monotonic() - arrived:
                 self.shared.add("late:priority")
             else:

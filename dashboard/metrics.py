@@ -328,6 +328,12 @@ class NightwatchCollector:
                                       "priority: heartbeats and registration).", labels=["class"])
         for kind in admission.REFUSABLE:
             refused.add_metric([kind], counts.get(f"refused:{kind}", 0))
+        abandoned = CounterMetricFamily("nightwatch_admission_abandoned", "Requests of agents and of rank 0's "
+                                        "reporters that admission control let in and whose callers gave up before "
+                                        "they were answered (their timeouts ran out in the queue), by class.",
+                                        labels=["class"])
+        for kind in admission.REFUSABLE:
+            abandoned.add_metric([kind], counts.get(f"abandoned:{kind}", 0))
         late = CounterMetricFamily("nightwatch_admission_late_heartbeats", "Heartbeats and registrations answered "
                                    "OVERLOAD_HEARTBEAT_LAG_S or more after they arrived.")
         late.add_metric([], counts.get("late:priority", 0))
@@ -343,7 +349,7 @@ class NightwatchCollector:
             buckets.append((str(float(bound)), cumulative))
         buckets.append(("+Inf", cumulative + counts.get("expiry:le:+Inf", 0)))
         batches.add_metric([], buckets, sum_value=counts.get("expiry:nodes", 0))
-        yield from (refused, late, spared, batches)
+        yield from (refused, abandoned, late, spared, batches)
 
 
 def _queue_names() -> list[str]:

@@ -93,6 +93,54 @@ def test_whom_it_refused_is_recorded_as_token_digests_and_nothing_else(counts):
     assert shared_counts.totals() == {"refused:priority": 7, "refused:other": 3}
 
 
+class GoneBeforeServed:
+    """What Django's ASGI handler does when the client disconnects before the view answered: it
+    cancels the view and returns without a response (``django.core.handlers.asgi``)."""
+
+    async def __call__(self, scope, receive, send):
+        assert (await receive())["type"] == "http.disconnect"
+
+
+async def given_up(app, path: str, headers: list[tuple[bytes, bytes]]) -> list[dict]:
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await app({"type": "http", "method": "POST", "path": path, "headers": headers}, receive, send)
+    return sent
+
+
+def test_a_witness_whose_caller_gave_up_before_its_answer_is_recorded_like_a_refusal(counts):
+    """Admitted, then dropped when its caller's timeout ran out in the queue: neither refused nor
+    served, so without this the hang sweep saw a 512-node job's rank 0 as silent (bench.fleet, run M).
+    Another rank's report and a control poll still prove nothing; an answered request records nobody."""
+    async def scenario():
+        held, app = admission(limit=4, reserve=0)
+        app.app = GoneBeforeServed()
+        for token, path, claim in ((b"nw_rank-zero", REPORTS, b"1"), (b"nw_rank-three", REPORTS, b"0"),
+                                   (b"nw_agent", HEARTBEAT, None), (b"nw_polling", CONTROL, None)):
+            headers = [(b"authorization", b"Bearer " + token)]
+            if claim is not None:
+                headers.append((b"x-nightwatch-progress", claim))
+            assert await given_up(app, path, headers) == []
+        assert app.counters.in_flight == 0
+        held.release.set()
+        _, served = admission(limit=4, reserve=0)
+        served.app = held
+        assert (await call(served, REPORTS, [(b"authorization", b"Bearer nw_served")]))["status"] == 200
+        await handed_over(app)
+        await handed_over(served)
+
+    asyncio.run(scenario())
+    assert set(shared_counts.refused_callers(5, now=time.time())) == {hash_token("nw_rank-zero"),
+                                                                      hash_token("nw_agent")}
+    assert shared_counts.totals() == {"abandoned:priority": 2}
+
+
 def test_a_redis_that_is_down_costs_a_refusal_nothing(counts, settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
 
