@@ -116,8 +116,9 @@ async def given_up(app, path: str, headers: list[tuple[bytes, bytes]]) -> list[d
 
 def test_a_witness_whose_caller_gave_up_before_its_answer_is_recorded_like_a_refusal(counts):
     """Admitted, then dropped when its caller's timeout ran out in the queue: neither refused nor
-    served, so without this the hang sweep saw a 512-node job's rank 0 as silent (bench.fleet, run M).
-    Another rank's report and a control poll still prove nothing; an answered request records nobody."""
+    served, so without this the hang sweep would see a rank 0 that kept trying as silent (the likely
+    cause of run M's false hang, bench.fleet). Another rank's report and a control poll still prove
+    nothing; an answered request records nobody."""
     async def scenario():
         held, app = admission(limit=4, reserve=0)
         app.app = GoneBeforeServed()
