@@ -20,7 +20,7 @@ from checkpoints.models import Checkpoint
 from core.events import EventKind
 from core.models import Event
 from dashboard.events import points_from_rows
-from dashboard.templatetags.nightwatch import short_duration
+from dashboard.templatetags import nightwatch as filters
 from jobs import efficiency
 from jobs.choices import IncidentState, JobState
 from jobs.goodput import goodput_of, goodputs_of
@@ -229,9 +229,10 @@ def _skew_cell(cell: dict) -> str:
     if cell["ratio"] is None:
         return (f'<td class="heat heat-0" title="window ending at step {cell["step"]}: '
                 f'no timings from this node"></td>')
+    seconds, ratio = filters.short_duration(cell["seconds"]), filters.ratio(cell["ratio"])
     return (f'<td class="heat heat-{cell["shade"]}{" slow" if cell["slow"] else ""}" '
-            f'title="window ending at step {cell["step"]}: rank {cell["rank"]} {short_duration(cell["seconds"])} '
-            f'per step ({cell["ratio"]:.2f}×)">{cell["ratio"]:.2f}</td>')
+            f'title="window ending at step {cell["step"]}: rank {cell["rank"]} {seconds} per step ({ratio})">'
+            f'{cell["ratio"]:.2f}</td>')
 
 
 def _shade(ratio: float | None) -> int:

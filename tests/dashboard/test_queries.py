@@ -88,16 +88,14 @@ def test_the_skew_view_s_cells_say_rank_time_and_ratio_and_a_missing_window_says
     rank, its step time and its ratio; a node without a window at a step says that, not "rank None"."""
     from core import roles
     from dashboard import sections
-    from jobs.models import NodeWindow
-
     job = _started(cast.job)
-    _windows(job, [10, 20, 30], slow_rank=19)
-    NodeWindow.objects.filter(job=job, node=1, last_step=20).delete()
+    _windows(job, [10, 30], slow_rank=19)
+    _windows(job, [20], nodes=3, slow_rank=19)  # node 3 sent no window ending at step 20
     html = sections.render("job", ["skew"], frozenset(roles.CAPABILITY_PERMISSIONS), sections.Subject(job=job))["skew"]
     straggler = html[html.index('data-node="2"'):].split("</tr>")[0]
     assert straggler.count('<td class="heat heat-4 slow" title="window ending at step ') == 3
     assert 'title="window ending at step 30: rank 19 230 ms per step (1.77×)">1.77</td>' in straggler
-    gap = html[html.index('data-node="1"'):].split("</tr>")[0]
+    gap = html[html.index('data-node="3"'):].split("</tr>")[0]
     assert '<td class="heat heat-0" title="window ending at step 20: no timings from this node"></td>' in gap
     assert "None" not in html
 
