@@ -9,6 +9,7 @@
     an agent found a rank gone ─▶ expire_one_progress_deadline: the notice + RANK_GONE_WAIT_S
     the hooks said the loop is done ─▶ expire_one_progress_deadline: the word + RUN_ENDING_WAIT_S
     none of its nodes heard from either ─▶ expire_one_progress_deadline: their heartbeat deadline
+    no node of the fleet heard from (a lull) ─▶ expire_one_progress_deadline: now + one heartbeat interval
     deadline passed ─▶ expire_one_progress_deadline: a hang, for the orchestrator and the policy
 
 The progress timeout (``progress_timeout_s``) is the one rule for all of them, taken from the job's
@@ -58,7 +59,11 @@ nodes' heartbeat deadlines (15 s) run out after a fast job's progress deadline (
 chaos run's 30 s outage of the API declared a training job hung. So the deadline waits for the
 nodes' newest heartbeat deadline (``_await_node_contact``); by then their heartbeats and the
 buffered steps have arrived, or the heartbeat sweep has spoken. A hung job's agents keep beating,
-and one silent node of several does not defer the verdict.
+and one silent node of several does not defer the verdict. A large fleet tells an outage sooner
+than a job's few nodes can: when no node at all has been heard for as long as the fleet takes to
+send 20 heartbeats (``silence.lull``: 1 s at 1,088 nodes), no job is found hung; its deadline moves
+one heartbeat interval on (``_await_ingress``), until the fleet-silence hold takes over or the
+heartbeats and the buffered steps are back.
 
 A generation has not started until every node has its launch: under overload a node's heartbeats,
 which fetch its commands, may be refused for minutes (bench.fleet at 1,024 nodes: 12 of 23 jobs
@@ -101,7 +106,7 @@ from jobs.steps import recent_step_seconds
 from nodes.choices import CommandKind, CommandState
 from nodes.models import AgentEventRecord, NodeCommand
 from nodes.services import overload, silence
-from nodes.services.fleet import heartbeat_interval_s
+from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s
 
 #: A generation whose ranks report no step for this long (when the policy sets no timeout and
 #: there is no step history yet) is considered hung.
@@ -438,6 +443,17 @@ def _await_node_contact(job: Job, now: datetime) -> bool:
     return True
 
 
+def _await_ingress(job: Job, now: datetime) -> bool:
+    """Whether the fleet is in a lull (``silence.lull``: no heartbeat from any node for a while) as
+    ``job``'s deadline passes; if so its deadline moves one configured heartbeat interval on, so that
+    the buffered steps have time to arrive once the lull ends. Asked last: it reads the fleet."""
+    if not silence.lull(now):
+        return False
+    waited_until = now + timedelta(seconds=base_heartbeat_interval_s())
+    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    return True
+
+
 def expire_one_progress_deadline() -> bool:
     """The first job past its progress deadline is reported as hung; returns whether one was.
     Nothing is while the fleet is silent or the control plane answers heartbeats late: the reports
@@ -452,7 +468,7 @@ def expire_one_progress_deadline() -> bool:
     if job is None:
         return False
     if (_spare_refused(job, now) or _await_launches(job, now) or _await_exit_report(job, now)
-            or _await_run_end(job, now) or _await_node_contact(job, now)):
+            or _await_run_end(job, now) or _await_node_contact(job, now) or _await_ingress(job, now)):
         return True
     incident = report_fault(job.pk, policy.HANG, generation=job.generation, step=job.last_step,
                             fault_at=hang_fault_time(job),

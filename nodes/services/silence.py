@@ -55,7 +55,7 @@ from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
 from nodes.models import Node
-from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s, heartbeat_timeout
+from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s, heartbeat_timeout, heartbeating_nodes
 
 log = logging.getLogger(__name__)
 ACTOR = "system:fleet-watch"
@@ -65,6 +65,9 @@ QUIET_INTERVALS = 1.5
 #: No heartbeat at all for QUIET_INTERVALS of the *configured* interval, from a fleet that would have
 #: sent at least this many in that time, is our silence before any deadline ran out (``Silence.hushed``).
 HUSH_BEATS = 20
+#: A lull (``lull``) lasts at least this long: four hang sweeps, and several times the gap between the
+#: heartbeats of a fleet that sends dozens a second.
+LULL_FLOOR_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,26 @@ def measure(now: datetime) -> Silence:
 
 def _interval() -> timedelta:
     return timedelta(seconds=heartbeat_interval_s())
+
+
+def lull(now: datetime) -> bool:
+    """Whether no heartbeat from any node has arrived for as long as the fleet takes to send
+    ``HUSH_BEATS`` of them, and at least ``LULL_FLOOR_S``: the first seconds of an outage of our
+    ingress, before ``QUIET_INTERVALS`` make it a fleet silence. The hang sweep asks it before a
+    verdict (``jobs.progress``), and nothing else: it is no state and records nothing.
+
+    Bench.fleet's reconnect storm (run N) declared a training job hung 7 s into the web processes'
+    outage: the refusals that had spared it were over 15 s old, its nodes had last been heard 7-8 s
+    before, under 1.5 heartbeat intervals, and the fleet silence would have engaged at 7.5 s. At 1,088
+    nodes, 50 heartbeats a second, 7 s are 350 heartbeats missing from the fleet: ours, not the job's. A small fleet's lull is
+    long (2 nodes at 5 s: 50 s), so there the job's own nodes' silence speaks first."""
+    expected = heartbeating_nodes()
+    if not expected:
+        return False
+    last = Node.objects.filter(heartbeat_deadline__isnull=False).aggregate(last=Max("last_heartbeat_at"))["last"]
+    if last is None:
+        return False
+    return (now - last).total_seconds() >= max(LULL_FLOOR_S, HUSH_BEATS * heartbeat_interval_s() / expected)
 
 
 def last_transition() -> Event | None:

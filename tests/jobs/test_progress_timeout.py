@@ -439,3 +439,89 @@ def test_once_the_heartbeat_sweep_has_judged_the_silent_node_the_hang_rules_appl
         clock.move_to(Job.objects.get(pk=job.pk).progress_deadline + timedelta(seconds=0.1))
         assert progress.expire_one_progress_deadline()
         assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+# --- no progress while the whole fleet is silent: the first seconds of our own outage -------------
+
+def fleet_of(count):
+    """``count`` more healthy nodes that heartbeat (the job's node1 is among the heard)."""
+    Node.objects.bulk_create(Node(hostname=f"fleet-{i:04}", address=f"10.1.{i // 250}.{i % 250}", health="healthy")
+                             for i in range(count))
+
+
+def all_beat():
+    """Every node's heartbeat arrives now (a deadline three intervals on, as the service sets it);
+    the fleet is counted afresh, as after any bulk change of it."""
+    from nodes.services.fleet import forget_fleet_count, heartbeat_timeout
+
+    now = timezone.now()
+    Node.objects.update(last_heartbeat_at=now, heartbeat_deadline=now + heartbeat_timeout())
+    forget_fleet_count()
+
+
+@pytest.mark.django_db
+def test_a_deadline_that_runs_out_as_the_whole_fleet_falls_silent_waits_for_contact(cast, job):
+    """Bench.fleet's reconnect storm (run N): a training job's deadline ran out 7 s into the web
+    processes' outage, with its nodes heard 7-8 s before, too soon for their own silence rule (1.5
+    intervals) and for the fleet's. 100 nodes send 20 heartbeats a second: none for 2 s is our outage
+    (``silence.lull``), so the verdict waits an interval, and the steps that come with contact move it on."""
+    from nodes.services import silence
+    from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s
+
+    fleet_of(98)
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 30)
+        all_beat()  # and then nothing: the outage begins
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S)
+        assert timezone.now() - Node.objects.get(pk=cast.node1.pk).last_heartbeat_at < timedelta(
+            seconds=silence.QUIET_INTERVALS * heartbeat_interval_s())  # the job's own nodes' rule: not yet
+        assert silence.lull(timezone.now()) and not silence.held()
+        assert progress.expire_one_progress_deadline()  # handled: deferred
+        assert not Incident.objects.exists()
+        assert Job.objects.get(pk=job.pk).progress_deadline == timezone.now() + timedelta(
+            seconds=base_heartbeat_interval_s())
+
+        clock.shift(3)  # contact: the heartbeats and the hooks' buffered steps arrive
+        all_beat()
+        train(job, clock, 5, first=31)
+        assert not progress.expire_one_progress_deadline()
+        assert not Incident.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_fleet_still_heard_from_finds_a_hung_job_on_time(cast, job):
+    """The lull is the whole fleet's: with heartbeats arriving from the other nodes a second apart,
+    no progress is a hang within the timeout, as before."""
+    fleet_of(98)
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 30)
+        all_beat()
+        clock.shift(progress.PROGRESS_TIMEOUT_FLOOR_S - 0.5)
+        Node.objects.filter(hostname="fleet-0007").update(last_heartbeat_at=timezone.now())
+        clock.shift(0.5)
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+
+
+@pytest.mark.django_db
+def test_a_lull_is_as_long_as_the_fleet_takes_to_send_twenty_heartbeats(cast):
+    """Two nodes at 5 s send 20 heartbeats in 50 s: a small fleet's quiet is left to its nodes' own
+    rule. A large one's is at least a second, several times the gap between its heartbeats."""
+    from nodes.services import fleet, silence
+
+    with time_machine.travel(T0, tick=False) as clock:
+        all_beat()
+        assert fleet.heartbeating_nodes() == 2 and fleet.heartbeat_interval_s() == 5
+        clock.shift(49.9)
+        assert not silence.lull(timezone.now())
+        clock.shift(0.1)
+        assert silence.lull(timezone.now())
+
+        fleet_of(998)
+        all_beat()
+        interval = fleet.heartbeat_interval_s()  # paced: 1,000 nodes at 50 a second
+        assert interval == 20 and silence.HUSH_BEATS * interval / 1000 < silence.LULL_FLOOR_S
+        clock.shift(silence.LULL_FLOOR_S - 0.01)
+        assert not silence.lull(timezone.now())
+        clock.shift(0.01)
+        assert silence.lull(timezone.now())
