@@ -10,6 +10,7 @@ Redis ``LLEN``, and detection times from the rows the control plane wrote (an in
 from __future__ import annotations
 
 import os
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,34 @@ def incidents_between(conn, since: float, until: float) -> list[str]:
     rows = conn.execute("SELECT kind FROM jobs_incident WHERE detected_at BETWEEN %s AND %s",
                         (datetime.fromtimestamp(since).astimezone(), datetime.fromtimestamp(until).astimezone()))
     return [kind for (kind,) in rows.fetchall()]
+
+
+#: How far before a hang's verdict its job's rank 0's requests are read (``hangs``).
+HANG_LOOKBACK_S = 120
+
+
+def hangs(conn, fates: dict[str, list[list[Any]]]) -> list[dict[str, Any]]:
+    """Every hang incident of the run (an injected hang's, and any other: a false one), with what
+    became of its job's rank 0's requests before the verdict (``fates_before``)."""
+    return [{"job": job, "generation": generation, "detected_at": round(detected_at.timestamp(), 1),
+             **fates_before(detected_at.timestamp(), fates.get(str(job), []))}
+            for job, generation, detected_at in conn.execute(
+                "SELECT job_id, generation, detected_at FROM jobs_incident WHERE kind = 'hang' ORDER BY detected_at")]
+
+
+def fates_before(verdict: float, fates: list[list[Any]]) -> dict[str, Any]:
+    """What became of a job's rank 0's requests (``bench._fleet_sim.Sim.fates``: [sent at, endpoint,
+    outcome, seconds], oldest first) sent in the ``HANG_LOOKBACK_S`` before ``verdict``: how many ended
+    each way (an HTTP status, ``timeout`` or ``error``), how long before the verdict the last 2xx
+    answer came (None: none did), and the last 20 as [seconds before the verdict, endpoint, outcome,
+    seconds it took]."""
+    mine = [f for f in fates if verdict - HANG_LOOKBACK_S <= f[0] <= verdict]
+    answered = [sent + took for sent, _, outcome, took in mine
+                if isinstance(outcome, int) and 200 <= outcome < 300 and sent + took <= verdict]
+    return {"requests": dict(Counter(str(f[2]) for f in mine)),
+            "last_answered_s_before": round(verdict - max(answered), 1) if answered else None,
+            "last_requests": [[round(verdict - sent, 1), endpoint, outcome, took]
+                              for sent, endpoint, outcome, took in mine[-20:]]}
 
 
 def launch_delivery(conn, jobs: list[int]) -> dict[str, Any]:

@@ -100,6 +100,14 @@ URGENT_CONNECTIONS = 32
 CALIBRATION_SAMPLES = GPUS * 3
 
 
+def fate_of(error: Unreachable) -> int | str:
+    """A request that got no answer to act on: the 5xx it got, or why none came (``timeout``: the
+    client gave up, as the reporter does after its timeout; ``error``: the connection failed)."""
+    if error.status is not None:
+        return error.status
+    return "timeout" if "TimeoutError" in str(error) else "error"
+
+
 class Rank:
     """One training process's reporter: a spool delivered oldest first, backing off on refusal."""
 
@@ -136,13 +144,13 @@ class Rank:
         while self.spool and not gen.stale:
             head = list(self.spool)[:2 * ranks_wire.BATCH_LIMIT] if len(self.spool) > 1 else [self.spool[0]]
             if head[0][0] == ranks_wire.CHECKPOINT:
-                status, answer = await client.request("checkpoints", "POST", CHECKPOINTS_PATH.format(job=gen.job_path),
-                                                      gen.token, head[0][1])
+                status, answer = await self.request(client, "checkpoints", "POST",
+                                                    CHECKPOINTS_PATH.format(job=gen.job_path), head[0][1])
                 taken = 1
             else:
                 taken, batch = ranks_wire.next_batch(gen.job, head)
-                status, answer = await client.request("reports", "POST", REPORTS_PATH.format(job=gen.job_path),
-                                                      gen.token, batch, headers=self.progress_header)
+                status, answer = await self.request(client, "reports", "POST", REPORTS_PATH.format(job=gen.job_path),
+                                                    batch, headers=self.progress_header)
                 if status == 202 and isinstance(answer.get("control"), dict):
                     self.apply_control(answer["control"])
             if status == 409:
@@ -153,10 +161,25 @@ class Rank:
                 gen.agent.sim.delivered[kind] = gen.agent.sim.delivered.get(kind, 0) + 1
             self.failures = 0
 
+    async def request(self, client: Client, endpoint: str, method: str, path: str, body: Any = None,
+                      **options: Any) -> tuple[int, dict[str, Any]]:
+        """``client.request`` with the generation's token; rank 0's requests (the ones the hang sweep
+        hears a job by) each leave their fate in the simulator's ``fates``."""
+        if self.rank != 0:
+            return await client.request(endpoint, method, path, self.gen.token, body, **options)
+        started = time.time()
+        try:
+            status, answer = await client.request(endpoint, method, path, self.gen.token, body, **options)
+        except Unreachable as error:
+            self.gen.agent.sim.fate(self.gen.job, started, endpoint, fate_of(error))
+            raise
+        self.gen.agent.sim.fate(self.gen.job, started, endpoint, status)
+        return status, answer
+
     async def fetch_control(self) -> None:
         gen = self.gen
         path = CONTROL_PATH.format(job=gen.job_path) + f"?generation={gen.generation}&rank={self.rank}"
-        status, answer = await gen.agent.client.request("control", "GET", path, gen.token)
+        status, answer = await self.request(gen.agent.client, "control", "GET", path)
         if status == 409:
             gen.stale = True
         elif status == 200:
@@ -612,6 +635,9 @@ class Sim:
         self.faults: list[dict[str, Any]] = []
         self.calibration: dict[str, Any] | None = None
         self.agents: dict[str, Agent] = {}
+        #: Per job, what became of each of its rank 0's requests: [sent at (epoch s), endpoint, status or
+        #: ``fate_of``'s word, seconds until then], written to ``plan["fates"]`` when the process stops.
+        self.fates: dict[str, list[list[Any]]] = {}
         #: The event loop holds tasks weakly: one nobody references may be collected mid-await.
         self.tasks: list[asyncio.Task] = []
 
@@ -646,6 +672,11 @@ class Sim:
             except TimeoutError:
                 pass
         self.status()
+        if self.plan.get("fates"):
+            Path(self.plan["fates"]).write_text(json.dumps(self.fates))
+
+    def fate(self, job: str, started: float, endpoint: str, outcome: int | str) -> None:
+        self.fates.setdefault(job, []).append([round(started, 3), endpoint, outcome, round(time.time() - started, 3)])
 
     def status(self) -> None:
         alive = [a for a in self.agents.values() if not a.dead]

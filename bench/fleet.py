@@ -194,6 +194,7 @@ class Simulators:
     def __init__(self, work: Path, ports: list[int], fleet: list[dict], processes: int, *, templates: dict,
                  seed: int, checkpoint_every: int = CHECKPOINT_EVERY, command_wait: bool = True,
                  urgent_port: int | None = None):
+        self.work = work
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.status: list[dict] = [{} for _ in range(processes)]
@@ -206,7 +207,7 @@ class Simulators:
             plan = {"ports": ports, "nodes": mine, "seed": seed + p, "templates": templates,
                     "checkpoint_every": checkpoint_every, "connections": max(32, min(512, 4 * len(mine))),
                     "start_spread_s": min(20.0, 2.0 + len(fleet) / 100), "command_wait": command_wait,
-                    "urgent_port": urgent_port}
+                    "urgent_port": urgent_port, "fates": str(work / f"fates-{p}.json")}
             path = work / f"sim-{p}.json"
             path.write_text(json.dumps(plan))
             with (work / "logs" / f"sim-{p}.err").open("wb") as errors:
@@ -258,6 +259,15 @@ class Simulators:
     def book(self) -> dict[str, dict[str, Counter[int]]]:
         """Every process's request book as of its last status line, added up."""
         return merge([s["book"] for s in self.status if s])
+
+    def fates(self) -> dict[str, list[list[Any]]]:
+        """What became of each job's rank 0's requests (``bench._fleet_sim.Sim.fates``), from every
+        process that wrote its file on the way out (after ``close``)."""
+        merged: dict[str, list[list[Any]]] = {}
+        for path in sorted(self.work.glob("fates-*.json")):
+            for job, fates in json.loads(path.read_text()).items():
+                merged.setdefault(job, []).extend(fates)
+        return {job: sorted(fates) for job, fates in merged.items()}
 
     def close(self) -> None:
         for proc in self.procs:
@@ -331,6 +341,10 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 latency = measure.detection(conn, fault)
                 fault["detected_s"] = None if latency is None else round(latency, 2)
         sims.close()
+        result["hangs"] = measure.hangs(conn, sims.fates())
+        for hang in result["hangs"]:
+            log(f"{nodes} nodes: hang of job {hang['job']}: its rank 0's requests in the {measure.HANG_LOOKBACK_S} s "
+                f"before: {hang['requests']}; last answered {hang['last_answered_s_before']} s before")
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
                       max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings,
                       urgent_process=opts.urgent_process)

@@ -141,8 +141,9 @@ def lull(now: datetime) -> bool:
     Bench.fleet's reconnect storm (run N) declared a training job hung 7 s into the web processes'
     outage: the refusals that had spared it were over 15 s old, its nodes had last been heard 7-8 s
     before, under 1.5 heartbeat intervals, and the fleet silence would have engaged at 7.5 s. At 1,088
-    nodes, 50 heartbeats a second, 7 s are 350 heartbeats missing from the fleet: ours, not the job's. A small fleet's lull is
-    long (2 nodes at 5 s: 50 s), so there the job's own nodes' silence speaks first."""
+    nodes, 50 heartbeats a second, 7 s are 350 heartbeats missing from the fleet: ours, not the job's.
+    A small fleet's lull is long (2 nodes at 5 s: 50 s), so there the job's own nodes' silence speaks
+    first."""
     expected = heartbeating_nodes()
     if not expected:
         return False
