@@ -1,10 +1,14 @@
+import sys
+
 from django.contrib import admin
+from django.http import HttpResponse, JsonResponse
 from django.urls import include, path
+from django.utils.html import escape
 from django.views import defaults
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from core import health
-from core.problems import json_problem_view
+from core.problems import CONTENT_TYPE, json_problem_view, no_connection_in_time, overloaded
 from core.tokens import TokenRotate
 from dashboard.metrics import metrics_view
 
@@ -37,6 +41,16 @@ def not_found(request, exception=None):
 
 
 def server_error(request):
+    """An exception no view handled, in a view or in a middleware (Django calls this inside its
+    ``except``). No free database connection is overload (``core.problems.overloaded``): 503 with
+    ``Retry-After``, on a page as in the API."""
+    if no_connection_in_time(sys.exc_info()[1]):
+        body, headers = overloaded(request.path)
+        if request.path.startswith("/api/"):
+            return JsonResponse(body, status=503, content_type=CONTENT_TYPE, headers=headers)
+        page = (f"<!doctype html><html lang=en><meta charset=utf-8><title>Nightwatch is busy</title>"
+                f"<h1>Nightwatch is busy</h1><p>{escape(body['detail'])}</p></html>")
+        return HttpResponse(page, status=503, headers=headers)
     if request.path.startswith("/api/"):
         return json_problem_view(500, "server-error", "The server failed; the error was logged.")(request)
     return defaults.server_error(request)

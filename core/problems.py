@@ -72,15 +72,10 @@ def exception_handler(exc, context):
     response = drf_exception_handler(exc, context)
     request = context.get("request")
     instance = request.path if request is not None else ""
-    if response is None and _no_connection_in_time(exc):
-        # Overload, not a failure: the process's connection pool stayed empty for its whole timeout
-        # (a reconnect storm in bench.fleet: two long polls answered 500). Refused like admission
-        # control refuses (core.admission), so the caller backs off and keeps what it sent.
-        wait_s = settings.NIGHTWATCH["RETRY_AFTER_S"]
+    if response is None and no_connection_in_time(exc):
         logger.warning("no database connection within the pool's timeout: %s answered 503", instance)
-        body = problem(503, "Service Unavailable", f"The database is busy: no connection became free in time; "
-                       f"retry after {wait_s} s (with jitter).", code="overloaded", instance=instance)
-        return Response(body, status=503, content_type=CONTENT_TYPE, headers={"Retry-After": str(wait_s)})
+        body, headers = overloaded(instance)
+        return Response(body, status=503, content_type=CONTENT_TYPE, headers=headers)
     if response is None:
         logger.exception("unhandled API error", exc_info=exc)
         body = problem(500, "Internal server error", "The server failed; the error was logged.",
@@ -106,9 +101,21 @@ def exception_handler(exc, context):
     return response
 
 
-def _no_connection_in_time(exc: BaseException) -> bool:
+def no_connection_in_time(exc: BaseException | None) -> bool:
     """Django's ``OperationalError`` for psycopg_pool's ``PoolTimeout`` (``DB_POOL_MAX_SIZE``)."""
     return isinstance(exc, OperationalError) and isinstance(exc.__cause__, PoolTimeout)
+
+
+def overloaded(instance: str) -> tuple[dict, dict[str, str]]:
+    """The problem body and headers of a request that found no free database connection
+    (``no_connection_in_time``). Overload, not a failure: the process's connection pool stayed empty
+    for its whole timeout (a reconnect storm in bench.fleet: two long polls answered 500). Refused
+    like admission control refuses (``core.admission``), so the caller backs off and keeps what it
+    sent, and an operator's browser is told to come back rather than shown a server error."""
+    wait_s = settings.NIGHTWATCH["RETRY_AFTER_S"]
+    body = problem(503, "Service Unavailable", f"The database is busy: no connection became free in time; "
+                   f"retry after {wait_s} s (with jitter).", code="overloaded", instance=instance)
+    return body, {"Retry-After": str(wait_s)}
 
 
 def _title(status_code: int) -> str:

@@ -34,22 +34,12 @@ def test_no_free_database_connection_is_a_503_to_retry_later_not_a_server_error(
     from types import SimpleNamespace
 
     from django.db import OperationalError, connection
-    from psycopg.conninfo import make_conninfo
-    from psycopg_pool import ConnectionPool
 
     from core.problems import exception_handler
+    from tests.api.overloaded_urls import pool_exhausted
 
-    db = connection.settings_dict
-    conninfo = make_conninfo(dbname=db["NAME"], host=db["HOST"], port=db["PORT"] or None, user=db["USER"])
-    with ConnectionPool(conninfo, min_size=1, max_size=1, timeout=0.2) as pool:
-        held = pool.getconn()
-        try:
-            with pytest.raises(OperationalError) as exhausted, connection.wrap_database_errors:
-                pool.getconn()
-        finally:
-            pool.putconn(held)
     context = {"request": SimpleNamespace(path="/api/v1/nodes/7/commands/wait")}
-    response = exception_handler(exhausted.value, context)
+    response = exception_handler(pool_exhausted(), context)
     assert response.status_code == 503 and response["Retry-After"] == str(settings.NIGHTWATCH["RETRY_AFTER_S"])
     assert response.data["type"].endswith("/overloaded") and "retry after" in response.data["detail"]
     assert response.data["instance"] == "/api/v1/nodes/7/commands/wait"
@@ -58,6 +48,21 @@ def test_no_free_database_connection_is_a_503_to_retry_later_not_a_server_error(
 
         raise psycopg.OperationalError("server closed the connection unexpectedly")
     assert exception_handler(other.value, context).status_code == 500
+
+
+@pytest.mark.urls("tests.api.overloaded_urls")
+def test_a_page_or_a_plain_django_view_without_a_database_connection_is_a_503_too(client, settings):
+    """Outside DRF's handler (a dashboard page, a middleware's query) Django's own 500 handler sees
+    the exception: the same overload is a 503 with ``Retry-After`` there, as a page or as problem
+    details, not Django's "Server Error (500)"."""
+    client.raise_request_exception = False
+    page = client.get("/jobs/")
+    assert page.status_code == 503 and page["Retry-After"] == str(settings.NIGHTWATCH["RETRY_AFTER_S"])
+    assert page["Content-Type"].startswith("text/html") and b"Nightwatch is busy" in page.content
+    assert b"retry after" in page.content
+    api = client.get("/api/v1/jobs")
+    body = assert_problem(api, 503)
+    assert body["type"].endswith("/overloaded") and api["Retry-After"] == page["Retry-After"]
 
 
 def test_repeated_authentication_failures_throttle_bad_tokens_only(cast, api, settings):
