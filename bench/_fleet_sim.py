@@ -210,6 +210,7 @@ class Generation:
         self.started_at = time.time()
         self.ended = self.stale = self.hung = False
         self.slow_rank: int | None = None
+        self.saving: asyncio.Task | None = None  # the checkpoint save in flight, if any
         self.ranks = [Rank(self, local) for local in range(self.nproc)]
         self.tasks = [asyncio.create_task(r.run()) for r in self.ranks] + [asyncio.create_task(self.train())]
 
@@ -233,7 +234,12 @@ class Generation:
                     job=self.job, generation=self.generation, step=self.step, world_size=self.world_size,
                     nproc=self.nproc, slow_rank=self.slow_rank))
             if self.node_rank == 0 and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-                await self.checkpoint()
+                # The hooks save asynchronously (``Checkpointer.save``): training goes on while the files
+                # are written, and a save waits only for the one before it. Awaited here, a write stalled
+                # on this process's shared thread pool stopped the job: run N's storm found it hung.
+                if self.saving is not None:
+                    await self.saving
+                self.saving = asyncio.create_task(self.checkpoint())
 
     async def checkpoint(self) -> None:
         template = self.agent.sim.templates.get(str(self.world_size))
