@@ -133,7 +133,8 @@ def hangs(conn, fates: dict[str, list[list[Any]]]) -> list[dict[str, Any]]:
     return [{"job": job, "generation": generation, "detected_at": round(detected_at.timestamp(), 1),
              **fates_before(detected_at.timestamp(), fates.get(str(job), []))}
             for job, generation, detected_at in conn.execute(
-                "SELECT job_id, generation, detected_at FROM jobs_incident WHERE kind = 'hang' ORDER BY detected_at")]
+                "SELECT i.job_id, g.number, i.detected_at FROM jobs_incident i "
+                "LEFT JOIN jobs_generation g ON g.id = i.generation_id WHERE i.kind = 'hang' ORDER BY i.detected_at")]
 
 
 def fates_before(verdict: float, fates: list[list[Any]]) -> dict[str, Any]:

@@ -3,6 +3,8 @@ verdict (``bench._fleet_sim.fate_of``, ``bench._fleet_measure.fates_before``).""
 
 from __future__ import annotations
 
+import pytest
+
 from agents.http import Unreachable
 from bench._fleet_measure import HANG_LOOKBACK_S, fates_before
 from bench._fleet_sim import fate_of
@@ -38,3 +40,25 @@ def test_a_job_never_answered_in_the_window_says_so():
     account = fates_before(100.0, [[90.0, "reports", 503, 0.1]])
     assert account["last_answered_s_before"] is None and account["requests"] == {"503": 1}
     assert fates_before(100.0, [])["last_requests"] == []
+
+
+@pytest.mark.django_db
+def test_every_hang_incident_of_the_run_gets_its_account(cast):
+    """``hangs`` reads the incidents as the benchmark does, on its own psycopg connection's API (here
+    Django's, so that it sees the test's rows), and names the job and its generation."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from bench._fleet_measure import hangs
+    from jobs.models import Generation, Incident
+
+    generation = Generation.objects.create(job=cast.job, number=3, world_size=2)
+    detected = timezone.now()
+    Incident.objects.create(job=cast.job, generation=generation, kind="hang", detected_at=detected)
+    Incident.objects.create(job=cast.job, kind="crash", detected_at=detected)
+    connection.ensure_connection()
+    verdict = detected.timestamp()
+    found = hangs(connection.connection, {str(cast.job.pk): [[verdict - 10, "reports", 202, 0.5]]})
+    assert len(found) == 1
+    assert found[0]["job"] == cast.job.pk and found[0]["generation"] == 3
+    assert found[0]["requests"] == {"202": 1} and found[0]["last_answered_s_before"] == 9.5
