@@ -141,13 +141,15 @@ def fates_before(verdict: float, fates: list[list[Any]]) -> dict[str, Any]:
     """What became of a job's rank 0's requests (``bench._fleet_sim.Sim.fates``: [sent at, endpoint,
     outcome, seconds], oldest first) sent in the ``HANG_LOOKBACK_S`` before ``verdict``: how many ended
     each way (an HTTP status, ``timeout`` or ``error``), how long before the verdict the last 2xx
-    answer came (None: none did), and the last 20 as [seconds before the verdict, endpoint, outcome,
-    seconds it took]."""
+    answer came, and the last to a step report (None: none did), and the last 20 as [seconds before
+    the verdict, endpoint, outcome, seconds it took]."""
     mine = [f for f in fates if verdict - HANG_LOOKBACK_S <= f[0] <= verdict]
-    answered = [sent + took for sent, _, outcome, took in mine
+    answered = [(sent + took, endpoint) for sent, endpoint, outcome, took in mine
                 if isinstance(outcome, int) and 200 <= outcome < 300 and sent + took <= verdict]
+    reports = [at for at, endpoint in answered if endpoint == "reports"]
     return {"requests": dict(Counter(str(f[2]) for f in mine)),
-            "last_answered_s_before": round(verdict - max(answered), 1) if answered else None,
+            "last_answered_s_before": round(verdict - max(answered)[0], 1) if answered else None,
+            "last_report_s_before": round(verdict - max(reports), 1) if reports else None,
             "last_requests": [[round(verdict - sent, 1), endpoint, outcome, took]
                               for sent, endpoint, outcome, took in mine[-20:]]}
 

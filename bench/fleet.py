@@ -344,7 +344,8 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
         result["hangs"] = measure.hangs(conn, sims.fates())
         for hang in result["hangs"]:
             log(f"{nodes} nodes: hang of job {hang['job']}: its rank 0's requests in the {measure.HANG_LOOKBACK_S} s "
-                f"before: {hang['requests']}; last answered {hang['last_answered_s_before']} s before")
+                f"before: {hang['requests']}; the last answered {hang['last_answered_s_before']} s before, "
+                f"the last step report {hang['last_report_s_before']} s before")
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
                       max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings,
                       urgent_process=opts.urgent_process)

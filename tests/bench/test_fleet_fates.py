@@ -31,6 +31,7 @@ def test_the_account_counts_each_fate_and_dates_the_last_answer_before_the_verdi
     account = fates_before(verdict, fates)
     assert account["requests"] == {"202": 2, "503": 1, "200": 1, "timeout": 1, "error": 1}
     assert account["last_answered_s_before"] == 29.9
+    assert account["last_report_s_before"] == 49.5  # the control poll answered later; a hang is about reports
     assert account["last_requests"][0] == [50.0, "reports", 202, 0.5]
     assert account["last_requests"][-1] == [1.0, "reports", 202, 2.0]
     assert len(account["last_requests"]) == 6
@@ -39,6 +40,7 @@ def test_the_account_counts_each_fate_and_dates_the_last_answer_before_the_verdi
 def test_a_job_never_answered_in_the_window_says_so():
     account = fates_before(100.0, [[90.0, "reports", 503, 0.1]])
     assert account["last_answered_s_before"] is None and account["requests"] == {"503": 1}
+    assert account["last_report_s_before"] is None
     assert fates_before(100.0, [])["last_requests"] == []
 
 
