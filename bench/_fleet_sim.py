@@ -36,6 +36,7 @@ from agents import __version__
 from agents.agent import wake
 from agents.agent.config import AgentConfig
 from agents.hooks.manifest import checkpoint_dirname, write_manifest
+from agents.hooks.reporter import newest_step_age
 from agents.http import Unreachable, retry_delay
 from agents.protocol import dump, parse
 from agents.protocol.agent import (
@@ -149,6 +150,9 @@ class Rank:
                 taken = 1
             else:
                 taken, batch = ranks_wire.next_batch(gen.job, head)
+                age = newest_step_age(batch, everything=taken == len(self.spool), now=time.time())
+                if age is not None:  # as the reporter says it (``Reporter._next_batch``)
+                    batch["newest_step_age_s"] = age
                 status, answer = await self.request(client, "reports", "POST", REPORTS_PATH.format(job=gen.job_path),
                                                     batch, headers=self.progress_header)
                 if status == 202 and isinstance(answer.get("control"), dict):

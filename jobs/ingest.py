@@ -81,8 +81,11 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
         if any(e.kind in progress.LOOP_STARTING_EVENTS for e in fresh_events):
             progress.end_startup(job, batch.generation, now)
         if fresh:
-            progress.advance_progress(job, batch.generation, min(r.step for r in fresh), max(r.step for r in fresh),
-                                      now, actor=actor, stepped_at=_utc(max(r.time for r in fresh)))
+            newest = max(r.step for r in fresh)
+            # The reporter's word on its newest step's age holds for the batch's newest report only.
+            age = batch.newest_step_age_s if newest == max(r.step for r in batch.reports) else None
+            progress.advance_progress(job, batch.generation, min(r.step for r in fresh), newest,
+                                      now, actor=actor, stepped_at=_utc(max(r.time for r in fresh)), newest_age_s=age)
         _raise_flags(job, batch.generation, fresh, fresh_events)
         _report_failed_saves(job, batch.generation, fresh_events)
         _record_inprocess_restarts(job, batch.generation, fresh_events)

@@ -34,7 +34,10 @@ own rhythm (``rhythm_timeout_s``) so that a 0.1 s-step job is found hung in seco
 
 The deadline runs from the newest step's own time (the hooks' clock, at the end of the step), at
 most ``ANCHOR_LAG_MAX_S`` before the report arrived (a node clock behind ours must not make a
-healthy job look late), and the hang's fault time is that step's time: the last progress.
+healthy job look late), and the hang's fault time is that step's time: the last progress. When the
+reporter says nothing waits behind its batch, it also says how old that step was as it sent it
+(its own clock, so no skew): the deadline runs from that age before the arrival, however late the
+steps arrived (``progress_anchor``).
 
 The deadline is when the verdict may be made at the latest less one progress sweep
 (``settings.PROGRESS_SWEEP_INTERVAL_S``): the sweep looks that often, so a hang is declared within
@@ -261,21 +264,32 @@ def progress_deadline(anchor: datetime, timeout_s: float) -> datetime:
     return anchor + timedelta(seconds=timeout_s) - verdict_lead(timeout_s)
 
 
-def progress_anchor(now: datetime, stepped_at: datetime | None) -> datetime:
-    """Where a new step's deadline runs from: the step's own time (``stepped_at``, the hooks'
-    clock), no earlier than ``ANCHOR_LAG_MAX_S`` before ``now`` and no later than ``now``."""
+def progress_anchor(now: datetime, stepped_at: datetime | None, newest_age_s: float | None = None) -> datetime:
+    """Where a new step's deadline runs from.
+
+    - The rank said nothing of it waits behind the batch (``ReportBatch.newest_step_age_s``): ``now``
+      less that step's age when the batch was sent, measured on the rank's own clock, so no skew with
+      ours; the time in transit is not counted, which errs late. Steps held back by overload (a spool
+      refused for half a minute) are dated as old as they are: run O's injected hang was found 47 s
+      after it, 19 s after its last steps arrived, against a 20 s timeout.
+    - Else the step's own time (``stepped_at``, the hooks' clock), no earlier than
+      ``ANCHOR_LAG_MAX_S`` before ``now`` (more may wait behind it, or the node's clock is behind
+      ours) and no later than ``now``."""
+    if newest_age_s is not None:
+        return now - timedelta(seconds=newest_age_s)
     if stepped_at is None:
         return now
     return min(now, max(stepped_at, now - timedelta(seconds=ANCHOR_LAG_MAX_S)))
 
 
 def advance_progress(job: Job, generation: int, first: int, last: int, now: datetime, *, actor: str,
-                     stepped_at: datetime | None = None) -> None:
+                     stepped_at: datetime | None = None, newest_age_s: float | None = None) -> None:
     """Steps ``first``..``last`` of ``generation`` are newly reported (the newest ended at
-    ``stepped_at``, by the hooks' clock): the deadline moves to the anchored step time
-    (``progress_anchor``) + the progress timeout, and a generation reporting its first step is
-    running (its job too, and the incidents it recovered from are over)."""
-    deadline = progress_deadline(progress_anchor(now, stepped_at), job_progress_timeout_s(job))
+    ``stepped_at``, by the hooks' clock, and was ``newest_age_s`` old when sent if the rank said so):
+    the deadline moves to the anchored step time (``progress_anchor``) + the progress timeout, and
+    a generation reporting its first step is running (its job too, and the incidents it recovered
+    from are over)."""
+    deadline = progress_deadline(progress_anchor(now, stepped_at, newest_age_s), job_progress_timeout_s(job))
     Job.objects.filter(pk=job.pk, generation=generation).update(
         last_step=Greatest(Coalesce("last_step", Value(last)), Value(last)),
         last_step_at=now,

@@ -170,10 +170,11 @@ class Reporter:
                 self._failures = 0
 
     def _next_batch(self, records: list[tuple[int, str, dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
-        """The longest run of reports, windows and events of one generation at the head of the spool."""
+        """The longest run of reports, windows and events of one generation at the head of the spool;
+        with the age of its newest step report when nothing waits behind it (``newest_step_age``)."""
         generation = records[0][2]["generation"]
         batch: dict[str, Any] = {"job": self.job, "generation": generation} | {b: [] for b in BUCKETS.values()}
-        last_id = records[0][0]
+        last_id, taken = records[0][0], 0
         for size, (row_id, kind, body) in enumerate(records):
             if kind == CHECKPOINT or body["generation"] != generation:
                 break
@@ -181,7 +182,11 @@ class Reporter:
             if len(bucket) == BATCH_LIMIT or size == self._batch_size:
                 break
             bucket.append(body)
-            last_id = row_id
+            last_id, taken = row_id, size + 1
+        everything = taken == len(records) < 2 * BATCH_LIMIT and not self._incoming
+        age = newest_step_age(batch, everything=everything, now=time.time())
+        if age is not None:
+            batch["newest_step_age_s"] = age
         return last_id, batch
 
     def _settle(self, status: int, answer: dict[str, Any], generation: int, upto_id: int, size: int) -> None:
@@ -241,3 +246,11 @@ class Reporter:
     def _job_path(self) -> str:
         return quote(self.job, safe="")
 
+
+def newest_step_age(batch: dict[str, Any], *, everything: bool, now: float) -> float | None:
+    """``ReportBatch.newest_step_age_s``: how old the batch's newest step report is at ``now`` (the
+    rank's clock, as the report's own time), if the batch holds ``everything`` the rank has not yet
+    delivered; None otherwise, or when it holds no step report. Never negative (a clock stepped back)."""
+    if not everything or not batch["reports"]:
+        return None
+    return max(0.0, round(now - batch["reports"][-1]["time"], 3))

@@ -155,6 +155,13 @@ class ReportBatch:
     reports: list[StepReport] = field(default_factory=list, max_len=1000)
     events: list[Event] = field(default_factory=list, max_len=1000)
     windows: list[NodeWindow] = field(default_factory=list, max_len=1000)
+    #: Set only when nothing of the rank waits behind this batch, so that its newest step report is
+    #: the newest step the rank has made: that step's age in seconds as the batch was sent, by the
+    #: rank's own clock (no skew with ours). The control plane dates the progress deadline from it
+    #: rather than from the arrival (``jobs.progress.progress_anchor``): a hang whose last steps
+    #: arrive late, behind a spool that overload held back, is found as they arrive, not a whole
+    #: timeout later. None: more of the rank's records wait, or a reporter that does not say.
+    newest_step_age_s: float | None = field(default=None, min=0, max=MAX_TIME)
 
     def __post_init__(self) -> None:
         for name in ("reports", "events", "windows"):

@@ -50,6 +50,16 @@ def test_a_record_of_another_generation_cannot_ride_in_a_batch():
     assert raised.value.field == "reports.0"
 
 
+def test_a_batch_may_say_how_old_its_newest_step_was_when_sent():
+    wire = dump(ReportBatch(job="7", generation=3, reports=[step_report()]))
+    assert parse(ReportBatch, wire).newest_step_age_s is None  # a reporter that does not say
+    assert parse(ReportBatch, {**wire, "newest_step_age_s": 27.5}).newest_step_age_s == 27.5
+    for bad in (-0.1, "soon", math.inf):
+        with pytest.raises(ProtocolError) as raised:
+            parse(ReportBatch, {**wire, "newest_step_age_s": bad})
+        assert raised.value.field == "newest_step_age_s"
+
+
 def test_a_batch_holds_at_most_1000_reports():
     wire = dump(ReportBatch(job="7", generation=3, reports=[step_report(step=i + 1) for i in range(1001)]))
     with pytest.raises(ProtocolError, match="at most 1000"):

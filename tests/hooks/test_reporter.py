@@ -98,6 +98,38 @@ def test_an_outage_spools_everything_and_replays_it_in_order_exactly_once(make_r
     assert [c["step"] for c in control_plane.commits] == [50]
 
 
+def test_a_batch_with_nothing_behind_it_says_how_old_its_newest_step_is(make_reporter, control_plane):
+    """Steps held back by an outage go out with the age of the newest (the control plane dates the
+    job's progress from it, ``jobs.progress.progress_anchor``) only in the batch that leaves nothing
+    behind: the first batch here has a checkpoint commit and newer steps waiting."""
+    control_plane.down()
+    reporter = make_reporter()
+    trained_at = time.time()
+    for step in range(1, 11):
+        reporter.report(step_report(step))
+    reporter.commit(commit(10))
+    for step in range(11, 14):
+        reporter.report(step_report(step))
+    wait_for(lambda: len(reporter.spool) == 14, timeout=10, what="everything spooled while down", interval=POLL_S)
+    time.sleep(0.3)  # the held steps age (the outage)
+    control_plane.up()
+    wait_for(lambda: len(reporter.spool) == 0, timeout=10, what="replay after the outage", interval=POLL_S)
+    first, last = control_plane.received
+    assert [r["step"] for r in first["reports"]] == list(range(1, 11)) and "newest_step_age_s" not in first
+    assert [r["step"] for r in last["reports"]] == [11, 12, 13]
+    assert 0.3 <= last["newest_step_age_s"] <= time.time() - trained_at
+
+
+def test_the_newest_step_s_age_is_said_only_of_everything_undelivered():
+    from agents.hooks.reporter import newest_step_age
+
+    batch = {"reports": [{"step": 1, "time": 100.0}, {"step": 2, "time": 101.0}], "events": [], "windows": []}
+    assert newest_step_age(batch, everything=True, now=104.5) == 3.5
+    assert newest_step_age(batch, everything=False, now=104.5) is None
+    assert newest_step_age(batch, everything=True, now=100.0) == 0.0  # a clock stepped back: never negative
+    assert newest_step_age({**batch, "reports": []}, everything=True, now=104.5) is None  # events only
+
+
 def test_an_overloaded_server_is_given_the_time_it_asks_for_and_loses_nothing(make_reporter, control_plane):
     """A 503 with Retry-After (admission control) is waited out, past the reporter's own backoff cap
     (0.2 s here), with jitter; then everything arrives once, in order."""

@@ -88,6 +88,14 @@ def test_the_deadline_runs_from_the_steps_own_time_within_a_bounded_lag():
     assert progress.progress_anchor(now, now + timedelta(seconds=30)) == now  # a node clock ahead
 
 
+def test_a_rank_with_nothing_held_back_dates_its_step_by_the_age_it_gives():
+    """The age is the rank's own measure (no skew), so it is trusted past ``ANCHOR_LAG_MAX_S``."""
+    now = T0
+    assert progress.progress_anchor(now, now - timedelta(seconds=30), 27.5) == now - timedelta(seconds=27.5)
+    assert progress.progress_anchor(now, now + timedelta(seconds=30), 0.4) == now - timedelta(seconds=0.4)
+    assert progress.progress_anchor(now, None, 0.0) == now
+
+
 @pytest.mark.parametrize("value, ok", [(1, False), (2, True), (5, True), (None, True)])
 def test_the_api_accepts_an_override_down_to_the_floor(value, ok):
     serializer = RecoveryPolicySerializer(data={"progress_timeout_s": value})
@@ -169,6 +177,32 @@ def test_a_hang_dates_from_the_steps_own_time_not_the_reports_arrival(job):
         assert progress.expire_one_progress_deadline()
         # ...and the fault from the newest step's own time (the slow clock's report dates nothing earlier).
         assert Incident.objects.get(job=job).fault_at == stepped
+
+
+@pytest.mark.django_db
+def test_steps_held_back_by_overload_are_dated_by_their_age_so_a_hang_is_found_as_they_arrive(job):
+    """Bench.fleet's run O: the injected hang's last steps waited 28 s in a spool that admission
+    control kept refusing, and the deadline ran a whole timeout from their arrival (found 47 s after
+    the hang, against a 20 s timeout). The batch that left nothing behind said how old its newest
+    step was: the deadline runs from then, so the hang is found as the steps arrive. A batch with
+    more behind it keeps the old rule: the newer steps are on their way."""
+    timeout = progress.PROGRESS_TIMEOUT_FLOOR_S
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 10)
+        stepped = timezone.now()  # step 10 ended, then the job hung; its reports were held back
+        clock.shift(timeout + 20)
+        batch = {"job": str(job.pk), "generation": 1, "newest_step_age_s": timeout + 20,
+                 "reports": [{"job": str(job.pk), "generation": 1, "rank": 0, "step": 11, "loss": 2.0,
+                              "grad_norm": 1.0, "world_size": 2, "data_cursor": 88, "samples": 8,
+                              "phases": FAST, "time": stepped.timestamp()}]}
+        held = {**batch, "newest_step_age_s": None}
+        ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, held), actor="test")
+        assert not progress.expire_one_progress_deadline()  # more may follow: a timeout from the arrival
+        batch["reports"][0]["step"] = 12
+        ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, batch), actor="test")
+        assert Job.objects.get(pk=job.pk).progress_deadline < timezone.now()
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
 
 
 @pytest.mark.django_db
