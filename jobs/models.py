@@ -45,6 +45,9 @@ class Job(models.Model):
     last_step_at = models.DateTimeField(null=True, blank=True)
     # No step by then while running means a hang; the sweeper's index.
     progress_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
+    # When rank 0's reporter last said nothing of it waited behind its batch (ReportBatch.newest_step_age_s):
+    # refusals of the generation's reports before then held no step back (jobs.progress._spare_refused).
+    progress_caught_up_at = models.DateTimeField(null=True, blank=True)
     # --- control the hooks poll: set by operators and policies, read by train.py ---------
     checkpoint_requested_at = models.DateTimeField(null=True, blank=True,
                                                    help_text="Checkpoint now; cleared by the next commit.")

@@ -5,6 +5,7 @@
     every new step ─▶ advance_progress: the newest step's time + progress timeout
     contact back after a fleet silence ─▶ restart_after_silence: now + at least the heartbeat grace
     its reports refused by admission control ─▶ expire_one_progress_deadline: last refusal + timeout
+        (a refusal before rank 0 last said it had delivered everything spares nothing)
     a launch not yet acknowledged ─▶ expire_one_progress_deadline: the last ack + start-up allowance
     an agent found a rank gone ─▶ expire_one_progress_deadline: the notice + RANK_GONE_WAIT_S
     the hooks said the loop is done ─▶ expire_one_progress_deadline: the word + RUN_ENDING_WAIT_S
@@ -290,10 +291,12 @@ def advance_progress(job: Job, generation: int, first: int, last: int, now: date
     a generation reporting its first step is running (its job too, and the incidents it recovered
     from are over)."""
     deadline = progress_deadline(progress_anchor(now, stepped_at, newest_age_s), job_progress_timeout_s(job))
+    caught_up = {} if newest_age_s is None else {"progress_caught_up_at": now}
     Job.objects.filter(pk=job.pk, generation=generation).update(
         last_step=Greatest(Coalesce("last_step", Value(last)), Value(last)),
         last_step_at=now,
         progress_deadline=deadline,
+        **caught_up,
     )
     Generation.objects.filter(job=job, number=generation, first_step_at__isnull=True).update(
         first_step=first, first_step_at=now, state=GenerationState.RUNNING
@@ -332,14 +335,17 @@ def refused_retry_within_s() -> float:
 
 def _spare_refused(job: Job, now: datetime) -> bool:
     """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
-    fell within its progress timeout (at least ``refused_retry_within_s()``); returns whether the job
-    was spared (a report that moved the deadline meanwhile wins the compare-and-set: spared all the
-    same)."""
+    fell within its progress timeout (at least ``refused_retry_within_s()``) and after rank 0 last
+    said it had delivered everything (``Job.progress_caught_up_at``: what was refused before then
+    has arrived since); returns whether the job was spared (a report that moved the deadline
+    meanwhile wins the compare-and-set: spared all the same)."""
     hold = timedelta(seconds=max(job_progress_timeout_s(job), refused_retry_within_s()))
     refused = refusals.refused_since(hold.total_seconds(), now=now)
     last = refused.generations.get((job.pk, job.generation)) if refused is not None else None
     if last is None or last + hold <= now:
         return False
+    if job.progress_caught_up_at is not None and last <= job.progress_caught_up_at:
+        return False  # rank 0 delivered everything it had since: the refusal held no step back
     Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=last + hold)
     return True
 

@@ -150,6 +150,47 @@ def test_a_fast_jobs_refused_reports_are_waited_for_as_long_as_its_reporter_back
 
 
 @pytest.mark.django_db
+def test_refusals_before_rank_0_delivered_everything_it_had_spare_nothing(cast, fleet, redis_counts):
+    """Bench.fleet's run O: a hung job's last steps arrived 28 s late, behind refusals of its
+    reports, and the refusals went on sparing it for a timeout more. Once rank 0's reporter says
+    nothing waits behind its batch (``newest_step_age_s``), what was refused before has arrived: only
+    a refusal after that spares the job."""
+    from agents.protocol import parse
+    from agents.protocol.hooks import ReportBatch
+    from jobs import ingest
+    from jobs.models import Generation
+
+    _, job_token = ApiToken.issue(name="hooks", scope="job", job=cast.job, generation=1)
+    Job.objects.filter(pk=cast.job.pk).update(recovery_policy={"progress_timeout_s": 2})
+    Generation.objects.create(job=cast.job, number=1, world_size=2, started_at=timezone.now())
+
+    def caught_up(step, age_s):
+        report = {"job": str(cast.job.pk), "generation": 1, "rank": 0, "step": step, "loss": 2.0, "grad_norm": 1.0,
+                  "world_size": 2, "data_cursor": 8 * step, "samples": 8, "phases": {"compute": 0.5},
+                  "time": timezone.now().timestamp() - age_s}
+        batch = {"job": str(cast.job.pk), "generation": 1, "reports": [report], "newest_step_age_s": age_s}
+        ingest.record_reports(Job.objects.get(pk=cast.job.pk), parse(ReportBatch, batch), actor="test")
+
+    with time_machine.travel(T0, tick=False) as clock:
+        job = hung_job(cast)
+        shed(redis_counts, job_token, other=500)
+        clock.shift(1)
+        caught_up(40, age_s=10.0)  # its held-back steps, the newest 10 s old, and nothing behind them
+        assert Job.objects.get(pk=job.pk).progress_deadline < timezone.now()
+        assert progress.expire_one_progress_deadline() is True
+        assert job.incidents.count() == 1
+
+        Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
+        job.incidents.all().delete()
+        clock.shift(1)
+        caught_up(41, age_s=10.0)
+        clock.shift(1)
+        shed(redis_counts, job_token, other=500)  # refused after: newer steps may be held back again
+        assert progress.expire_one_progress_deadline() is True
+        assert not job.incidents.exists()
+
+
+@pytest.mark.django_db
 def test_a_fenced_generations_refused_reports_do_not_spare_the_current_one(cast, fleet, redis_counts):
     _, fenced = ApiToken.issue(name="hooks-0", scope="job", job=cast.job, generation=0)
     with time_machine.travel(T0, tick=False):
