@@ -82,8 +82,10 @@ def record_reports(job: Job, batch: hooks_protocol.ReportBatch, *, actor: str) -
             progress.end_startup(job, batch.generation, now)
         if fresh:
             newest = max(r.step for r in fresh)
-            # The reporter's word on its newest step's age holds for the batch's newest report only.
-            age = batch.newest_step_age_s if newest == max(r.step for r in batch.reports) else None
+            # The reporter's word on its newest step's age holds for the batch's newest report only, and
+            # speaks for the job's progress only from rank 0 (another rank's batch holds flagged steps).
+            ours = newest == max(r.step for r in batch.reports) and all(r.rank == 0 for r in batch.reports)
+            age = batch.newest_step_age_s if ours else None
             progress.advance_progress(job, batch.generation, min(r.step for r in fresh), newest,
                                       now, actor=actor, stepped_at=_utc(max(r.time for r in fresh)), newest_age_s=age)
         _raise_flags(job, batch.generation, fresh, fresh_events)

@@ -206,6 +206,22 @@ def test_steps_held_back_by_overload_are_dated_by_their_age_so_a_hang_is_found_a
 
 
 @pytest.mark.django_db
+def test_another_ranks_word_on_its_steps_age_does_not_date_the_jobs_progress(job):
+    """Another rank's batch holds only the steps it flagged: that nothing of *that* rank waits says
+    nothing of rank 0's reports, which may still be held back."""
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 10)
+        flagged = {"job": str(job.pk), "generation": 1, "rank": 1, "step": 11, "loss": 2.0, "grad_norm": 1.0,
+                   "world_size": 2, "data_cursor": 88, "samples": 8, "phases": FAST, "spike": True,
+                   "time": (timezone.now() - timedelta(seconds=30)).timestamp()}
+        batch = {"job": str(job.pk), "generation": 1, "reports": [flagged], "newest_step_age_s": 30.0}
+        ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, batch), actor="test")
+        stored = Job.objects.get(pk=job.pk)
+        assert stored.progress_caught_up_at is None
+        assert stored.progress_deadline > timezone.now()  # the old rule: at most 1 s before the arrival
+
+
+@pytest.mark.django_db
 def test_a_checkpoint_stall_is_not_a_hang(job):
     """Saves that block 9 s, far past a fast job's 2 s timeout: the steps after one are judged with
     its 9.1 s step in their rhythm, and once it has left the newest 50 steps, with its measured
