@@ -45,9 +45,11 @@ class Job(models.Model):
     last_step_at = models.DateTimeField(null=True, blank=True)
     # No step by then while running means a hang; the sweeper's index.
     progress_deadline = models.DateTimeField(null=True, blank=True, db_index=True)
-    # When rank 0's reporter last said nothing of it waited behind its batch (ReportBatch.newest_step_age_s):
-    # refusals of the generation's reports before then held no step back (jobs.progress._spare_refused).
+    # When rank 0's reporter last said nothing of it waited behind its batch (ReportBatch.newest_step_age_s),
+    # and how old that batch's newest step was: refusals of the generation's reports before then held no
+    # step back (jobs.progress._spare_refused), and a hang dates from that step (hang_fault_time).
     progress_caught_up_at = models.DateTimeField(null=True, blank=True)
+    progress_caught_up_age_s = models.FloatField(null=True, blank=True)
     # --- control the hooks poll: set by operators and policies, read by train.py ---------
     checkpoint_requested_at = models.DateTimeField(null=True, blank=True,
                                                    help_text="Checkpoint now; cleared by the next commit.")

@@ -291,7 +291,8 @@ def advance_progress(job: Job, generation: int, first: int, last: int, now: date
     a generation reporting its first step is running (its job too, and the incidents it recovered
     from are over)."""
     deadline = progress_deadline(progress_anchor(now, stepped_at, newest_age_s), job_progress_timeout_s(job))
-    caught_up = {} if newest_age_s is None else {"progress_caught_up_at": now}
+    caught_up = ({} if newest_age_s is None else
+                 {"progress_caught_up_at": now, "progress_caught_up_age_s": newest_age_s})
     Job.objects.filter(pk=job.pk, generation=generation).update(
         last_step=Greatest(Coalesce("last_step", Value(last)), Value(last)),
         last_step_at=now,
@@ -313,13 +314,19 @@ def advance_progress(job: Job, generation: int, first: int, last: int, now: date
 def hang_fault_time(job: Job) -> datetime:
     """When a hung generation last made progress: its newest step's own time (the hooks' clock),
     no earlier than ``REPORT_DELAY_MAX_S`` before the report that carried it arrived
-    (``last_step_at``), no later than that arrival. A generation that never stepped hung starting
+    (``last_step_at``), no later than that arrival; or, when that report's batch left nothing of
+    rank 0 behind, the age the batch gave that step (``Job.progress_caught_up_age_s``, the rank's own
+    clock) before the arrival, however late it was. A generation that never stepped hung starting
     up: its fault dates from its launch (the job's last state change), the last thing known to work."""
     stepped = (StepMetric.objects.filter(job=job, generation=job.generation, rank=0)
                .aggregate(at=Max("reported_at"))["at"])
     arrived = job.last_step_at
     if stepped is None or arrived is None:
         return job.state_changed_at
+    if arrived == job.progress_caught_up_at and job.progress_caught_up_age_s is not None:
+        # The newest batch left nothing behind and said how old its step was (the rank's own clock):
+        # however late overload let it arrive, that is when the progress stopped (transit not counted).
+        return arrived - timedelta(seconds=job.progress_caught_up_age_s)
     return min(arrived, max(stepped, arrived - timedelta(seconds=REPORT_DELAY_MAX_S)))
 
 

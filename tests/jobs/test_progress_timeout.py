@@ -202,7 +202,9 @@ def test_steps_held_back_by_overload_are_dated_by_their_age_so_a_hang_is_found_a
         ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, batch), actor="test")
         assert Job.objects.get(pk=job.pk).progress_deadline < timezone.now()
         assert progress.expire_one_progress_deadline()
-        assert Incident.objects.get(job=job).evidence["signal"] == "hang"
+        incident = Incident.objects.get(job=job)
+        assert incident.evidence["signal"] == "hang"
+        assert incident.fault_at == stepped  # the step's age before its arrival: the hang, not the arrival
 
 
 @pytest.mark.django_db
