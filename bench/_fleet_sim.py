@@ -90,6 +90,8 @@ MAX_BACKOFF_S = 10.0  # Reporter's max_backoff
 DECISION_POLL_S, DECISION_WINDOW_S = 0.2, 20.0  # agents.agent.daemon
 XID_CODE = 79  # "GPU has fallen off the bus": critical (agents.health.CRITICAL_XIDS)
 CONFIG_HASH = "fleet-bench"
+#: Agent events of injected faults whose delivery the simulator times (``Sim.fault_events``).
+FAULT_EVENTS = frozenset({"exited", "xid"})
 STEP_S = 1.0
 #: A node whose agent and ranks hold more undelivered records than this is behind: in steady state
 #: each rank holds at most a second or two of steps and the outbox one telemetry sample per GPU.
@@ -582,8 +584,19 @@ class Agent:
             status, _ = await self.client.request("telemetry", "POST", TELEMETRY_PATH.format(node_id=self.node_id),
                                                   self.token, {"samples": run})
         elif kind == "event":
-            status, _ = await self.urgent_client.request("events", "POST", EVENTS_PATH.format(
-                node_id=self.node_id), self.token, {"events": run})
+            sent_at, outcome = time.time(), None
+            try:
+                status, _ = await self.urgent_client.request("events", "POST", EVENTS_PATH.format(
+                    node_id=self.node_id), self.token, {"events": run})
+                outcome = status
+            except Unreachable as error:
+                outcome = fate_of(error)
+                raise
+            finally:  # a fault's event: how long it waited in the outbox, how long its request took
+                self.sim.fault_events.extend(
+                    {"hostname": self.hostname, "kind": body["kind"], "outcome": outcome,
+                     "outbox_s": round(sent_at - body["time"], 3), "request_s": round(time.time() - sent_at, 3)}
+                    for body in run if body["kind"] in FAULT_EVENTS)
         else:
             ack = run[0]
             status, _ = await self.urgent_client.request("ack", "POST", ACK_PATH.format(
@@ -648,6 +661,9 @@ class Sim:
         #: Per job, what became of each of its rank 0's requests: [sent at (epoch s), endpoint, status or
         #: ``fate_of``'s word, seconds until then], written to ``plan["fates"]`` when the process stops.
         self.fates: dict[str, list[list[Any]]] = {}
+        #: Each send of a fault's agent event (``FAULT_EVENTS``): node, kind, outcome (as ``fate_of``),
+        #: seconds in the outbox before the send and seconds the request took. In the status line.
+        self.fault_events: list[dict[str, Any]] = []
         #: The event loop holds tasks weakly: one nobody references may be collected mid-await.
         self.tasks: list[asyncio.Task] = []
 
@@ -697,7 +713,7 @@ class Sim:
                           "behind": sum(1 for b in backlogs if b > BEHIND),
                           "interval_max": max((a.interval for a in alive), default=0.0),
                           "delivered": self.delivered, "made": self.made,
-                          "faults": self.faults, "calibration": self.calibration,
+                          "faults": self.faults, "fault_events": self.fault_events, "calibration": self.calibration,
                           "book": self.book.as_json()}), flush=True)
 
     async def read_faults(self, stop: asyncio.Event) -> None:

@@ -336,10 +336,14 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                                {"clients": opts.browsers, "error": push_failed} if push_failed else None)
         result["setup"] = setup_figures
         result["storm"] = storm(opts, plane, sims, conn, result["killed"])
+        sent = [event for status in sims.status for event in status.get("fault_events", [])]
         for fault in result["faults"]:  # read last: a detection delayed past the window still counts, late
             if fault.get("at") is not None:
                 latency = measure.detection(conn, fault)
                 fault["detected_s"] = None if latency is None else round(latency, 2)
+            kind = {"rank_exit": "exited", "xid": "xid"}.get(fault["kind"])
+            if kind is not None:  # the agent's event of it, each time it was sent: where the time went
+                fault["event_sends"] = [e for e in sent if e["hostname"] == fault.get("hostname") and e["kind"] == kind]
         sims.close()
         result["hangs"] = measure.hangs(conn, sims.fates())
         for hang in result["hangs"]:
@@ -510,7 +514,8 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     plan = fault_plan(random.Random(opts.seed), jobs, sizes, placement, opts.duration)
     database = plane.database
     before = measure.tables(conn)
-    watched = [pid for pids in plane.pids().values() for pid in pids] + measure.backend_pids(conn, database)
+    roles = {pid: role for role, pids in plane.pids().items() for pid in pids}  # the rest: PostgreSQL backends
+    watched = list(roles) + measure.backend_pids(conn, database)
     cpu_before = measure.cpu_seconds(watched)
     sim_cpu_before = sum(measure.cpu_seconds(sims.pids()).values())
     made_before, delivered_before = sims.total("made"), sims.delivered("report")
@@ -528,6 +533,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             if fault["kind"] == "worker_restart":
                 worker_away = plane.restart_worker()
                 new = [pid for pid in plane.pids().get("worker", [])]
+                roles.update(dict.fromkeys(new, "worker"))
                 backends.update(new)
                 cpu_before.update({pid: 0.0 for pid in new})
             else:
@@ -545,7 +551,11 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
         time.sleep(0.5)
     window = time.time() - started
     cpu_after = measure.cpu_seconds(list(backends))
-    cpu = sum(cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after)
+    used = {p: cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after}
+    cpu = sum(used.values())
+    by_role: Counter[str] = Counter()
+    for pid, seconds in used.items():
+        by_role[roles.get(pid, "postgres")] += seconds
     sim_cpu = sum(measure.cpu_seconds(sims.pids()).values()) - sim_cpu_before
     made, delivered = sims.total("made") - made_before, sims.delivered("report") - delivered_before
     wakeups = sims.total("wakeups") - wakeups_before
@@ -566,6 +576,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     return {"window_s": round(window, 1), "window": (started, started + window), "faults": faults,
             "killed": sorted(killed),
             "cpu_s_per_node_minute": round(cpu / fleet / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
+            "cpu_cores_by_role": {role: round(seconds / window, 2) for role, seconds in sorted(by_role.items())},
             "simulator_cores": round(sim_cpu / window, 2),
             "step_reports_made_per_s": round(made / window, 1),
             "step_reports_stored_per_s": round(delivered / window, 1),
