@@ -316,7 +316,8 @@ def hang_fault_time(job: Job) -> datetime:
     no earlier than ``REPORT_DELAY_MAX_S`` before the report that carried it arrived
     (``last_step_at``), no later than that arrival; or, when that report's batch left nothing of
     rank 0 behind, the age the batch gave that step (``Job.progress_caught_up_age_s``, the rank's own
-    clock) before the arrival, however late it was. A generation that never stepped hung starting
+    clock) before the arrival, however late it was, never before the generation started. A
+    generation that never stepped hung starting
     up: its fault dates from its launch (the job's last state change), the last thing known to work."""
     stepped = (StepMetric.objects.filter(job=job, generation=job.generation, rank=0)
                .aggregate(at=Max("reported_at"))["at"])
@@ -326,7 +327,11 @@ def hang_fault_time(job: Job) -> datetime:
     if arrived == job.progress_caught_up_at and job.progress_caught_up_age_s is not None:
         # The newest batch left nothing behind and said how old its step was (the rank's own clock):
         # however late overload let it arrive, that is when the progress stopped (transit not counted).
-        return arrived - timedelta(seconds=job.progress_caught_up_age_s)
+        # The hooks are untrusted: an age past the generation's start dates from the start.
+        at = arrived - timedelta(seconds=job.progress_caught_up_age_s)
+        started = (Generation.objects.filter(job=job, number=job.generation)
+                   .values_list("started_at", flat=True).first())
+        return at if started is None else max(at, started)
     return min(arrived, max(stepped, arrived - timedelta(seconds=REPORT_DELAY_MAX_S)))
 
 

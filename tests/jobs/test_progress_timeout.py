@@ -208,6 +208,22 @@ def test_steps_held_back_by_overload_are_dated_by_their_age_so_a_hang_is_found_a
 
 
 @pytest.mark.django_db
+def test_an_age_past_the_generations_start_dates_the_hang_from_the_start(job):
+    """The hooks are untrusted: a batch that claims its newest step is days old cannot date the hang
+    (and the badput counted from it) before the generation began."""
+    started = Generation.objects.get(job=job, number=1).started_at
+    with time_machine.travel(T0, tick=False) as clock:
+        train(job, clock, 10)
+        batch = {"job": str(job.pk), "generation": 1, "newest_step_age_s": 3 * 86400.0,
+                 "reports": [{"job": str(job.pk), "generation": 1, "rank": 0, "step": 11, "loss": 2.0,
+                              "grad_norm": 1.0, "world_size": 2, "data_cursor": 88, "samples": 8,
+                              "phases": FAST, "time": timezone.now().timestamp()}]}
+        ingest.record_reports(Job.objects.get(pk=job.pk), parse(hooks_protocol.ReportBatch, batch), actor="test")
+        assert progress.expire_one_progress_deadline()
+        assert Incident.objects.get(job=job).fault_at == started
+
+
+@pytest.mark.django_db
 def test_another_ranks_word_on_its_steps_age_does_not_date_the_jobs_progress(job):
     """Another rank's batch holds only the steps it flagged: that nothing of *that* rank waits says
     nothing of rank 0's reports, which may still be held back."""
