@@ -345,6 +345,12 @@ def refused_retry_within_s() -> float:
     return 1.5 * max(REPORTER_MAX_BACKOFF_S, settings.NIGHTWATCH["RETRY_AFTER_MAX_S"])
 
 
+def _move_deadline(job: Job, to: datetime | None) -> int:
+    """Move ``job``'s progress deadline to ``to`` (None: clear it) if it is still the one ``job`` was
+    read with: compare-and-set, so a report that moved it meanwhile wins. Returns rows moved (0 or 1)."""
+    return Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=to)
+
+
 def _spare_refused(job: Job, now: datetime) -> bool:
     """Move ``job``'s progress deadline past the last refusal of its generation's reports, if any
     fell within its progress timeout (at least ``refused_retry_within_s()``) and after rank 0 last
@@ -358,7 +364,7 @@ def _spare_refused(job: Job, now: datetime) -> bool:
         return False
     if job.progress_caught_up_at is not None and last <= job.progress_caught_up_at:
         return False  # rank 0 delivered everything it had since: the refusal held no step back
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=last + hold)
+    _move_deadline(job, last + hold)
     return True
 
 
@@ -387,7 +393,7 @@ def _await_exit_report(job: Job, now: datetime) -> bool:
         return False
     waited_until = notice.received_at + timedelta(seconds=RANK_GONE_WAIT_S)
     if now < waited_until:
-        Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+        _move_deadline(job, waited_until)
         return True
     if AgentEventRecord.objects.filter(job=job, generation=job.generation, node=notice.node,
                                        kind__in=("exited", "stopped")).exists():
@@ -401,7 +407,7 @@ def _await_exit_report(job: Job, now: datetime) -> bool:
                             detail={"rank_gone": notice.detail, "exit_report": None,
                                     "waited_s": RANK_GONE_WAIT_S, "last_step": job.last_step})
     if incident is None:  # fenced off: clear the deadline so we do not spin on it
-        Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
+        _move_deadline(job, None)
     return True
 
 
@@ -421,7 +427,7 @@ def _await_launches(job: Job, now: datetime) -> bool:
         if last_ack is None or last_ack + allowance <= now:
             return False
         waited_until = last_ack + allowance
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    _move_deadline(job, waited_until)
     return True
 
 
@@ -440,7 +446,7 @@ def _await_run_end(job: Job, now: datetime) -> bool:
     waited_until = received_at + timedelta(seconds=max(RUN_ENDING_WAIT_S, job_progress_timeout_s(job)))
     if now >= waited_until:
         return False
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    _move_deadline(job, waited_until)
     return True
 
 
@@ -452,8 +458,7 @@ def restart_after_silence(now: datetime, *, grace: timedelta) -> int:
     moved = 0
     for job in Job.objects.filter(state__in=PROGRESS_WATCHED, progress_deadline__lt=now + grace):
         timeout = timedelta(seconds=job_progress_timeout_s(job))
-        moved += Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(
-            progress_deadline=now + max(grace, timeout))
+        moved += _move_deadline(job, now + max(grace, timeout))
     return moved
 
 
@@ -471,7 +476,7 @@ def _await_node_contact(job: Job, now: datetime) -> bool:
             or now - heard["last"] < silence.QUIET_INTERVALS * interval):
         return False
     waited_until = max(heard["deadline"], now + interval)
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    _move_deadline(job, waited_until)
     return True
 
 
@@ -482,7 +487,7 @@ def _await_ingress(job: Job, now: datetime) -> bool:
     if not silence.lull(now):
         return False
     waited_until = now + timedelta(seconds=base_heartbeat_interval_s())
-    Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=waited_until)
+    _move_deadline(job, waited_until)
     return True
 
 
@@ -506,6 +511,6 @@ def expire_one_progress_deadline() -> bool:
                             fault_at=hang_fault_time(job),
                             detail={"last_step": job.last_step, "progress_deadline": job.progress_deadline.isoformat()})
     if incident is None:  # fenced off: clear the deadline so we do not spin on it
-        Job.objects.filter(pk=job.pk, progress_deadline=job.progress_deadline).update(progress_deadline=None)
+        _move_deadline(job, None)
     return True
 

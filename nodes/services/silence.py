@@ -55,7 +55,7 @@ from core.events import EventKind, record_event
 from core.models import Event
 from nodes import signals
 from nodes.models import Node
-from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s, heartbeat_timeout, heartbeating_nodes
+from nodes.services.fleet import base_heartbeat_interval_s, heartbeat_interval_s, heartbeat_timeout
 
 log = logging.getLogger(__name__)
 ACTOR = "system:fleet-watch"
@@ -93,6 +93,23 @@ class Silence:
                 or self.expected < settings.NIGHTWATCH["FLEET_SILENCE_MIN_NODES"]):
             return False
         return self.quiet_s >= QUIET_INTERVALS * base and self.expected / interval * self.quiet_s >= HUSH_BEATS
+
+    @property
+    def lulled(self) -> bool:
+        """No heartbeat from anyone for as long as the fleet takes to send ``HUSH_BEATS`` of them, and
+        at least ``LULL_FLOOR_S``: the first seconds of an outage of our ingress, before
+        ``QUIET_INTERVALS`` make it a fleet silence (``hushed`` is the same count over a longer quiet).
+
+        Bench.fleet's reconnect storm (run N) declared a training job hung 7 s into the web processes'
+        outage: the refusals that had spared it were over 15 s old, its nodes had last been heard 7-8 s
+        before, under 1.5 heartbeat intervals, and the fleet silence would have engaged at 7.5 s. At
+        1,088 nodes, 50 heartbeats a second, 7 s are 350 heartbeats missing from the fleet: ours, not
+        the job's. A small fleet's lull is long (2 nodes at 5 s: 50 s), so there the job's own nodes'
+        silence speaks first."""
+        if self.quiet_s is None or not self.expected:
+            return False
+        return (self.quiet_s >= LULL_FLOOR_S
+                and self.expected / heartbeat_interval_s() * self.quiet_s >= HUSH_BEATS)
 
     @property
     def onset(self) -> datetime | None:
@@ -133,24 +150,9 @@ def _interval() -> timedelta:
 
 
 def lull(now: datetime) -> bool:
-    """Whether no heartbeat from any node has arrived for as long as the fleet takes to send
-    ``HUSH_BEATS`` of them, and at least ``LULL_FLOOR_S``: the first seconds of an outage of our
-    ingress, before ``QUIET_INTERVALS`` make it a fleet silence. The hang sweep asks it before a
-    verdict (``jobs.progress``), and nothing else: it is no state and records nothing.
-
-    Bench.fleet's reconnect storm (run N) declared a training job hung 7 s into the web processes'
-    outage: the refusals that had spared it were over 15 s old, its nodes had last been heard 7-8 s
-    before, under 1.5 heartbeat intervals, and the fleet silence would have engaged at 7.5 s. At 1,088
-    nodes, 50 heartbeats a second, 7 s are 350 heartbeats missing from the fleet: ours, not the job's.
-    A small fleet's lull is long (2 nodes at 5 s: 50 s), so there the job's own nodes' silence speaks
-    first."""
-    expected = heartbeating_nodes()
-    if not expected:
-        return False
-    last = Node.objects.filter(heartbeat_deadline__isnull=False).aggregate(last=Max("last_heartbeat_at"))["last"]
-    if last is None:
-        return False
-    return (now - last).total_seconds() >= max(LULL_FLOOR_S, HUSH_BEATS * heartbeat_interval_s() / expected)
+    """Whether the fleet is in a lull now (``Silence.lulled``). The hang sweep asks it before a verdict
+    (``jobs.progress``), and nothing else: it is no state and records nothing."""
+    return measure(now).lulled
 
 
 def last_transition() -> Event | None:
