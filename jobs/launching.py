@@ -92,7 +92,9 @@ def free_node_count() -> int:
 
 
 def _free_nodes(*, exclude_job: Job | None):
-    busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True)
+    # Not null: a live generation whose node was deleted yields a NULL here, and NOT IN (..., NULL)
+    # is never true, so that one generation made every node of the fleet look busy.
+    busy = Generation.objects.filter(job__state__in=JobState.ACTIVE, ended_at__isnull=True, nodes__isnull=False)
     if exclude_job is not None:
         busy = busy.exclude(job=exclude_job)
     # A lemon stays out even when undrained: only clearing its count lets it back (nodes.policies).

@@ -7,9 +7,11 @@
 
 from nodes.services.commands import (
     AckMismatch,
+    Order,
     StaleCommand,
     ack_command,
     enqueue_command,
+    enqueue_commands,
     expire_commands,
     pending_commands_for,
     probe_peers_for,
@@ -39,7 +41,8 @@ __all__ = [
     "request_health_check",
     "StaleCommand",
     "AckMismatch", "Ingested", "Registration", "RegistrationRefused", "ack_command", "blame_node", "clear_lemon",
-    "drain_node", "enqueue_command", "expire_batch", "expire_commands", "expire_heartbeats", "expire_one_heartbeat",
+    "drain_node", "enqueue_command", "enqueue_commands", "Order", "expire_batch", "expire_commands",
+    "expire_heartbeats", "expire_one_heartbeat",
     "finish_drain",
     "ingest_telemetry", "issue_bootstrap_token", "lemon_warning", "pending_commands_for", "prune_telemetry",
     "record_agent_events",

@@ -23,10 +23,11 @@ a stop some recovery waits for.
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import F, Model
 from django.utils import timezone
 
@@ -58,6 +59,15 @@ def command_ttl() -> timedelta:
     return timedelta(seconds=settings.NIGHTWATCH.get("COMMAND_TTL_S", DEFAULT_COMMAND_TTL_S))
 
 
+@dataclass(frozen=True)
+class Order:
+    """One node's command in a batch: its payload and its idempotency key (None: a fresh one)."""
+
+    node: Node
+    payload: dict | None = None
+    idempotency_key: str | None = None
+
+
 def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: Model | None = None,
                     generation: int | None = None, idempotency_key: str | None = None,
                     actor: str = "system", ttl: timedelta | None = None) -> NodeCommand:
@@ -66,43 +76,62 @@ def enqueue_command(node: Node, kind: str, *, payload: dict | None = None, job: 
     Raises ``agents.protocol.ProtocolError`` (a ``ValueError``) when the payload is not what the
     protocol allows for ``kind`` — a bug of the caller, caught here rather than on the node.
     """
-    key = idempotency_key or f"{kind}:{uuid.uuid4().hex}"
-    message = wire.Command(id="0", kind=kind, idempotency_key=key, job=str(job.pk) if job else None,
-                           generation=generation, payload=payload or {})
-    # Validate exactly as the agent will; store the canonical form (defaults filled in, nulls left out).
-    canonical = wire.compact(wire.parse_command_payload(message))
-    if not 1 <= len(key) <= 128:
-        raise ValueError("idempotency_key must be 1-128 characters")
+    [command] = enqueue_commands(kind, [Order(node, payload, idempotency_key)], job=job, generation=generation,
+                                 actor=actor, ttl=ttl)
+    return command
+
+
+def enqueue_commands(kind: str, orders: list[Order], *, job: Model | None = None, generation: int | None = None,
+                     actor: str = "system", ttl: timedelta | None = None) -> list[NodeCommand]:
+    """Queue ``kind`` for each order's node, as ``enqueue_command`` does one at a time, in one insert
+    and one read whatever the number of nodes; returns the commands in the orders' order, the first
+    one stored for a (node, key) seen before. A launch or stop of a 512-node generation was 1,536
+    queries when each command had its own savepoint, insert and token lookup (bench.fleet, issue 18).
+
+    Every order is validated before anything is written: one bad payload writes none of them.
+    """
     now = timezone.now()
-    try:
-        with transaction.atomic():
-            command = NodeCommand.objects.create(
-                node=node, kind=kind, job=job, generation=generation, idempotency_key=key, payload=canonical,
-                created_by=actor, created_at=now, expires_at=now + (ttl or command_ttl()),
-            )
-        transaction.on_commit(lambda: expect_heartbeat(node.pk, command.expires_at))
-        return command
-    except IntegrityError:
-        existing = NodeCommand.objects.filter(node=node, idempotency_key=key).first()
-        if existing is None:
-            raise
-        return existing
+    expires_at = now + (ttl or command_ttl())
+    rows = []
+    for order in orders:
+        key = order.idempotency_key or f"{kind}:{uuid.uuid4().hex}"
+        if not 1 <= len(key) <= 128:
+            raise ValueError("idempotency_key must be 1-128 characters")
+        message = wire.Command(id="0", kind=kind, idempotency_key=key, job=str(job.pk) if job else None,
+                               generation=generation, payload=order.payload or {})
+        # Validate exactly as the agent will; store the canonical form (defaults filled in, nulls left out).
+        canonical = wire.compact(wire.parse_command_payload(message))
+        rows.append(NodeCommand(node=order.node, kind=kind, job=job, generation=generation, idempotency_key=key,
+                                payload=canonical, created_by=actor, created_at=now, expires_at=expires_at))
+    if not rows:
+        return []
+    # A key seen before keeps its first command (ON CONFLICT DO NOTHING), which the read below returns.
+    NodeCommand.objects.bulk_create(rows, ignore_conflicts=True)
+    stored = {(c.node_id, c.idempotency_key): c for c in NodeCommand.objects.filter(
+        node_id__in={row.node_id for row in rows}, idempotency_key__in={row.idempotency_key for row in rows})}
+    commands = [stored[row.node_id, row.idempotency_key] for row in rows]
+    fresh = {c.node_id: c.expires_at for c in commands if c.created_at == now}
+    if fresh:
+        transaction.on_commit(lambda: expect_heartbeats(fresh))
+    return commands
 
 
 def _agent_digests(node_id: int) -> list[str]:
     return list(ApiToken.objects.usable().filter(scope=Scope.AGENT, node_id=node_id).values_list("digest", flat=True))
 
 
-def expect_heartbeat(node_id: int, expires_at) -> None:
-    """The node's next heartbeat carries a command (open until ``expires_at`` at the latest): tell
-    admission control to let it in as urgent. Best effort: without Redis it waits its turn, as before."""
+def expect_heartbeats(expiries: dict[int, datetime]) -> None:
+    """These nodes' next heartbeats carry a command (node id -> when it expires at the latest): tell
+    admission control to let them in as urgent. Best effort: without Redis they wait their turn, as
+    before. One token query and one Redis round trip for the batch."""
     if shared_counts.client() is None:  # no Redis (the embedded demo), or skipped after a failure
         return
     now = timezone.now()
-    digests = _agent_digests(node_id)
+    digests = dict(ApiToken.objects.usable().filter(scope=Scope.AGENT, node_id__in=list(expiries))
+                   .values_list("digest", "node_id"))
     if digests:
-        shared_counts.expect_heartbeats(dict.fromkeys(digests, now.timestamp()),
-                                        keep_s=max(0.0, (expires_at - now).total_seconds()))
+        keep_s = max((expiries[node_id] - now).total_seconds() for node_id in digests.values())
+        shared_counts.expect_heartbeats(dict.fromkeys(digests, now.timestamp()), keep_s=max(0.0, keep_s))
 
 
 def pending_commands_for(node: Node, *, limit: int = wire.MAX_COMMANDS_PER_HEARTBEAT) -> list[wire.Command]:

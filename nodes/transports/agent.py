@@ -1,4 +1,5 @@
-"""Agents pull their commands with each heartbeat: launch and stop are queued ``NodeCommand`` rows."""
+"""Agents pull their commands with each heartbeat: launch and stop are queued ``NodeCommand`` rows,
+one per node, queued for the whole generation at once."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ class AgentTransport:
 
     def launch(self, launch: Launch) -> None:
         job, number = launch.job, launch.generation
-        for node, payload in zip(launch.nodes, launch.payloads, strict=True):
-            services.enqueue_command(node, "launch", job=job, generation=number, payload=payload,
-                                     idempotency_key=f"launch:{job.pk}:{number}:{node.pk}")
+        services.enqueue_commands("launch", [services.Order(node, payload, f"launch:{job.pk}:{number}:{node.pk}")
+                                             for node, payload in zip(launch.nodes, launch.payloads, strict=True)],
+                                  job=job, generation=number)
 
     def stop(self, job, generation: int, nodes: list, *, grace_s: float, reason: str) -> None:
-        for node in nodes:
-            services.enqueue_command(node, "stop", job=job, generation=generation,
-                                     idempotency_key=f"stop:{job.pk}:{generation}:{node.pk}",
-                                     payload={"grace_s": grace_s, "reason": reason[:500]})
+        payload = {"grace_s": grace_s, "reason": reason[:500]}
+        services.enqueue_commands("stop", [services.Order(node, payload, f"stop:{job.pk}:{generation}:{node.pk}")
+                                           for node in nodes], job=job, generation=generation)

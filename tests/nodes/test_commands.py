@@ -209,3 +209,29 @@ def test_a_node_with_open_commands_is_named_to_admission_control_until_it_acknow
     post(f"commands/{stop.pk}/ack", ack(stop, detail="stopped"))
     assert node2 not in awaited() and awaited() == frozenset()
     redis.delete(shared_counts.AWAITED)
+
+
+@pytest.mark.django_db
+def test_a_batch_is_queued_as_each_command_would_be_and_a_bad_order_writes_none(cast, generation_one):
+    from core import shared_counts
+    from core.models import hash_token
+
+    redis = shared_counts.client()
+    if redis is None:
+        pytest.fail("this test reads the shared counts: run it with REDIS_URL (as `make test` does)")
+    redis.delete(shared_counts.AWAITED)
+    orders = [services.Order(cast.node1, {"grace_s": 5}, "stop:1"), services.Order(cast.node2, None, "stop:2")]
+    with pytest.raises(ProtocolError, match="grace_s"):
+        services.enqueue_commands("stop", [*orders, services.Order(cast.node1, {"grace_s": -1}, "stop:3")],
+                                  job=generation_one, generation=1)
+    assert not NodeCommand.objects.exists()
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        first = services.enqueue_commands("stop", orders, job=generation_one, generation=1)
+    assert [(c.node, c.idempotency_key, c.payload["grace_s"]) for c in first] == [
+        (cast.node1, "stop:1", 5), (cast.node2, "stop:2", 30)]  # the protocol's default grace filled in
+    assert shared_counts.awaited_heartbeats(600, now=time.time()) == {hash_token(cast.tokens["agent"]),
+                                                                      hash_token(cast.tokens["agent2"])}
+    again = services.enqueue_commands("stop", orders[::-1], job=generation_one, generation=1)
+    assert [c.pk for c in again] == [c.pk for c in first[::-1]]  # the first of each key, in the orders' order
+    assert NodeCommand.objects.count() == 2
+    redis.delete(shared_counts.AWAITED)
