@@ -53,6 +53,12 @@ MIN_GAP_S = 0.25
 #: Sections that only step reports change (the step count, the rank-skew grid) are re-rendered at
 #: most this often: chart points go out at once, those sections follow at a calmer pace.
 SLOW_GAP_S = 1.0
+#: Those sections ride along with the next points; they go alone only when no points came for this
+#: long since their last render (a job that stopped reporting), and then do not take the group's
+#: turn. Sent alone as soon as they were due, they took the turn just before the next point often
+#: enough that the point waited out the gap: at a step a second, a point's p95 in the relay was
+#: 200-250 ms, most of the live push target.
+SLOW_ALONE_S = 2 * SLOW_GAP_S
 #: With no one watching for this long the relay stops (and starts again on the next connect).
 IDLE_STOP_S = 5.0
 LEASE_KEY = "nightwatch:dashboard:relay"
@@ -169,7 +175,7 @@ class Relay:
         for group, pending in self.pending.items():
             due = self.last_sent.get(group, -1e9) + self.min_gap_s
             if not (pending.sections or pending.points):
-                due = max(due, self.last_slow.get(group, -1e9) + SLOW_GAP_S)
+                due = max(due, self.last_slow.get(group, -1e9) + SLOW_ALONE_S)
             turns.append(due - now)
         return max(0.005, min([self.interval_s, *turns]))
 
@@ -224,15 +230,17 @@ class Relay:
         """Send each group whose turn has come what it has pending; returns how many were sent.
 
         A group's turn comes ``min_gap_s`` after its last message; sections that only step reports
-        changed ride along at most every ``SLOW_GAP_S`` (or go alone once that is due).
+        changed ride along at most every ``SLOW_GAP_S``, and go alone after ``SLOW_ALONE_S``.
         """
         now = time.monotonic() if now is None else now
         sent = 0
         for group, pending in list(self.pending.items()):
             if now - self.last_sent.get(group, -1e9) < self.min_gap_s:
                 continue
-            slow_due = bool(pending.slow_sections) and now - self.last_slow.get(group, -1e9) >= SLOW_GAP_S
-            if not (pending.sections or pending.points or slow_due):
+            news = bool(pending.sections or pending.points)
+            slow_due = bool(pending.slow_sections) and (
+                now - self.last_slow.get(group, -1e9) >= (SLOW_GAP_S if news else SLOW_ALONE_S))
+            if not (news or slow_due):
                 continue
             names = set(pending.sections)
             if slow_due:
@@ -255,7 +263,8 @@ class Relay:
             degraded.recovered("channel_layer")
             if not (pending.slow_sections or pending.sections):
                 self.pending.pop(group, None)
-            self.last_sent[group] = now
+            if news:  # at most one SLOW_ALONE_S apart, a message of slow sections alone takes no turn
+                self.last_sent[group] = now
             sent += 1
         return sent
 
