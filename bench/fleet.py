@@ -523,7 +523,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     book_before = sims.book()
     started = time.time()
     log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
-    depth, worker_away, pages, pages_on_ingest = 0, None, {}, {}
+    depth, worker_away, pager = 0, None, None
     pending = list(plan)
     backends = set(watched)
     while time.time() - started < opts.duration:
@@ -538,11 +538,12 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
                 cpu_before.update({pid: 0.0 for pid in new})
             else:
                 sims.send(fault, fault.get("hostname") if fault["kind"] in ("node_death", "rank_exit", "xid") else None)
-        if not pages and elapsed > opts.duration * 0.7:
+        if pager is None and elapsed > opts.duration * 0.7:
             # On the operators' process (compose's ws: the dashboard's pages and sockets), and, for
-            # comparison, on an ingest process, where a page waits behind the fleet's requests.
-            pages = dashboard(plane.ws_port, cast["session"], jobs[0])
-            pages_on_ingest = dashboard(plane.ports[1], cast["session"], jobs[0])
+            # comparison, on an ingest process, where a page waits behind the fleet's requests. In a
+            # thread: the ingest process's 503s are waited out as a browser would, which held this
+            # loop (and the faults after it) for minutes: windows of 178-238 s where 120 were asked.
+            pager = Pages(plane, cast["session"], jobs[0])
         for pid in measure.backend_pids(conn, database):
             if pid not in backends:  # a backend opened during the window: counted from 0
                 backends.add(pid)
@@ -551,6 +552,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
         time.sleep(0.5)
     window = time.time() - started
     cpu_after = measure.cpu_seconds(list(backends))
+    pages, pages_on_ingest = pager.result() if pager is not None else ({}, {})
     used = {p: cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after}
     cpu = sum(used.values())
     by_role: Counter[str] = Counter()
@@ -565,7 +567,8 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     faults = []
     for fault in plan:
         if fault["kind"] == "worker_restart":
-            faults.append({**fault, "landed": True, "away_s": round(worker_away or 0, 1)})
+            faults.append({**fault, "landed": worker_away is not None,
+                           "away_s": None if worker_away is None else round(worker_away, 1)})
             continue
         hit = landed.get(fault["id"])
         faults.append({**fault, "landed": bool(hit), "at": hit and hit["at"], "detected_s": None})
@@ -597,6 +600,30 @@ def command_waits(book: dict, wakeups: int, window: float) -> dict[str, Any] | N
         return None
     return {"per_s": round(sum(status.values()) / window, 1), "wakeups": wakeups, "503": status.get(503, 0),
             "errors": sum(n for code, n in status.items() if code == 0 or (code >= 400 and code != 503))}
+
+
+class Pages(threading.Thread):
+    """The dashboard's pages timed on the operators' process and on an ingest one, beside the loop."""
+
+    def __init__(self, plane: ControlPlane, session: str, job: int):
+        super().__init__(name="fleet-pages", daemon=True)
+        self.args = (plane.ws_port, plane.ports[1], session, job)
+        self.found: tuple[dict, dict] = ({}, {})
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        ws, ingest, session, job = self.args
+        try:
+            self.found = (dashboard(ws, session, job), dashboard(ingest, session, job))
+        except BaseException as error:  # re-raised in the benchmark's thread by result()
+            self.error = error
+
+    def result(self) -> tuple[dict, dict]:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.found
 
 
 def dashboard(port: int, session: str, job: int) -> dict[str, float]:
