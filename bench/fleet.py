@@ -602,6 +602,10 @@ def command_waits(book: dict, wakeups: int, window: float) -> dict[str, Any] | N
             "errors": sum(n for code, n in status.items() if code == 0 or (code >= 400 and code != 503))}
 
 
+#: How long the pages on an ingest process are tried, all three together.
+PAGES_WITHIN_S = 90.0
+
+
 class Pages(threading.Thread):
     """The dashboard's pages timed on the operators' process and on an ingest one, beside the loop."""
 
@@ -615,7 +619,9 @@ class Pages(threading.Thread):
     def run(self) -> None:
         ws, ingest, session, job = self.args
         try:
-            self.found = (dashboard(ws, session, job), dashboard(ingest, session, job))
+            # The ingest process refuses most requests with a Retry-After of up to RETRY_AFTER_MAX_S:
+            # without a deadline its three pages took up to 10 minutes to time (run S).
+            self.found = (dashboard(ws, session, job), dashboard(ingest, session, job, within_s=PAGES_WITHIN_S))
         except BaseException as error:  # re-raised in the benchmark's thread by result()
             self.error = error
 
@@ -626,13 +632,15 @@ class Pages(threading.Thread):
         return self.found
 
 
-def dashboard(port: int, session: str, job: int) -> dict[str, float]:
+def dashboard(port: int, session: str, job: int, *, within_s: float | None = None) -> dict[str, float | None]:
     """Server time of each page (median of 3, loopback: the wall time of the whole answer). A 503 from
-    admission control is waited out as a browser's reload would (its Retry-After) and counted."""
-    timings: dict[str, float] = {}
+    admission control is waited out as a browser's reload would (its Retry-After) and counted; after
+    ``within_s`` each page is timed by what it got (None: no answer)."""
+    timings: dict[str, float | None] = {}
+    give_up = time.monotonic() + within_s if within_s is not None else float("inf")
     for name, path in (("overview", "/"), ("nodes", "/nodes/"), ("biggest_job", f"/jobs/{job}/")):
         runs, refused, size = [], 0, 0
-        while len(runs) < 3 and refused < 30:
+        while len(runs) < 3 and refused < 30 and time.monotonic() < give_up:
             request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",  # noqa: S310
                                              headers={"Cookie": f"sessionid={session}"})
             started = time.perf_counter()
