@@ -552,7 +552,6 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
         time.sleep(0.5)
     window = time.time() - started
     cpu_after = measure.cpu_seconds(list(backends))
-    pages, pages_on_ingest = pager.result() if pager is not None else ({}, {})
     used = {p: cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after}
     cpu = sum(used.values())
     by_role: Counter[str] = Counter()
@@ -573,6 +572,8 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
         hit = landed.get(fault["id"])
         faults.append({**fault, "landed": bool(hit), "at": hit and hit["at"], "detected_s": None})
     killed = {f["hostname"] for f in plan if f["kind"] == "node_death"}
+    # Last: everything above is the window's, and the pages may still be waiting out refusals.
+    pages, pages_on_ingest = pager.result() if pager is not None else ({}, {})
     offered = sum(sum(codes.values()) for codes in book["status"].values())
     accepted = sum(n for codes in book["status"].values() for code, n in codes.items() if 200 <= code < 300)
     fleet = nodes + spares(nodes)
