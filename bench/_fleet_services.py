@@ -114,7 +114,7 @@ class ControlPlane:
             wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
 
     def start_worker(self) -> Proc:
-        proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery"],
+        proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery,sweeps"],
                             processes=WORKER_PROCESSES)
         self.procs["worker"] = proc
         wait_for(lambda: "ready." in proc.log() or not proc.alive, timeout=90, what="the celery worker")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from kombu import Queue
 
 from alerts.beat import BEAT_SCHEDULE as ALERTS_BEAT_SCHEDULE
 from checkpoints.beat import BEAT_SCHEDULE as CHECKPOINTS_BEAT_SCHEDULE
@@ -194,8 +195,20 @@ BACKGROUND_TASKS = (
     "jobs.tasks.prune_training_logs", "nodes.tasks.prepare_telemetry_partitions", "nodes.tasks.prune_telemetry",
     "nodes.tasks.roll_up_telemetry", "alerts.tasks.sweep",
 )
+# The sweeps that find what expired (heartbeats, progress deadlines, recoveries to drive) run every
+# 0.25-2 s and expire a few periods after they were sent. On the default queue, behind a backlog of
+# exits, acks and recoveries, they expired unrun: 27 times in one run at 1,024 nodes, 9 in a row after
+# a worker restart, and a dead node was marked 46 s past its deadline (bench.fleet run S, issue 18).
+# They have a queue of their own, which the default worker consumes as well: Redis hands a worker's
+# queues out in turn, so a sweep waits for the tasks in progress, not a backlog. Both queues are the
+# declared ones, so a worker started without ``-Q`` (compose's, the systemd unit's, one deployed
+# before this queue existed) consumes both; ``-Q checkpoints`` and ``-Q background`` select theirs.
+SWEEPS_QUEUE = "sweeps"
+SWEEP_TASKS = ("jobs.tasks.expire_progress", "jobs.tasks.sweep", "nodes.tasks.expire_heartbeats")
+CELERY_TASK_QUEUES = (Queue("celery", routing_key="celery"), Queue(SWEEPS_QUEUE, routing_key=SWEEPS_QUEUE))
 CELERY_TASK_ROUTES = {"checkpoints.tasks.*": {"queue": "checkpoints"},
-                      **{name: {"queue": "background"} for name in BACKGROUND_TASKS}}
+                      **{name: {"queue": "background"} for name in BACKGROUND_TASKS},
+                      **{name: {"queue": SWEEPS_QUEUE} for name in SWEEP_TASKS}}
 # Keep LOGGING below (JSON lines with job/node ids) in the worker too, instead of Celery's own format.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The queue ``CELERY_TASK_ROUTES`` sends checkpoint-side tasks to, and the suffix of its worker's name.
 CHECKPOINTS_QUEUE = "checkpoints"
 BACKGROUND_QUEUE = "background"
+#: Failure handling: the default queue, and ``sweeps``, the periodic checks that find what expired.
+FAILURE_QUEUES = "celery,sweeps"
 CHECKPOINTS_WORKER_SUFFIX = "-checkpoints"
 
 
@@ -118,15 +120,16 @@ class Cluster:
     def start_worker(self, name: str = "worker", *, checkpoint_worker: bool = False) -> Proc:
         """Start the Celery worker ``name`` (with beat) and wait until it is ready; returns it.
 
-        By default it consumes the default queue, ``checkpoints`` and ``background`` (a valid
-        deployment for a small control plane, and one Django + torch process less per test
+        By default it consumes the default queue, ``sweeps``, ``checkpoints`` and ``background`` (a
+        valid deployment for a small control plane, and one Django + torch process less per test
         cluster). With ``checkpoint_worker`` (the benchmarks), checkpoint work and the background's
         judgement and upkeep get a solo worker ``<name>-checkpoints`` of their own, as production's
         separate services: neither then sits in front of failure handling (``jobs.tasks.handle_exit``).
         A restarted default worker (``start_worker("worker2", ...)`` after killing ``worker``) reuses
         the checkpoints worker that is still alive.
         """
-        queues = ["-Q", "celery"] if checkpoint_worker else ["-Q", f"celery,{CHECKPOINTS_QUEUE},{BACKGROUND_QUEUE}"]
+        queues = ["-Q", FAILURE_QUEUES if checkpoint_worker
+                  else f"{FAILURE_QUEUES},{CHECKPOINTS_QUEUE},{BACKGROUND_QUEUE}"]
         proc = self._start_celery(name, ["-B", "-s", str(self.tmp / f"{name}-beat"), *queues])
         started = [proc]
         if checkpoint_worker and not any(p.alive for n, p in self.procs.items()

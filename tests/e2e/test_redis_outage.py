@@ -17,7 +17,7 @@ import time
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from tests.e2e.cluster import Cluster, Proc, api, wait_for
+from tests.e2e.cluster import FAILURE_QUEUES, Cluster, Proc, api, wait_for
 from tests.e2e.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -42,7 +42,7 @@ def outage(transactional_db, tmp_path, request):
         cluster.procs["beat"] = Proc("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat",
                                               "--loglevel=INFO", "-s", str(tmp_path / "beat-schedule")],
                                      env=cluster.env, log_dir=cluster.logs)
-        worker = cluster._start_celery("worker", ["-Q", "celery,checkpoints"])
+        worker = cluster._start_celery("worker", ["-Q", f"{FAILURE_QUEUES},checkpoints"])
         wait_for(lambda: "ready." in worker.log() or not worker.alive, timeout=60, what="the worker to start")
         yield cluster, server
     finally:

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from core import liveness
-from tests.e2e.cluster import Cluster, Proc, api, wait_for
+from tests.e2e.cluster import FAILURE_QUEUES, Cluster, Proc, api, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -45,7 +45,7 @@ class ComposeStyleWorker:
     def start(self) -> None:
         self.starts += 1
         self.pidfile.unlink(missing_ok=True)
-        self.proc = self.cluster._start_celery(f"worker{self.starts}", ["-Q", "celery,checkpoints",
+        self.proc = self.cluster._start_celery(f"worker{self.starts}", ["-Q", f"{FAILURE_QUEUES},checkpoints",
                                                                         "--pidfile", str(self.pidfile)])
         wait_for(lambda: "ready." in self.proc.log() or not self.proc.alive, timeout=60, what="the worker to start")
         assert self.proc.alive, self.proc.log()

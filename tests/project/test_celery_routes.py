@@ -1,5 +1,5 @@
 """Which queue each task goes to, read from the Celery app's own router, and that every way the
-system runs has a worker on each queue (default, ``checkpoints``, ``background``).
+system runs has a worker on each queue (default, ``sweeps``, ``checkpoints``, ``background``).
 
 Checkpoint verification once sat in front of ``jobs.tasks.handle_exit`` on the only queue, and a
 crash was recorded as a hang (docs/benchmarks/chaos.md, finding 3): checkpoint-side tasks must go
@@ -19,10 +19,12 @@ from controlplane.celery import app
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINTS_QUEUE = "checkpoints"
 BACKGROUND_QUEUE = "background"
+SWEEPS_QUEUE = "sweeps"
 #: what a failure, a missed heartbeat or a stuck recovery is handled by
 FAILURE_HANDLING = ["jobs.tasks.handle_exit", "jobs.tasks.handle_node_health", "jobs.tasks.handle_flags",
-                    "jobs.tasks.handle_launch_refused", "jobs.tasks.confirm_stopped", "jobs.tasks.advance_job",
-                    "jobs.tasks.sweep", "nodes.tasks.expire_heartbeats"]
+                    "jobs.tasks.handle_launch_refused", "jobs.tasks.confirm_stopped", "jobs.tasks.advance_job"]
+#: what finds a missed heartbeat, a missed progress deadline or a recovery left half-done
+SWEEPS = ["jobs.tasks.expire_progress", "jobs.tasks.sweep", "nodes.tasks.expire_heartbeats"]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +49,20 @@ def test_failure_handling_stays_on_the_default_queue(tasks):
     assert default != CHECKPOINTS_QUEUE
     assert set(FAILURE_HANDLING) <= tasks, sorted(set(FAILURE_HANDLING) - tasks)
     assert {name: queue_of(name) for name in FAILURE_HANDLING} == dict.fromkeys(FAILURE_HANDLING, default)
-    # Nothing but checkpoint-side work and the background's judgement and upkeep leaves it.
+    # Nothing but checkpoint-side work, the background's judgement and upkeep, and the sweeps leaves it.
     elsewhere = sorted(name for name in tasks if queue_of(name) != default)
-    assert all(name.startswith("checkpoints.tasks.") or queue_of(name) == BACKGROUND_QUEUE
+    assert all(name.startswith("checkpoints.tasks.") or queue_of(name) in (BACKGROUND_QUEUE, SWEEPS_QUEUE)
                for name in elsewhere), elsewhere
+
+
+def test_the_sweeps_have_a_queue_of_their_own(tasks, settings):
+    """Beat sends them every 0.25-2 s, to expire a few periods later: behind a backlog of exits, acks
+    and recoveries on the default queue they expired unrun, and a dead node was marked 46 s past its
+    deadline (bench.fleet run S). Only they go there, so none of them waits behind other work."""
+    assert set(SWEEPS) <= tasks and set(settings.SWEEP_TASKS) == set(SWEEPS)
+    assert {name for name in tasks if queue_of(name) == SWEEPS_QUEUE} == set(SWEEPS)
+    scheduled = {entry["task"]: entry for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert all(scheduled[name]["options"]["expires"] for name in SWEEPS)  # why a backlog loses them
 
 
 def test_judgement_and_upkeep_go_to_the_background_queue(tasks, settings):
@@ -92,14 +104,19 @@ def test_a_delayed_verification_lands_in_the_checkpoints_queue_of_the_broker(set
 
 
 def test_the_compose_file_runs_a_worker_on_each_queue():
+    """One worker for failure handling (the default queue and the sweeps), one for checkpoints, one for
+    the background: none of them consumes another's queue, and every queue a task goes to has one."""
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    commands = {name: " ".join(service["command"]) for name, service in services.items()
-                if "celery -A controlplane worker" in " ".join(service.get("command") or [])}
-    checkpoint_workers = [name for name, command in commands.items() if f"-Q {CHECKPOINTS_QUEUE}" in command]
-    background_workers = [name for name, command in commands.items() if f"-Q {BACKGROUND_QUEUE}" in command]
-    default_workers = [name for name, command in commands.items() if "-Q " not in command]
-    assert checkpoint_workers and background_workers and default_workers, commands
-    assert len({*checkpoint_workers, *background_workers, *default_workers}) == len(commands)
+    argvs = {name: " ".join(service["command"]).split("exec ", 1)[1].split() for name, service in services.items()
+             if "celery -A controlplane worker" in " ".join(service.get("command") or [])}
+    # Failure handling runs on the declared queues: a worker started as before the sweeps had a queue
+    # (no -Q) still runs them.
+    assert "-Q" not in argvs["worker"]
+    consumed = {name: _queues(argv) for name, argv in argvs.items()}
+    assert sorted(consumed.values()) == sorted([[BACKGROUND_QUEUE], [CHECKPOINTS_QUEUE],
+                                                [app.conf.task_default_queue, SWEEPS_QUEUE]]), consumed
+    routed = {route["queue"] for route in app.conf.task_routes.values()}
+    assert routed | {app.conf.task_default_queue} == {q for queues in consumed.values() for q in queues}
 
 
 def test_the_demo_consumes_every_queue():
@@ -110,12 +127,13 @@ def test_the_demo_consumes_every_queue():
     consumed = {queue for argv in demo.WORKERS.values() for queue in _queues(argv)}
     routed = {route["queue"] for route in app.conf.task_routes.values()}
     assert {app.conf.task_default_queue, *routed} <= consumed, (consumed, routed)
+    assert _queues(demo.WORKERS["worker"]) == [app.conf.task_default_queue, SWEEPS_QUEUE]  # failure handling
 
 
 def _queues(argv: list[str]) -> list[str]:
-    """The queues a ``celery worker`` command line consumes (the default one without ``-Q``)."""
+    """The queues a ``celery worker`` command line consumes (the declared ones without ``-Q``)."""
     if "-Q" not in argv:
-        return [app.conf.task_default_queue]
+        return [queue.name for queue in app.conf.task_queues]
     return argv[argv.index("-Q") + 1].split(",")
 
 

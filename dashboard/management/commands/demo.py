@@ -45,7 +45,8 @@ DEMO_SCENARIO = "gpus: 1\nbaseline: {temperature: 45, utilization: 80}\n"
 
 
 #: The demo's Celery workers: ``celery -A controlplane worker`` and these options, by name. The first
-#: has the default queue, failure handling, to itself. Verification, replication and retention
+#: has failure handling (the declared queues: the default one, and ``sweeps``, the checks that find
+#: what expired) to itself. Verification, replication and retention
 #: (``checkpoints``) and judgement and upkeep (``background``; ``settings.CELERY_TASK_ROUTES``) share
 #: the second, so neither ever delays the handling of the fault the demo injects.
 WORKERS: dict[str, list[str]] = {
