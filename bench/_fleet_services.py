@@ -114,10 +114,15 @@ class ControlPlane:
             wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
 
     def start_worker(self) -> Proc:
+        # A restarted worker appends to its predecessor's log, whose "ready." must not count: it made
+        # a restart look 8 s away where the new worker took 28-37 s to be ready (runs S and T).
+        log = self.logs / "worker.log"
+        before = log.stat().st_size if log.exists() else 0
         proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery,sweeps"],
                             processes=WORKER_PROCESSES)
         self.procs["worker"] = proc
-        wait_for(lambda: "ready." in proc.log() or not proc.alive, timeout=90, what="the celery worker")
+        wait_for(lambda: b"ready." in proc.log_path.read_bytes()[before:] or not proc.alive, timeout=90,
+                 what="the celery worker")
         return proc
 
     def restart_worker(self) -> float:
