@@ -9,7 +9,9 @@ Redis ``LLEN``, and detection times from the rows the control plane wrote (an in
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +30,39 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
             continue
         found[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
     return found
+
+
+def schedstat(pids: list[int]) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """Per thread of each process (``/proc/<pid>/task/<tid>/schedstat``): nanoseconds on a CPU,
+    nanoseconds runnable but waiting for one, and how many times it was given one."""
+    found = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                ran, waited, slices = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:3]
+            except (OSError, ValueError):
+                continue
+            found[(pid, int(tid))] = (int(ran), int(waited), int(slices))
+    return found
+
+
+def run_queue_wait(before: dict, after: dict, roles: dict[int, str], window: float) -> dict[str, dict[str, float]]:
+    """How long each role's threads waited for a CPU while runnable, from two ``schedstat`` reads:
+    milliseconds per time they were given one (the delay a wake-up meets on a busy machine) and
+    seconds waited per second of the window. A thread that ended between the reads is left out."""
+    sums: dict[str, list[int]] = {}
+    for key, (_, waited, slices) in after.items():
+        _, waited0, slices0 = before.get(key, (0, 0, 0))
+        total = sums.setdefault(roles.get(key[0], "postgres"), [0, 0])
+        total[0] += waited - waited0
+        total[1] += slices - slices0
+    return {role: {"ms_per_wakeup": round(waited / 1e6 / slices, 2) if slices else None,
+                   "waited_s_per_s": round(waited / 1e9 / window, 3)}
+            for role, (waited, slices) in sorted(sums.items())}
 
 
 def backend_pids(conn, database: str) -> list[int]:
@@ -170,8 +205,30 @@ def launch_delivery(conn, jobs: list[int]) -> dict[str, Any]:
     return figures
 
 
+#: The queues whose depth the benchmark follows (the sweeps' own queue apart: beat sends a few a
+#: second, and those that wait too long expire unrun, which ``discarded_tasks`` counts).
+QUEUES = ("celery", "checkpoints", "background")
+
+
 def queue_depth(redis_client) -> int:
-    return sum(int(redis_client.llen(queue)) for queue in ("celery", "checkpoints", "background"))
+    return sum(int(redis_client.llen(queue)) for queue in QUEUES)
+
+
+def queue_census(redis_client, queues: tuple[str, ...] = QUEUES) -> dict[str, dict[str, int]]:
+    """What waits in each queue, counted by task name (Celery's Redis messages are JSON whose
+    ``headers.task`` names the task): read when the depth reaches a new maximum, to say what a
+    backlog is made of."""
+    census: dict[str, dict[str, int]] = {}
+    for queue in queues:
+        names: Counter[str] = Counter()
+        for raw in redis_client.lrange(queue, 0, -1):
+            try:
+                names[json.loads(raw)["headers"]["task"]] += 1
+            except (ValueError, KeyError, TypeError):
+                names["(unreadable)"] += 1
+        if names:
+            census[queue] = dict(names.most_common())
+    return census
 
 
 def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[float, float],
@@ -183,11 +240,20 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
     missing. With ``relayed`` (when the relay sent each step, from the frames) the figure is split:
     ``stored_to_relayed`` (the ingest request's rest, the relay's read, coalescing; given apart for
     the steps whose request also carried the job's node windows) and ``relayed_to_browser`` (the
-    channel layer, the consumer, the socket, the client)."""
-    rows = conn.execute("SELECT step, extract(epoch FROM received_at) FROM jobs_stepmetric WHERE job_id = %s "
-                        "AND rank = 0 AND received_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)",
+    channel layer, the consumer, the socket, the client).
+
+    Where PostgreSQL records commit times (``track_commit_timestamp = on``, a server setting that
+    takes a restart), the figure is also given from the step row's commit, the moment it exists for
+    any other process (``from_commit``), with the commit's own delay after ``received_at``
+    (``stored_to_committed``): the ingest transaction's part apart from the push's."""
+    rows = conn.execute("SELECT step, extract(epoch FROM received_at), "
+                        "CASE WHEN current_setting('track_commit_timestamp') = 'on' "
+                        "THEN extract(epoch FROM pg_xact_commit_timestamp(xmin)) END "
+                        "FROM jobs_stepmetric WHERE job_id = %s AND rank = 0 "
+                        "AND received_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)",
                         (job, window[0], window[1] - 2.0)).fetchall()  # the last 2 s: still on their way
-    stored = {int(step): float(at) for step, at in rows}
+    stored = {int(step): float(at) for step, at, _ in rows}
+    committed = {int(step): float(at) for step, _, at in rows if at is not None}
     # The steps at which rank 0 also reported the job's node windows (in the same request, as the
     # hooks batch them): their split is given apart, to tell the windows' cost from the rest.
     exchange_steps = {int(step) for (step,) in conn.execute(
@@ -210,6 +276,19 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
         return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
     figures = {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
                "p50_ms": _quantile(latencies, 0.5), "p95_ms": _quantile(latencies, 0.95), "missing": missing}
+    if committed:
+        from_commit = [max(0.0, client[step] - at) * 1000 for client in arrivals
+                       for step, at in committed.items() if step in client]
+        to_commit = [max(0.0, committed[step] - stored[step]) * 1000 for step in committed]
+        figures["from_commit"] = {"samples": len(from_commit), "p50_ms": _quantile(from_commit, 0.5),
+                                  "p95_ms": _quantile(from_commit, 0.95)}
+        figures["stored_to_committed"] = {"p50_ms": _quantile(to_commit, 0.5), "p95_ms": _quantile(to_commit, 0.95)}
+        if relayed:
+            to_relayed = [max(0.0, sent[step] - at) * 1000 for sent in relayed
+                          for step, at in committed.items() if step in sent]
+            if to_relayed:
+                figures["committed_to_relayed"] = {"p50_ms": _quantile(to_relayed, 0.5),
+                                                   "p95_ms": _quantile(to_relayed, 0.95)}
     if to_relay or to_relay_exchange:
         every = to_relay + to_relay_exchange
         figures["stored_to_relayed"] = {"p50_ms": _quantile(every, 0.5), "p95_ms": _quantile(every, 0.95)}
@@ -220,6 +299,18 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
         figures["relayed_to_browser"] = {"p50_ms": _quantile(to_browser, 0.5),
                                          "p95_ms": _quantile(to_browser, 0.95)}
     return figures
+
+
+def discarded_tasks(log: Path, offset: int) -> dict[str, int]:
+    """Tasks a worker discarded unrun (expired before a process took them), by name, from what its
+    log gained after ``offset`` bytes: Celery logs "Discarding revoked task: <name>[<id>]"."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(Counter(re.findall(r"Discarding revoked task: ([\w.]+)\[", text)).most_common())
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -2,8 +2,8 @@
 
 Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a load
 balancer would), a third for the operators: the dashboard's pages and
-WebSockets (docker-compose.yml's ``ws``), the Celery worker with beat on the default queue (two
-processes, as compose's ``worker``), the checkpoint worker on ``checkpoints`` and the background worker
+WebSockets (docker-compose.yml's ``ws``), the Celery worker on the default queue (two
+processes, as compose's ``worker``) and beat, the checkpoint worker on ``checkpoints`` and the background worker
 on ``background`` (one process each: nothing there is waited for within seconds),
 on a PostgreSQL database made for the run from a migrated template and a Redis database of its own.
 Every process runs in a session of its own (``tests.e2e.cluster.Proc``) so ``close()`` takes its
@@ -104,6 +104,12 @@ class ControlPlane:
         self._daphne("ws", self.ws_port)
         if self.urgent_port is not None:
             self._daphne("urgent", self.urgent_port)
+        # Beat is a process of its own, as compose runs it: a worker restart (one of the faults) takes
+        # no schedule with it. As the worker's -B (runs up to T) it did, and no sweep was even sent
+        # while the new worker started.
+        self.procs["beat"] = Proc("beat", [sys.executable, "-m", "celery", "-A", "controlplane", "beat",
+                                           "--loglevel=INFO", "-s", str(self.work / "beat-schedule")],
+                                  env=self.env, log_dir=self.logs)
         self.start_worker()
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
         # Straggler checks, roll-ups and sweeps (settings.BACKGROUND_TASKS), as production's background-worker.
@@ -118,7 +124,7 @@ class ControlPlane:
         # a restart look 8 s away where the new worker took 28-37 s to be ready (runs S and T).
         log = self.logs / "worker.log"
         before = log.stat().st_size if log.exists() else 0
-        proc = self._celery("worker", ["-B", "-s", str(self.work / "beat-schedule"), "-Q", "celery,sweeps"],
+        proc = self._celery("worker", ["-Q", "celery,sweeps"],
                             processes=WORKER_PROCESSES)
         self.procs["worker"] = proc
         wait_for(lambda: b"ready." in proc.log_path.read_bytes()[before:] or not proc.alive, timeout=90,
@@ -159,7 +165,7 @@ class ControlPlane:
         return [p.popen.pid for name, p in self.procs.items() if name.startswith("web") or name == "urgent"]
 
     def pids(self) -> dict[str, list[int]]:
-        """The control plane's processes by role, children included (celery's beat thread is in-process)."""
+        """The control plane's processes by role, children included."""
         return {name: [p.popen.pid, *_children(p.popen.pid)] for name, p in self.procs.items() if p.alive}
 
     def pause_web(self, paused: bool) -> None:

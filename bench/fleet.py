@@ -2,7 +2,7 @@
 
 For each fleet size (64, 256, 1,024 nodes x 8 GPUs) the benchmark starts the control plane as
 production runs it (``bench._fleet_services``: 2 daphne processes with pooled database connections,
-the Celery worker with beat, the checkpoint worker, PostgreSQL, Redis), then simulated node agents
+the Celery worker and beat, the checkpoint worker, PostgreSQL, Redis), then simulated node agents
 and training ranks in a few processes (``bench._fleet_sim``) that speak the real wire protocol over
 real HTTP with real tokens. Jobs are submitted through the API with an operator token and fill the
 fleet: one of half of it, 64-node jobs while they fit in three eighths, 8-node jobs for the rest
@@ -518,12 +518,18 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     watched = list(roles) + measure.backend_pids(conn, database)
     cpu_before = measure.cpu_seconds(watched)
     sim_cpu_before = sum(measure.cpu_seconds(sims.pids()).values())
+    # Who waited for a CPU, and how long a wake-up waited: the browsers' sockets are read in this
+    # process, so its wait is part of the live push's last hop.
+    sched_roles = {os.getpid(): "benchmark (browsers)", **dict.fromkeys(sims.pids(), "simulator")}
+    sched_before = measure.schedstat(watched + list(sched_roles))
     made_before, delivered_before = sims.total("made"), sims.delivered("report")
     wakeups_before = sims.total("wakeups")
     book_before = sims.book()
     started = time.time()
     log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
-    depth, worker_away, pager = 0, None, None
+    depth, census, worker_away, pager = 0, {}, None, None
+    worker_log = plane.logs / "worker.log"
+    worker_log_from = worker_log.stat().st_size if worker_log.exists() else 0
     pending = list(plan)
     backends = set(watched)
     while time.time() - started < opts.duration:
@@ -548,10 +554,13 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             if pid not in backends:  # a backend opened during the window: counted from 0
                 backends.add(pid)
                 cpu_before.setdefault(pid, 0.0)
-        depth = max(depth, measure.queue_depth(plane.redis))
+        now_depth = measure.queue_depth(plane.redis)
+        if now_depth > depth:
+            depth, census = now_depth, measure.queue_census(plane.redis)
         time.sleep(0.5)
     window = time.time() - started
     cpu_after = measure.cpu_seconds(list(backends))
+    sched_after = measure.schedstat(list(backends) + list(sched_roles))
     used = {p: cpu_after[p] - cpu_before.get(p, cpu_after[p]) for p in cpu_after}
     cpu = sum(used.values())
     by_role: Counter[str] = Counter()
@@ -582,9 +591,12 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "cpu_s_per_node_minute": round(cpu / fleet / (window / 60), 4), "cpu_cores": round(cpu / window, 2),
             "cpu_cores_by_role": {role: round(seconds / window, 2) for role, seconds in sorted(by_role.items())},
             "simulator_cores": round(sim_cpu / window, 2),
+            "run_queue_wait": measure.run_queue_wait(sched_before, sched_after, {**roles, **sched_roles}, window),
             "step_reports_made_per_s": round(made / window, 1),
             "step_reports_stored_per_s": round(delivered / window, 1),
-            "queue_depth_max": depth, "dashboard_s": pages, "dashboard_on_ingest_s": pages_on_ingest,
+            "queue_depth_max": depth, "queue_at_max": census,
+            "discarded_tasks": measure.discarded_tasks(worker_log, worker_log_from),
+            "dashboard_s": pages, "dashboard_on_ingest_s": pages_on_ingest,
             "heartbeat_interval_s": sims.maximum("interval_max"),
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
             "false_unreachable": measure.unreachable_events(conn, started, time.time(), killed),
@@ -792,6 +804,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setup", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     opts.settings = dict(opts.settings)
+    # A SIGTERM (a CI step's timeout, an impatient person) runs the cleanup below like Ctrl-C does:
+    # by default it ended only this process, leaving the control plane's processes running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if opts.report:
         report.write(json.loads((RESULTS / "fleet.json").read_text()))
         return

@@ -1,0 +1,90 @@
+"""What the fleet benchmark reads about the Celery queues from outside: what a backlog is made of
+(``queue_census``, from the messages Celery put in Redis) and which tasks a worker discarded unrun
+(``discarded_tasks``, from the worker's log), and how the report words them (``_tasks``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+
+from bench._fleet_measure import discarded_tasks, queue_census
+from bench._fleet_report import _tasks
+from controlplane.celery import app
+
+
+@pytest.fixture
+def redis_url():
+    return settings.REDIS_URL or "redis://127.0.0.1:6379/5"
+
+
+def test_the_census_counts_the_waiting_tasks_of_each_queue_by_name(redis_url):
+    queues = (f"census-{uuid.uuid4().hex}", f"census-{uuid.uuid4().hex}")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        with app.connection_for_write(redis_url) as connection:
+            sent = [("jobs.tasks.handle_exit", queues[0]), ("jobs.tasks.handle_exit", queues[0]),
+                    ("jobs.tasks.handle_node_health", queues[0]), ("jobs.tasks.check_stragglers", queues[1])]
+            for name, queue in sent:
+                app.send_task(name, args=(1, 2), queue=queue, connection=connection)
+        client.lpush(queues[1], b"not a celery message")
+        census = queue_census(client, queues)
+    finally:
+        client.delete(*queues)
+    assert census == {queues[0]: {"jobs.tasks.handle_exit": 2, "jobs.tasks.handle_node_health": 1},
+                      queues[1]: {"jobs.tasks.check_stragglers": 1, "(unreadable)": 1}}
+    assert queue_census(client, queues) == {}  # empty queues are left out
+
+
+def test_discarded_tasks_are_counted_from_what_the_log_gained(tmp_path):
+    log = tmp_path / "worker.log"
+    before = "[2026-12-07 22:00:00,001: INFO/MainProcess] Discarding revoked task: jobs.tasks.sweep[0f1e]\n"
+    log.write_text(before)
+    with log.open("a") as f:  # Celery's own words (celery.worker.request: "Discarding revoked task: %s[%s]")
+        f.write("[2026-12-07 22:00:01,002: INFO/MainProcess] Discarding revoked task: "
+                "nodes.tasks.expire_heartbeats[9a2b-77]\n"
+                "[2026-12-07 22:00:01,500: INFO/ForkPoolWorker-1] Task jobs.tasks.sweep[1c] succeeded in 0.01s: None\n"
+                "[2026-12-07 22:00:02,003: INFO/MainProcess] Discarding revoked task: "
+                "nodes.tasks.expire_heartbeats[c3d4]\n"
+                "[2026-12-07 22:00:02,004: INFO/MainProcess] Discarding revoked task: jobs.tasks.expire_progress[e5]\n")
+    assert discarded_tasks(log, len(before)) == {"nodes.tasks.expire_heartbeats": 2, "jobs.tasks.expire_progress": 1}
+    assert discarded_tasks(log, 0)["jobs.tasks.sweep"] == 1
+    assert discarded_tasks(tmp_path / "no-such.log", 0) == {}
+
+
+def test_the_report_names_the_most_by_short_name():
+    assert _tasks({"celery": {"jobs.tasks.handle_exit": 3, "jobs.tasks.handle_node_health": 5},
+                   "background": {"jobs.tasks.check_stragglers": 9, "jobs.tasks.roll_up": 1}}) == \
+        "check_stragglers 9, handle_node_health 5, handle_exit 3"
+    assert _tasks({"nodes.tasks.expire_heartbeats": 2}) == "expire_heartbeats 2"
+    assert _tasks({}) == "none"
+    assert _tasks(None) == "—"  # a run from before the figure
+
+
+def test_waiting_for_a_cpu_is_read_per_thread_and_summed_by_role():
+    import os
+    import threading
+
+    from bench._fleet_measure import run_queue_wait, schedstat
+
+    before = schedstat([os.getpid()])
+    assert (os.getpid(), os.getpid()) in before  # the main thread is a task of its own
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (sum(range(200_000)), done.wait(5)))
+    worker.start()
+    after = schedstat([os.getpid()])
+    done.set()
+    worker.join()
+    assert len(after) > len(before) and all(after[key][2] >= before[key][2] for key in before if key in after)
+
+    pid_a, pid_b = 101, 202  # made-up threads: the arithmetic
+    before = {(pid_a, 1): (0, 1_000_000, 10), (pid_b, 2): (0, 0, 0)}
+    after = {(pid_a, 1): (0, 5_000_000, 12), (pid_a, 3): (0, 2_000_000, 2), (pid_b, 2): (0, 0, 0),
+             (303, 4): (0, 1_000_000_000, 100)}
+    assert run_queue_wait(before, after, {pid_a: "ws", pid_b: "web0"}, window=2.0) == {
+        "ws": {"ms_per_wakeup": 1.5, "waited_s_per_s": 0.003},  # (4 + 2) ms over 2 + 2 wake-ups
+        "web0": {"ms_per_wakeup": None, "waited_s_per_s": 0.0},  # never woken in the window
+        "postgres": {"ms_per_wakeup": 10.0, "waited_s_per_s": 0.5},  # a pid of no role: a database backend
+    }
