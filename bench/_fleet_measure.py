@@ -313,6 +313,44 @@ def discarded_tasks(log: Path, offset: int) -> dict[str, int]:
     return dict(Counter(re.findall(r"Discarding revoked task: ([\w.]+)\[", text)).most_common())
 
 
+#: The sweeps whose pace bounds a detection: node death (heartbeat expiry) and hangs (progress
+#: deadlines). Both are in ``settings.SWEEP_TASKS`` (tests/bench/test_fleet_measure.py checks).
+DETECTING_SWEEPS = ("nodes.tasks.expire_heartbeats", "jobs.tasks.expire_progress")
+
+
+def sweep_gaps(log: Path, offset: int, names: tuple[str, ...] = DETECTING_SWEEPS) -> dict[str, dict[str, Any]]:
+    """How regularly each sweep ran, from the "Task <name>[<id>] succeeded" lines the worker's log
+    gained after ``offset`` bytes (its JSON lines carry the time): runs, and the longest time between
+    two (the first and last lines logged count as runs), with when it ended. A sweep that expired in the
+    queue is redundant, the next one does its work; a long gap is what delays a detection."""
+    runs: dict[str, list[datetime]] = {name: [] for name in names}
+    first = last = None
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+            at = datetime.fromisoformat(record["time"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        first, last = first or at, at
+        name = record.get("task")
+        if name in runs and " succeeded in " in str(record.get("message", "")):
+            runs[name].append(at)
+    gaps = {}
+    for name, times in runs.items():
+        marks = [first, *times, last] if first else []
+        widest = max(zip(marks, marks[1:]), key=lambda pair: pair[1] - pair[0], default=None)
+        gaps[name] = {"runs": len(times),
+                      "max_gap_s": round((widest[1] - widest[0]).total_seconds(), 2) if widest else None,
+                      "max_gap_ended": widest[1].isoformat() if widest else None}
+    return gaps
+
+
 def _quantile(values: list[float], q: float) -> float:
     """The ``q`` quantile of ``values`` (nearest rank), rounded to a tenth of their unit."""
     ordered = sorted(values)

@@ -120,6 +120,14 @@ def _waits_for_cpu(r: dict) -> str:
                       for role in ("ws", "web0", "postgres", "worker", "benchmark (browsers)"))
 
 
+def _sweep_pauses(r: dict) -> str:
+    gaps = r.get("sweep_gaps")
+    if not gaps:
+        return "—"
+    return " / ".join(_v((gaps.get(name) or {}).get("max_gap_s"))
+                      for name in ("nodes.tasks.expire_heartbeats", "jobs.tasks.expire_progress"))
+
+
 def _tasks(counts: dict | None) -> str:
     """``{"celery": {"jobs.tasks.handle_exit": 3}}`` or ``{"jobs.tasks.sweep": 2}``: the three most, by
     short name ("—" where the run predates the figure, "none" where there were none)."""
@@ -191,6 +199,7 @@ def markdown(result: dict) -> str:
     row("Celery queue depth, max", lambda r: str(r["queue_depth_max"]))
     row("…its tasks then (the most waiting)", lambda r: _tasks(r.get("queue_at_max")))
     row("sweeps and tasks discarded unrun (expired in the queue)", lambda r: _tasks(r.get("discarded_tasks")))
+    row("longest pause between heartbeat / progress sweeps, s", _sweep_pauses)
     row("raw data, GB a day (GPU samples + node windows + step rows; target ≤ 5)",
         lambda r: "—" if "data" not in r else _v(r["data"]["raw_gb_per_day"]))
     row("GPU rollups, GB a day (kept 90 days)",

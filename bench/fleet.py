@@ -290,7 +290,8 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
 
     database = f"nightwatch_fleet_bench_{nodes}"
     fleet = nodes + spares(nodes)
-    with served(work, database, opts.max_heartbeats_per_s, opts.settings, urgent=opts.urgent_process) as (plane, slot):
+    with served(work, database, opts.max_heartbeats_per_s, opts.settings, urgent=opts.urgent_process,
+                ingest_nice=opts.ingest_nice) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
@@ -352,21 +353,22 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 f"the last step report {hang['last_report_s_before']} s before")
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
                       max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings,
-                      urgent_process=opts.urgent_process)
+                      urgent_process=opts.urgent_process, ingest_nice=opts.ingest_nice)
         conn.close()
         return result
 
 
 @contextlib.contextmanager
 def served(work: Path, database: str, max_heartbeats_per_s: float | None = None,
-           settings: dict[str, str] | None = None, *, urgent: bool = False):
+           settings: dict[str, str] | None = None, *, urgent: bool = False, ingest_nice: int = 0):
     """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
     out; the plane's logs are printed when anything fails. ``max_heartbeats_per_s``: heartbeat pacing's
     rate (None: the control plane's default; 0: off); ``settings``: more ``NIGHTWATCH_*`` variables
     for the control plane's processes (``--setting``); ``urgent``: the agents' events and acks go to a
-    web process of their own (``--urgent-process``)."""
+    web process of their own (``--urgent-process``); ``ingest_nice``: the fleet's web processes' CPU
+    priority below the rest (``--ingest-nice``)."""
     fresh_database(database, TEMPLATE_DB)
-    plane = ControlPlane(work, database=database, redis_db=REDIS_DB, urgent=urgent)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB, urgent=urgent, ingest_nice=ingest_nice)
     if max_heartbeats_per_s is not None:
         plane.env["NIGHTWATCH_MAX_HEARTBEATS_PER_S"] = str(max_heartbeats_per_s)
     plane.env.update(settings or {})
@@ -596,6 +598,7 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "step_reports_stored_per_s": round(delivered / window, 1),
             "queue_depth_max": depth, "queue_at_max": census,
             "discarded_tasks": measure.discarded_tasks(worker_log, worker_log_from),
+            "sweep_gaps": measure.sweep_gaps(worker_log, worker_log_from),
             "dashboard_s": pages, "dashboard_on_ingest_s": pages_on_ingest,
             "heartbeat_interval_s": sims.maximum("interval_max"),
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),
@@ -788,6 +791,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--urgent-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the agents' events and acks to a web process of their own, compose's urgent "
                         "(default; --no-urgent-process: to the ingest processes, with the rest)")
+    parser.add_argument("--ingest-nice", type=int, default=0, choices=range(20), metavar="0-19",
+                        help="the fleet's web processes (bulk ingest) at this nice level, the operators', the "
+                        "agents' urgent process, the workers and PostgreSQL at 0: compose's cpu_shares on a "
+                        "shared host (default 0: all alike)")
     parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
                         help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "

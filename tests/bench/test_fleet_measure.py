@@ -88,3 +88,29 @@ def test_waiting_for_a_cpu_is_read_per_thread_and_summed_by_role():
         "web0": {"ms_per_wakeup": None, "waited_s_per_s": 0.0},  # never woken in the window
         "postgres": {"ms_per_wakeup": 10.0, "waited_s_per_s": 0.5},  # a pid of no role: a database backend
     }
+
+
+def test_a_sweeps_longest_pause_is_read_from_the_times_it_succeeded(tmp_path, settings):
+    import json
+
+    from bench._fleet_measure import DETECTING_SWEEPS, sweep_gaps
+
+    assert set(DETECTING_SWEEPS) <= set(settings.SWEEP_TASKS)
+
+    def line(at: str, task: str, message: str) -> str:  # the control plane's JSON log lines
+        return json.dumps({"time": f"2026-12-07T22:00:{at}+00:00", "level": "info", "logger": "celery.app.trace",
+                           "message": message, "task": task}) + "\n"
+
+    log = tmp_path / "worker.log"
+    log.write_text(line("00.000", "nodes.tasks.expire_heartbeats", "Task x[1] succeeded in 0.01s: None")
+                   + "worker: Warm shutdown (MainProcess)\n"  # not JSON: skipped
+                   + line("01.000", "nodes.tasks.expire_heartbeats", "Task x[2] succeeded in 0.01s: None")
+                   + line("02.500", "nodes.tasks.expire_heartbeats", "Discarding revoked task: x[3]")
+                   + line("09.000", "nodes.tasks.expire_heartbeats", "Task x[4] succeeded in 0.02s: None")
+                   + line("10.000", "jobs.tasks.handle_exit", "Task y[5] succeeded in 0.5s: None"))
+    gaps = sweep_gaps(log, 0)
+    assert gaps["nodes.tasks.expire_heartbeats"] == {"runs": 3, "max_gap_s": 8.0,
+                                                     "max_gap_ended": "2026-12-07T22:00:09+00:00"}
+    # Never ran: the whole span of the log is its pause.
+    assert gaps["jobs.tasks.expire_progress"] == {"runs": 0, "max_gap_s": 10.0,
+                                                  "max_gap_ended": "2026-12-07T22:00:10+00:00"}
