@@ -396,7 +396,13 @@ def _open_incident(job: Job) -> Incident | None:
 # --- confirmations and progress ----------------------------------------------------------------
 
 def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail: dict | None = None) -> None:
-    """A node's processes of ``generation`` are gone (its exit report, or its stop acknowledged)."""
+    """A node's processes of ``generation`` are gone (its exit report, or its stop acknowledged).
+
+    Only the confirmation that completes the generation's set moves the recovery on: before it,
+    ``advance_recovery`` can do nothing a confirmation would change (a quiescing job waits for all
+    of them; its deadline is the sweep's). One ``advance_job`` per stop, not one per node: a
+    512-node job's recovery queued over 500 of them, each locking the job to find it still waiting,
+    ahead of every other job's verdicts."""
     with transaction.atomic():
         row = Generation.objects.select_for_update().filter(job_id=job_id, number=generation).first()
         if row is None or hostname in row.stopped_nodes:
@@ -406,13 +412,14 @@ def confirm_stopped(job_id: int, generation: int, hostname: str, *, exit_detail:
             for failed in exit_detail.get("ranks", []):
                 row.exit_codes[str(failed.get("rank"))] = failed.get("exit_code", failed.get("signal"))
         row.save(update_fields=["stopped_nodes", "exit_codes"])
-        if all_stopped(row):
-            # Also when the job already paused (an escalation): the incident's quiesce time and the
-            # generation's end are facts that goodput accounting needs, whenever they happen.
-            now = timezone.now()
-            end_generations(Generation.objects.filter(pk=row.pk), now)
-            Incident.objects.filter(job_id=job_id, generation=row, state=IncidentState.OPEN,
-                                    quiesced_at__isnull=True).update(quiesced_at=now)
+        if not all_stopped(row):
+            return
+        # Also when the job already paused (an escalation): the incident's quiesce time and the
+        # generation's end are facts that goodput accounting needs, whenever they happen.
+        now = timezone.now()
+        end_generations(Generation.objects.filter(pk=row.pk), now)
+        Incident.objects.filter(job_id=job_id, generation=row, state=IncidentState.OPEN,
+                                quiesced_at__isnull=True).update(quiesced_at=now)
     transaction.on_commit(lambda: _advance_later(job_id))
 
 

@@ -94,6 +94,30 @@ def test_relaunch_waits_for_a_node_that_has_not_confirmed(cast, job):
 
 
 @pytest.mark.django_db
+def test_only_the_confirmation_that_completes_the_set_moves_the_recovery_on(
+        cast, job, django_capture_on_commit_callbacks):
+    """A quiescing job waits for every node: a confirmation before the last one queues no
+    ``advance_job`` (a 512-node job's recovery queued over 500, each finding it still waiting)."""
+    from nodes.models import Node
+
+    third = Node.objects.create(hostname="gpu-03", address="10.0.0.3", health="healthy")
+    Job.objects.filter(pk=job.pk).update(nnodes=3)
+    Generation.objects.get(job=job, number=1).nodes.add(cast.node2, third)
+    crash(job, "gpu-01")  # its exit report confirms gpu-01
+    with django_capture_on_commit_callbacks() as callbacks:
+        orchestrator.confirm_stopped(job.pk, 1, "gpu-02")
+        orchestrator.confirm_stopped(job.pk, 1, "gpu-02")  # the ack after the exit report: known
+    assert callbacks == []
+    assert Generation.objects.get(job=job, number=1).ended_at is None
+    with django_capture_on_commit_callbacks() as callbacks:
+        orchestrator.confirm_stopped(job.pk, 1, "gpu-03")
+    assert len(callbacks) == 1  # the advance: the recovery goes on
+    assert Generation.objects.get(job=job, number=1).ended_at is not None
+    assert orchestrator.advance_recovery(job.pk)
+    assert Job.objects.get(pk=job.pk).state == JobState.RECOVERING
+
+
+@pytest.mark.django_db
 def test_an_unconfirmed_stop_past_the_deadline_pauses_and_escalates(cast, job):
     Generation.objects.get(job=job, number=1).nodes.add(cast.node2)
     crash(job, "gpu-01")
