@@ -63,6 +63,10 @@ SLOW_ALONE_S = 2 * SLOW_GAP_S
 IDLE_STOP_S = 5.0
 LEASE_KEY = "nightwatch:dashboard:relay"
 LEASE_MS = 3000
+#: The lease is renewed this often, not at every read: renewed this recently, it holds for two
+#: seconds more, and no other process can take it meanwhile. At every read it cost up to three
+#: Redis round trips before each one, 20 reads a second, on the path of every push.
+RENEW_EVERY_S = LEASE_MS / 3000
 
 @dataclass
 class Pending:
@@ -90,10 +94,12 @@ def _merge(a: events.Point, b: events.Point) -> events.Point:
 
 
 class Relay:
-    def __init__(self, *, interval_s: float = INTERVAL_S, min_gap_s: float = MIN_GAP_S, lease: bool | None = None):
+    def __init__(self, *, interval_s: float = INTERVAL_S, min_gap_s: float = MIN_GAP_S, lease: bool | None = None,
+                 renew_every_s: float = RENEW_EVERY_S):
         """``lease``: take the Redis lease before relaying (default: when Redis is configured)."""
         self.interval_s, self.min_gap_s = interval_s, min_gap_s
-        self.lease = lease
+        self.lease, self.renew_every_s = lease, renew_every_s
+        self._renewed_at = -1e9  # time.monotonic() of the last renewal that held
         self.events, self.metrics = Tail(), Tail()
         self.pending: dict[str, Pending] = {}
         self.last_sent: dict[str, float] = {}
@@ -276,6 +282,9 @@ class Relay:
         url = getattr(settings, "REDIS_URL", None)
         if not url or self.lease is False:
             return True
+        now = time.monotonic()
+        if self.leading and now - self._renewed_at < self.renew_every_s:
+            return True
         # Only with Redis: the in-memory layer's processes (the embedded demo, tests) never load the client.
         import redis
 
@@ -294,6 +303,8 @@ class Relay:
         if held and self.leading is False:  # taking over from another process
             self.mark_now()
         self.leading = bool(held)
+        if held:
+            self._renewed_at = now
         return self.leading
 
     def _release(self) -> None:

@@ -178,7 +178,7 @@ def test_the_relay_keeps_its_place_while_its_lease_cannot_be_renewed(settings):
     from dashboard.relay import LEASE_KEY, Relay
 
     live_url = settings.REDIS_URL or "redis://127.0.0.1:6379/5"
-    relay = Relay(lease=True)
+    relay = Relay(lease=True, renew_every_s=0)  # asks Redis at every read
     relay.events.start_at(5)
     relay.metrics.start_at(7)
     settings.REDIS_URL = live_url

@@ -9,6 +9,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from agents.protocol import hooks as wire
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -131,6 +132,28 @@ def test_one_web_process_relays_at_a_time(settings):
     finally:
         first._release()
         second._release()
+
+
+def test_the_lease_is_renewed_every_second_not_at_every_read(settings):
+    """Renewed this recently, the lease holds for two more seconds: no other process can have it, so
+    the reads in between ask Redis nothing (three round trips each, 20 reads a second, before every
+    push). Past the interval the relay asks again, and finds out what happened meanwhile."""
+    import redis
+
+    from dashboard.relay import LEASE_KEY, Relay
+
+    assert settings.REDIS_URL, "this test needs REDIS_URL"
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    relay = Relay(lease=True, renew_every_s=0.3)
+    try:
+        assert relay._lead()
+        client.set(LEASE_KEY, "another-process", px=3000)  # as if it had expired and been taken
+        assert relay._lead(), "within the interval: not asked"
+        wait_for(lambda: not relay._lead(), timeout=5, what="the relay to ask Redis again")
+        assert relay.leading is False
+    finally:
+        client.delete(LEASE_KEY)
+        relay._release()
 
 
 def _communicator(path, user):
