@@ -113,12 +113,15 @@ class ControlPlane:
                                            "--loglevel=INFO", "-s", str(self.work / "beat-schedule")],
                                   env=self.env, log_dir=self.logs)
         self.start_worker()
+        # The sweeps on a process of their own, as compose's sweeper: they never wait behind a big
+        # recovery's backlog on the default queue (the worker consumes their queue too).
+        self.procs["sweeper"] = self._celery("sweeper", ["-Q", "sweeps"])
         self.procs["checkpoints"] = self._celery("checkpoints", ["-Q", "checkpoints"])
         # Straggler checks, roll-ups and sweeps (settings.BACKGROUND_TASKS), as production's background-worker.
         self.procs["background"] = self._celery("background", ["-Q", "background"])
         for port in self._daphne_ports.values():
             wait_for(lambda p=port: self._healthy(p), timeout=90, what=f"daphne on {port} to answer /healthz")
-        for name in ("checkpoints", "background"):
+        for name in ("sweeper", "checkpoints", "background"):
             wait_for(lambda n=name: "ready." in self.procs[n].log(), timeout=90, what=f"the {name} worker")
 
     def start_worker(self) -> Proc:

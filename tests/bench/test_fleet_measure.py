@@ -114,3 +114,23 @@ def test_a_sweeps_longest_pause_is_read_from_the_times_it_succeeded(tmp_path, se
     # Never ran: the whole span of the log is its pause.
     assert gaps["jobs.tasks.expire_progress"] == {"runs": 0, "max_gap_s": 10.0,
                                                   "max_gap_ended": "2026-12-07T22:00:10+00:00"}
+
+
+def test_a_thread_id_is_not_read_as_a_process():
+    """``/proc/<tid>`` answers for a thread with its whole process's figures: a backend's pid that came
+    back as a web process's thread counted that process's CPU from 0 (12.5 cores on a 2-core machine)."""
+    import os
+    import threading
+
+    from bench._fleet_measure import cpu_seconds, schedstat
+
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, args=(5,))
+    thread.start()
+    try:
+        assert os.path.exists(f"/proc/{thread.native_id}/stat")  # what made the mistake possible
+        assert cpu_seconds([thread.native_id]) == {} and schedstat([thread.native_id]) == {}
+        assert list(cpu_seconds([os.getpid(), thread.native_id])) == [os.getpid()]
+    finally:
+        done.set()
+        thread.join()

@@ -104,8 +104,9 @@ def test_a_delayed_verification_lands_in_the_checkpoints_queue_of_the_broker(set
 
 
 def test_the_compose_file_runs_a_worker_on_each_queue():
-    """One worker for failure handling (the default queue and the sweeps), one for checkpoints, one for
-    the background: none of them consumes another's queue, and every queue a task goes to has one."""
+    """One worker for failure handling (the default queue and the sweeps), one for the sweeps alone
+    (they never wait behind a recovery's backlog), one for checkpoints, one for the background: none
+    of them consumes another's queue, and every queue a task goes to has one."""
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     argvs = {name: " ".join(service["command"]).split("exec ", 1)[1].split() for name, service in services.items()
              if "celery -A controlplane worker" in " ".join(service.get("command") or [])}
@@ -113,8 +114,9 @@ def test_the_compose_file_runs_a_worker_on_each_queue():
     # (no -Q) still runs them.
     assert "-Q" not in argvs["worker"]
     consumed = {name: _queues(argv) for name, argv in argvs.items()}
-    assert sorted(consumed.values()) == sorted([[BACKGROUND_QUEUE], [CHECKPOINTS_QUEUE],
+    assert sorted(consumed.values()) == sorted([[BACKGROUND_QUEUE], [CHECKPOINTS_QUEUE], [SWEEPS_QUEUE],
                                                 [app.conf.task_default_queue, SWEEPS_QUEUE]]), consumed
+    assert consumed["sweeper"] == [SWEEPS_QUEUE]
     routed = {route["queue"] for route in app.conf.task_routes.values()}
     assert routed | {app.conf.task_default_queue} == {q for queues in consumed.values() for q in queues}
 

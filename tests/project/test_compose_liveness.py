@@ -27,7 +27,7 @@ def services(tmp_path_factory):
 def test_a_stale_worker_is_killed_by_its_healthcheck_and_restarted_by_the_policy(services):
     workers = {name: s for name, s in services.items()
                if "celery -A controlplane worker" in " ".join(s.get("command") or [])}
-    assert set(workers) == {"worker", "checkpoint-worker", "background-worker"}
+    assert set(workers) == {"worker", "sweeper", "checkpoint-worker", "background-worker"}
     for name, service in workers.items():
         command = " ".join(service["command"])
         pidfile = command.split("--pidfile=")[1].split()[0]

@@ -79,7 +79,7 @@ def test_docker_compose_file_is_valid(tmp_path):
     import yaml
 
     services = yaml.safe_load(result.stdout)["services"]
-    assert set(services) == {"postgres", "redis", "web", "ws", "urgent", "worker", "checkpoint-worker",
+    assert set(services) == {"postgres", "redis", "web", "ws", "urgent", "worker", "sweeper", "checkpoint-worker",
                              "background-worker", "beat"}
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
