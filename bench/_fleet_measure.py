@@ -318,16 +318,23 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
     return figures
 
 
-def discarded_tasks(log: Path, offset: int) -> dict[str, int]:
-    """Tasks a worker discarded unrun (expired before a process took them), by name, from what its
-    log gained after ``offset`` bytes: Celery logs "Discarding revoked task: <name>[<id>]"."""
-    try:
-        with log.open("rb") as f:
-            f.seek(offset)
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return {}
-    return dict(Counter(re.findall(r"Discarding revoked task: ([\w.]+)\[", text)).most_common())
+def _gained(logs: dict[Path, int]) -> list[str]:
+    """The lines each log gained after its offset (a log that does not exist gained none)."""
+    lines = []
+    for log, offset in logs.items():
+        try:
+            with log.open("rb") as f:
+                f.seek(offset)
+                lines += f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+    return lines
+
+
+def discarded_tasks(logs: dict[Path, int]) -> dict[str, int]:
+    """Tasks the workers discarded unrun (expired before a process took them), by name, from what
+    their logs gained after the offsets given: Celery logs "Discarding revoked task: <name>[<id>]"."""
+    return dict(Counter(re.findall(r"Discarding revoked task: ([\w.]+)\[", "\n".join(_gained(logs)))).most_common())
 
 
 #: The sweeps whose pace bounds a detection: node death (heartbeat expiry) and hangs (progress
@@ -335,32 +342,30 @@ def discarded_tasks(log: Path, offset: int) -> dict[str, int]:
 DETECTING_SWEEPS = ("nodes.tasks.expire_heartbeats", "jobs.tasks.expire_progress")
 
 
-def sweep_gaps(log: Path, offset: int, names: tuple[str, ...] = DETECTING_SWEEPS) -> dict[str, dict[str, Any]]:
-    """How regularly each sweep ran, from the "Task <name>[<id>] succeeded" lines the worker's log
-    gained after ``offset`` bytes (its JSON lines carry the time): runs, and the longest time between
-    two (the first and last lines logged count as runs), with when it ended. A sweep that expired in the
-    queue is redundant, the next one does its work; a long gap is what delays a detection."""
+def sweep_gaps(logs: dict[Path, int], names: tuple[str, ...] = DETECTING_SWEEPS) -> dict[str, dict[str, Any]]:
+    """How regularly each sweep ran, in whichever worker, from the "Task <name>[<id>] succeeded" lines
+    the workers' logs gained after the offsets given (their JSON lines carry the time): runs, and the
+    longest time between two (the first and last lines logged count as runs), with when it ended. A
+    sweep that expired in the queue is redundant, the next one does its work; a long gap is what
+    delays a detection."""
     runs: dict[str, list[datetime]] = {name: [] for name in names}
-    first = last = None
-    try:
-        with log.open("rb") as f:
-            f.seek(offset)
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
-    for line in lines:
+    stamps = []
+    for line in _gained(logs):
         try:
             record = json.loads(line)
             at = datetime.fromisoformat(record["time"])
         except (ValueError, KeyError, TypeError):
             continue
-        first, last = first or at, at
+        stamps.append(at)
         name = record.get("task")
         if name in runs and " succeeded in " in str(record.get("message", "")):
             runs[name].append(at)
+    if not stamps:
+        return {}
+    first, last = min(stamps), max(stamps)
     gaps = {}
     for name, times in runs.items():
-        marks = [first, *times, last] if first else []
+        marks = [first, *sorted(times), last]
         widest = max(zip(marks, marks[1:]), key=lambda pair: pair[1] - pair[0], default=None)
         gaps[name] = {"runs": len(times),
                       "max_gap_s": round((widest[1] - widest[0]).total_seconds(), 2) if widest else None,

@@ -23,7 +23,10 @@ all, so the ratios are against the fleet's own offered load: accepted / offered,
 largest size accepted / the capacity measured at the smaller ones (the plateau). Live push: 20
 WebSocket clients (``--browsers``) on the biggest job's page, connected to the web process that
 serves WebSockets only, as a deployment's proxy routes ``/ws/``; each step's arrival against the
-moment its row was stored.
+moment its row was stored, and, where PostgreSQL has ``track_commit_timestamp = on`` (a server
+setting; it takes a restart), against its commit too. Also per size, to say why: what the Celery
+queue held at its deepest, the sweeps that expired unrun and the longest pause between those that
+ran (from the worker's log), and how long each role's wake-ups waited for a CPU.
 
     python -m bench.fleet [--quick] [--nodes 64,256,1024] [--duration S] [--largest-duration S] [--seed N]
                           [--cost-only | --cost-runs 0]
@@ -530,8 +533,9 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
     started = time.time()
     log(f"{nodes} nodes: steady window of {opts.duration:.0f} s, faults at {[f['offset'] for f in plan]}")
     depth, census, worker_away, pager = 0, {}, None, None
-    worker_log = plane.logs / "worker.log"
-    worker_log_from = worker_log.stat().st_size if worker_log.exists() else 0
+    # The workers that run sweeps (the default worker consumes their queue too), from where their logs are now.
+    worker_logs = {log: log.stat().st_size if log.exists() else 0
+                   for log in (plane.logs / "worker.log", plane.logs / "sweeper.log")}
     pending = list(plan)
     backends = set(watched)
     while time.time() - started < opts.duration:
@@ -597,8 +601,8 @@ def steady(nodes, opts, plane, sims, conn, cast, jobs, sizes) -> dict[str, Any]:
             "step_reports_made_per_s": round(made / window, 1),
             "step_reports_stored_per_s": round(delivered / window, 1),
             "queue_depth_max": depth, "queue_at_max": census,
-            "discarded_tasks": measure.discarded_tasks(worker_log, worker_log_from),
-            "sweep_gaps": measure.sweep_gaps(worker_log, worker_log_from),
+            "discarded_tasks": measure.discarded_tasks(worker_logs),
+            "sweep_gaps": measure.sweep_gaps(worker_logs),
             "dashboard_s": pages, "dashboard_on_ingest_s": pages_on_ingest,
             "heartbeat_interval_s": sims.maximum("interval_max"),
             "accepted_rps": round(accepted / window, 1), "attempted_rps": round(offered / window, 1),

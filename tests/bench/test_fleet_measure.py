@@ -49,9 +49,12 @@ def test_discarded_tasks_are_counted_from_what_the_log_gained(tmp_path):
                 "[2026-12-07 22:00:02,003: INFO/MainProcess] Discarding revoked task: "
                 "nodes.tasks.expire_heartbeats[c3d4]\n"
                 "[2026-12-07 22:00:02,004: INFO/MainProcess] Discarding revoked task: jobs.tasks.expire_progress[e5]\n")
-    assert discarded_tasks(log, len(before)) == {"nodes.tasks.expire_heartbeats": 2, "jobs.tasks.expire_progress": 1}
-    assert discarded_tasks(log, 0)["jobs.tasks.sweep"] == 1
-    assert discarded_tasks(tmp_path / "no-such.log", 0) == {}
+    assert discarded_tasks({log: len(before)}) == {"nodes.tasks.expire_heartbeats": 2, "jobs.tasks.expire_progress": 1}
+    assert discarded_tasks({log: 0})["jobs.tasks.sweep"] == 1
+    other = tmp_path / "sweeper.log"
+    other.write_text(before)
+    assert discarded_tasks({log: 0, other: 0})["jobs.tasks.sweep"] == 2  # both workers' logs
+    assert discarded_tasks({tmp_path / "no-such.log": 0}) == {}
 
 
 def test_the_report_names_the_most_by_short_name():
@@ -101,14 +104,15 @@ def test_a_sweeps_longest_pause_is_read_from_the_times_it_succeeded(tmp_path, se
         return json.dumps({"time": f"2026-12-07T22:00:{at}+00:00", "level": "info", "logger": "celery.app.trace",
                            "message": message, "task": task}) + "\n"
 
-    log = tmp_path / "worker.log"
+    log, sweeper = tmp_path / "worker.log", tmp_path / "sweeper.log"
     log.write_text(line("00.000", "nodes.tasks.expire_heartbeats", "Task x[1] succeeded in 0.01s: None")
                    + "worker: Warm shutdown (MainProcess)\n"  # not JSON: skipped
-                   + line("01.000", "nodes.tasks.expire_heartbeats", "Task x[2] succeeded in 0.01s: None")
                    + line("02.500", "nodes.tasks.expire_heartbeats", "Discarding revoked task: x[3]")
                    + line("09.000", "nodes.tasks.expire_heartbeats", "Task x[4] succeeded in 0.02s: None")
                    + line("10.000", "jobs.tasks.handle_exit", "Task y[5] succeeded in 0.5s: None"))
-    gaps = sweep_gaps(log, 0)
+    sweeper.write_text(line("01.000", "nodes.tasks.expire_heartbeats", "Task x[2] succeeded in 0.01s: None"))
+    assert sweep_gaps({log: 0})["nodes.tasks.expire_heartbeats"]["max_gap_s"] == 9.0  # the worker's alone
+    gaps = sweep_gaps({log: 0, sweeper: 0})  # whichever worker ran it
     assert gaps["nodes.tasks.expire_heartbeats"] == {"runs": 3, "max_gap_s": 8.0,
                                                      "max_gap_ended": "2026-12-07T22:00:09+00:00"}
     # Never ran: the whole span of the log is its pause.
