@@ -3,8 +3,8 @@
 Two ``daphne`` processes (the production ASGI server; the simulated nodes are spread over them as a load
 balancer would), a third for the operators: the dashboard's pages and
 WebSockets (docker-compose.yml's ``ws``), the Celery worker on the default queue (two
-processes, as compose's ``worker``) and beat, the checkpoint worker on ``checkpoints`` and the background worker
-on ``background`` (one process each: nothing there is waited for within seconds),
+processes, as compose's ``worker``), the sweeper on ``sweeps``, beat, the checkpoint worker on
+``checkpoints`` and the background worker on ``background`` (one process each),
 on a PostgreSQL database made for the run from a migrated template and a Redis database of its own.
 Every process runs in a session of its own (``tests.e2e.cluster.Proc``) so ``close()`` takes its
 children too; ``bench.fleet`` calls it in a ``finally`` and on SIGINT/SIGTERM.
@@ -74,7 +74,7 @@ def fresh_database(name: str, template_prefix: str) -> None:
 
 
 class ControlPlane:
-    def __init__(self, work: Path, *, database: str, redis_db: int, urgent: bool = False, ingest_nice: int = 0):
+    def __init__(self, work: Path, *, database: str, redis_db: int, urgent: bool = False):
         self.work = work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -83,8 +83,6 @@ class ControlPlane:
         self.ws_port = free_port()
         #: The agents' events and acks (``controlplane.asgi.URGENT_URLS``), when they have a process of their own.
         self.urgent_port = free_port() if urgent else None
-        #: The fleet's web processes yield the CPU to the rest by this much (``nice``; 0: alike).
-        self.ingest_nice = ingest_nice
         self.env = base_env(database, redis_db, work / "var")
         self.env["NIGHTWATCH_PUBLIC_URL"] = f"http://127.0.0.1:{self.ports[0]}"
         # The simulated nodes reach the web processes as through the TLS proxy of a deployment, which
@@ -147,10 +145,8 @@ class ControlPlane:
 
     def _daphne(self, name: str, port: int) -> Proc:
         self._daphne_ports[name] = port
-        argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
-        if name.startswith("web") and self.ingest_nice:
-            argv = ["nice", "-n", str(self.ingest_nice), *argv]  # nice execs daphne: the pid stays
-        self.procs[name] = Proc(name, argv, env=self.env, log_dir=self.logs)
+        self.procs[name] = Proc(name, [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                                       "controlplane.asgi:application"], env=self.env, log_dir=self.logs)
         return self.procs[name]
 
     def _celery(self, name: str, options: list[str], *, processes: int = 1) -> Proc:

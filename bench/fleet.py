@@ -2,7 +2,7 @@
 
 For each fleet size (64, 256, 1,024 nodes x 8 GPUs) the benchmark starts the control plane as
 production runs it (``bench._fleet_services``: 2 daphne processes with pooled database connections,
-the Celery worker and beat, the checkpoint worker, PostgreSQL, Redis), then simulated node agents
+the Celery workers and beat, PostgreSQL, Redis), then simulated node agents
 and training ranks in a few processes (``bench._fleet_sim``) that speak the real wire protocol over
 real HTTP with real tokens. Jobs are submitted through the API with an operator token and fill the
 fleet: one of half of it, 64-node jobs while they fit in three eighths, 8-node jobs for the rest
@@ -293,8 +293,7 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
 
     database = f"nightwatch_fleet_bench_{nodes}"
     fleet = nodes + spares(nodes)
-    with served(work, database, opts.max_heartbeats_per_s, opts.settings, urgent=opts.urgent_process,
-                ingest_nice=opts.ingest_nice) as (plane, slot):
+    with served(work, database, opts.max_heartbeats_per_s, opts.settings, urgent=opts.urgent_process) as (plane, slot):
         cast = register_cast(plane, fleet)
         sizes = job_mix(nodes)
         templates = checkpoint_templates(work.parent / "templates", {s * GPUS for s in sizes})
@@ -356,22 +355,21 @@ def run_size(nodes: int, opts: argparse.Namespace, work: Path) -> dict[str, Any]
                 f"the last step report {hang['last_report_s_before']} s before")
         result.update(nodes=nodes, spares=fleet - nodes, ranks=sum(sizes) * GPUS, jobs=sizes,
                       max_heartbeats_per_s=opts.max_heartbeats_per_s, settings=opts.settings,
-                      urgent_process=opts.urgent_process, ingest_nice=opts.ingest_nice)
+                      urgent_process=opts.urgent_process)
         conn.close()
         return result
 
 
 @contextlib.contextmanager
 def served(work: Path, database: str, max_heartbeats_per_s: float | None = None,
-           settings: dict[str, str] | None = None, *, urgent: bool = False, ingest_nice: int = 0):
+           settings: dict[str, str] | None = None, *, urgent: bool = False):
     """A control plane on a fresh ``database`` and a slot for its simulators, both closed on the way
     out; the plane's logs are printed when anything fails. ``max_heartbeats_per_s``: heartbeat pacing's
     rate (None: the control plane's default; 0: off); ``settings``: more ``NIGHTWATCH_*`` variables
     for the control plane's processes (``--setting``); ``urgent``: the agents' events and acks go to a
-    web process of their own (``--urgent-process``); ``ingest_nice``: the fleet's web processes' CPU
-    priority below the rest (``--ingest-nice``)."""
+    web process of their own (``--urgent-process``)."""
     fresh_database(database, TEMPLATE_DB)
-    plane = ControlPlane(work, database=database, redis_db=REDIS_DB, urgent=urgent, ingest_nice=ingest_nice)
+    plane = ControlPlane(work, database=database, redis_db=REDIS_DB, urgent=urgent)
     if max_heartbeats_per_s is not None:
         plane.env["NIGHTWATCH_MAX_HEARTBEATS_PER_S"] = str(max_heartbeats_per_s)
     plane.env.update(settings or {})
@@ -795,10 +793,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--urgent-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the agents' events and acks to a web process of their own, compose's urgent "
                         "(default; --no-urgent-process: to the ingest processes, with the rest)")
-    parser.add_argument("--ingest-nice", type=int, default=0, choices=range(20), metavar="0-19",
-                        help="the fleet's web processes (bulk ingest) at this nice level, the operators', the "
-                        "agents' urgent process, the workers and PostgreSQL at 0: compose's cpu_shares on a "
-                        "shared host (default 0: all alike)")
     parser.add_argument("--no-command-wait", dest="command_wait", action="store_false",
                         help="simulated agents without the command wait's long poll (agents' command_wait: false)")
     parser.add_argument("--cost-requests", type=int, default=1000, help="requests per calibration burst of the "
