@@ -293,9 +293,9 @@ def live_push(conn, job: int, arrivals: list[dict[int, float]], window: tuple[fl
         return {"clients": len(arrivals), "steps": len(stored), "p50_ms": None, "p95_ms": None, "missing": missing}
     figures = {"clients": len(arrivals), "steps": len(stored), "samples": len(latencies),
                "p50_ms": _quantile(latencies, 0.5), "p95_ms": _quantile(latencies, 0.95), "missing": missing}
-    if committed:
-        from_commit = [max(0.0, client[step] - at) * 1000 for client in arrivals
-                       for step, at in committed.items() if step in client]
+    from_commit = [max(0.0, client[step] - at) * 1000 for client in arrivals
+                   for step, at in committed.items() if step in client]
+    if from_commit:
         to_commit = [max(0.0, committed[step] - stored[step]) * 1000 for step in committed]
         figures["from_commit"] = {"samples": len(from_commit), "p50_ms": _quantile(from_commit, 0.5),
                                   "p95_ms": _quantile(from_commit, 0.95)}
