@@ -345,7 +345,9 @@ def saturation(sizes: list[dict]) -> str:
 
 
 def _kept_up(r: dict) -> bool:
-    return not sum(e["503"] for e in r["http"].values()) and r["accepted_rps"] >= 0.99 * r["attempted_rps"]
+    """Took what it was offered: 99 % of the requests attempted accepted (a burst's few 503s, 2 of
+    3,000 at 64 nodes in run U, do not make a size saturated)."""
+    return r["accepted_rps"] >= 0.99 * r["attempted_rps"]
 
 
 def sizing(sizes: list[dict]) -> str:
@@ -353,14 +355,14 @@ def sizing(sizes: list[dict]) -> str:
     that kept up (a saturated size's cost per node is capped by the cores it had, not what it needed)."""
     base = max((r for r in sizes if _kept_up(r)), key=lambda r: r["nodes"], default=None)
     if base is None:
-        return "No size kept up (every one was refused requests): nothing to scale from."
+        return "No size kept up (each had more than 1 % of its requests refused): nothing to scale from."
     per_node_cores = base["cpu_s_per_node_minute"] / 60
     # Tables that only grow by rows inserted; the others (nodes_gpu, nodes_node, jobs_job) grew by
     # updates in place during the window, space that vacuum gives back: not a daily growth.
     inserted = {name: t for name, t in base["tables"].items() if t["rows_per_hour"] > 0}
     gb_day = sum(t["gb_per_day"] for t in inserted.values()) / base["nodes"]
     rows_day = sum(t["rows_per_hour"] for t in inserted.values()) * 24 / base["nodes"]
-    lines = [f"Scaled linearly from {base['nodes']} nodes, the largest size that kept up (no 503): "
+    lines = [f"Scaled linearly from {base['nodes']} nodes, the largest size that kept up (99 % accepted): "
              f"{base['cpu_s_per_node_minute']:g} CPU s per node per minute for daphne, Celery and PostgreSQL "
              f"together, {rows_day:,.0f} rows and {gb_day * 1024:.1f} MB per node per day in the tables that grow "
              "by inserts (before retention drops raw telemetry and node windows after 48 h).", "",
@@ -375,7 +377,7 @@ def sizing(sizes: list[dict]) -> str:
 def plateau(sizes: list[dict], details: dict) -> str:
     saturated = [r for r in sizes if not _kept_up(r)]
     if not saturated:
-        return ("Every size kept up (no 503, everything attempted accepted): the capacity was not reached, "
+        return ("Every size kept up (99 % of what was attempted accepted): the capacity was not reached, "
                 f"the most accepted was {_v(details.get('capacity_rps'))} requests/s.")
     return (f"Capacity (most requests accepted per second at any size): {_v(details.get('capacity_rps'))}. "
             + "; ".join(f"at {r['nodes']} nodes {r['attempted_rps']:g} were attempted a second (retries after "
