@@ -334,7 +334,7 @@ def saturation(sizes: list[dict]) -> str:
     """Which limit the run hit first, read from the figures (not written by hand)."""
     for r in sizes:
         refused = sum(e["503"] for e in r["http"].values())
-        if (r["cpu_cores"] or 0) >= 1.6 or refused:
+        if (r["cpu_cores"] or 0) >= 1.6 or not _kept_up(r):
             slowest = max(r["http"].items(), key=lambda item: item[1]["p50_ms"] or 0)
             return (f"At {r['nodes']} nodes admission control refused {refused} requests with 503 + Retry-After "
                     f"while the control plane used {r['cpu_cores']} cores (the simulator {r.get('simulator_cores')}; "
